@@ -1,0 +1,23 @@
+"""jaxprep: jit-compiled input preparation for paged-attention LLM serving.
+
+    config = jaxprep.PrepConfig(max_num_reqs=8, max_model_len=4096, max_num_batched_tokens=512, block_size=16)
+    state = jaxprep.BatchState.from_numpy(token_ids=..., block_table=..., num_computed_tokens=...,
+                                          num_scheduled_tokens=...)
+    step = jaxprep.prepare_inputs(state, config)
+"""
+
+from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_SEQ_LEN,
+                                PAD_SLOT_ID, PAD_STATE_ROW)
+from jaxprep.compilation import CompileCount, count_compiles, warmup
+from jaxprep.config import PrepConfig, default_token_buckets
+from jaxprep.metadata import AttentionMetadata, StepInputs
+from jaxprep.prepare import prepare_inputs, prepare_padded
+from jaxprep.state import BatchState
+from jaxprep.validate import InvalidBatchError, validate
+
+__all__ = [
+    "AttentionMetadata", "BatchState", "CompileCount", "InvalidBatchError", "NULL_BLOCK_ID", "PAD_INPUT_ID",
+    "PAD_LOGITS_INDEX", "PAD_POSITION", "PAD_SEQ_LEN", "PAD_SLOT_ID", "PAD_STATE_ROW", "PrepConfig",
+    "StepInputs", "count_compiles", "default_token_buckets", "prepare_inputs", "prepare_padded", "validate",
+    "warmup",
+]

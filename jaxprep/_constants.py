@@ -1,0 +1,25 @@
+"""Padding constants: the values every padded entry of a prepared step holds.
+
+They are written once here and tested as a contract (tests/test_padding_contract.py).
+"""
+
+PAD_SLOT_ID = -1
+"""Slot of a padded token: it writes no KV (vLLM's ``PAD_SLOT_ID``)."""
+
+NULL_BLOCK_ID = 0
+"""Block id 0 is vLLM's reserved null block: never allocated to a request."""
+
+PAD_POSITION = 0
+"""Position of a padded token."""
+
+PAD_INPUT_ID = 0
+"""Input id of a padded token."""
+
+PAD_SEQ_LEN = 0
+"""``seq_lens`` entry of a padded batch row."""
+
+PAD_STATE_ROW = -1
+"""``idx_mapping`` entry of a padded batch row: it maps to no state row."""
+
+PAD_LOGITS_INDEX = 0
+"""``logits_indices`` entry of a padded batch row: a safe in-bounds index whose logit is ignored."""

@@ -1,0 +1,18 @@
+"""Shape-annotated array aliases.
+
+jaxtyping is a test extra, not a core dependency: with it installed the aliases are jaxtyping's
+(and the test suite checks them at run time); without it they fall back to plain `jax.Array`.
+"""
+
+try:
+    from jaxtyping import Array, Bool, Int32
+except ImportError:  # pragma: no cover - exercised only without the test extra
+    from jax import Array
+
+    class _ShapeAlias:
+        def __getitem__(self, item):
+            return Array
+
+    Bool = Int32 = _ShapeAlias()
+
+__all__ = ["Array", "Bool", "Int32"]
