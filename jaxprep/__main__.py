@@ -1,0 +1,5 @@
+import sys
+
+from jaxprep.cli import main
+
+sys.exit(main())

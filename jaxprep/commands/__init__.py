@@ -1,0 +1,1 @@
+"""Subcommands of the ``jaxprep`` console script (registered in `jaxprep.cli.COMMANDS`)."""
