@@ -14,10 +14,18 @@ from jaxprep.metadata import AttentionMetadata, StepInputs
 from jaxprep.prepare import prepare_inputs, prepare_padded
 from jaxprep.state import BatchState
 from jaxprep.validate import InvalidBatchError, validate
+# optional features (FeatureConfig switches)
+from jaxprep.features import AttnState, DCPConfig, FeatureConfig, KVCacheGroupSpec
+from jaxprep.kv_groups import KVGroupMetadata
+from jaxprep.mrope import qwen2vl_prompt_positions
+from jaxprep.prompt_embeds import PromptEmbedsMetadata
+from jaxprep.spec_decode import SpecDecodeMetadata
 
 __all__ = [
     "AttentionMetadata", "BatchState", "CompileCount", "InvalidBatchError", "NULL_BLOCK_ID", "PAD_INPUT_ID",
     "PAD_LOGITS_INDEX", "PAD_POSITION", "PAD_SEQ_LEN", "PAD_SLOT_ID", "PAD_STATE_ROW", "PrepConfig",
     "StepInputs", "count_compiles", "default_token_buckets", "prepare_inputs", "prepare_padded", "validate",
     "warmup",
+    "AttnState", "DCPConfig", "FeatureConfig", "KVCacheGroupSpec", "KVGroupMetadata", "PromptEmbedsMetadata",
+    "SpecDecodeMetadata", "qwen2vl_prompt_positions",
 ]

@@ -23,3 +23,17 @@ PAD_STATE_ROW = -1
 
 PAD_LOGITS_INDEX = 0
 """``logits_indices`` entry of a padded batch row: a safe in-bounds index whose logit is ignored."""
+
+# Optional features (jaxprep.FeatureConfig)
+
+MROPE_MISSING_POSITION = -1
+"""`BatchState.mrope_positions` entry not filled in yet: reading it for a scheduled token is an error."""
+
+PAD_EMBEDS_INDEX = 0
+"""``prompt_embeds.embeds_indices`` entry of a token id (or padded) token: a safe in-bounds index, unused."""
+
+PAD_DISCARD = True
+"""``discard_request_mask`` entry of a padded batch row: nothing of it is sampled."""
+
+NO_PREV_ROW = -1
+"""`BatchState.prev_batch_rows` entry of a request that was not sampled last step."""

@@ -6,6 +6,8 @@ import bisect
 import dataclasses
 import math
 
+from jaxprep.features import FeatureConfig
+
 MIN_TOKEN_BUCKET = 8
 STEPS_PER_OCTAVE = 4
 """Above 64 tokens every power of two is split into 4 rungs (x1, x1.25, x1.5, x1.75),
@@ -60,6 +62,7 @@ class PrepConfig:
         ``None`` bounds them only by the int32 slot range.
       max_blocks_per_req: block-table width of `BatchState.empty`; ``None`` picks vLLM's
         128-token-aligned width.
+      features: static switches of the optional features (`jaxprep.FeatureConfig`); all off by default.
     """
 
     max_num_reqs: int
@@ -69,6 +72,7 @@ class PrepConfig:
     token_buckets: tuple[int, ...] | None = None
     num_blocks: int | None = None
     max_blocks_per_req: int | None = None
+    features: FeatureConfig = dataclasses.field(default_factory=FeatureConfig)
 
     def __post_init__(self):
         for name in ("max_num_reqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -92,6 +96,7 @@ class PrepConfig:
         if self.max_block_id * self.block_size + self.block_size - 1 > INT32_MAX:
             raise ValueError(f"PrepConfig.num_blocks={self.num_blocks} with block_size={self.block_size} "
                              f"overflows int32 slot ids (max {INT32_MAX})")
+        self.features.check_against(self)
 
     def _check_buckets(self):
         buckets = self.token_buckets

@@ -8,9 +8,15 @@ bucket shares one compiled executable.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
-from jaxprep._typing import Array, Int32
+from jaxprep._typing import Array, Bool, Int32
+
+if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
+    from jaxprep.kv_groups import KVGroupMetadata
+    from jaxprep.prompt_embeds import PromptEmbedsMetadata
+    from jaxprep.spec_decode import SpecDecodeMetadata
 
 
 @jax.tree_util.register_dataclass
@@ -18,7 +24,7 @@ from jaxprep._typing import Array, Int32
 class AttentionMetadata:
     """vLLM's ``CommonAttentionMetadata`` fields, padded to static shapes."""
 
-    query_start_loc: Int32[Array, "num_reqs_padded+1"]  # pad: repeats num_actual_tokens
+    query_start_loc: Int32[Array, "num_reqs_padded_plus_1"]  # pad: repeats num_actual_tokens
     seq_lens: Int32[Array, "num_reqs_padded"]  # num_computed + num_scheduled; pad: 0
     slot_mapping: Int32[Array, "num_tokens_padded"]  # block * block_size + offset; pad: -1
     block_table: Int32[Array, "num_reqs_padded max_blocks_per_req"]  # rows in batch order; pad: 0
@@ -26,6 +32,8 @@ class AttentionMetadata:
     num_reqs: Int32[Array, ""]  # requests in the batch, unpadded
     max_query_len: Int32[Array, ""]  # max num_scheduled over the batch
     max_seq_len: Int32[Array, ""]  # max seq_lens over the batch
+    # DCP (§2.13) only: this rank's share of seq_lens; pad: 0
+    dcp_local_seq_lens: Int32[Array, "num_reqs_padded"] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -39,6 +47,15 @@ class StepInputs:
     idx_mapping: Int32[Array, "num_reqs_padded"]  # state row of each batch row; pad: -1
     attn_metadata: AttentionMetadata
     num_tokens_padded: int = dataclasses.field(metadata=dict(static=True))
+    # Optional features (jaxprep.FeatureConfig): None (an empty pytree node) when off.
+    spec_decode: SpecDecodeMetadata | None = None  # §2.8
+    discard_request_mask: Bool[Array, "num_reqs_padded"] | None = None  # §2.7, True: not sampled; pad: True
+    kv_groups: tuple[KVGroupMetadata, ...] | None = None  # §2.12, one per KV-cache group
+    mrope_positions: Int32[Array, "3 num_tokens_padded"] | None = None  # §2.11; pad: 0
+    prompt_embeds: PromptEmbedsMetadata | None = None  # §2.10
+    attn_state: Int32[Array, ""] | None = None  # jaxprep.AttnState value (PEERS §2.2)
+    attn_mask: Array | None = None  # PEERS §2.3, see jaxprep.masks
+    request_distribution: Int32[Array, "3"] | None = None  # [decode_end, prefill_end, mixed_end]
 
     @property
     def num_reqs_padded(self) -> int:

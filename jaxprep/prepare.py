@@ -5,6 +5,7 @@ Semantics follow vLLM V1 ``_prepare_inputs`` (SPEC §2.1-§2.7) over the condens
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,10 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION,
-                                PAD_SEQ_LEN, PAD_SLOT_ID, PAD_STATE_ROW)
+                                PAD_SEQ_LEN, PAD_STATE_ROW)
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import AttentionMetadata, StepInputs
+from jaxprep.feature_step import StepLayout, with_features
+from jaxprep.masks import compressed_causal_mask
 from jaxprep.ragged import condense_rows, take_rows, token_mask, token_request_index
+from jaxprep.ragged import slot_mapping as _slot_mapping
+from jaxprep.reorder import reordered_rows
 from jaxprep.state import BatchState
 from jaxprep.validate import validate
 
@@ -41,7 +46,10 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
         num_tokens_padded = config.bucket_for(total) if total > 0 else config.token_buckets[0]
     elif check:
         validate(state, config, num_tokens_padded=num_tokens_padded)
-    return prepare_padded(state, config, int(num_tokens_padded))
+    step = prepare_padded(state, config, int(num_tokens_padded))
+    if config.features.attn_mask == "compressed":  # one constant, not a per-step jit output
+        step = dataclasses.replace(step, attn_mask=compressed_causal_mask())
+    return step
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
@@ -49,7 +57,10 @@ def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int
     """The compiled core of `prepare_inputs`: one executable per (config, num_tokens_padded)."""
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     # num_scheduled [0,3,0,2] -> rows [1,3,pad..], scheduled [3,2,0..], computed [C1,C3,0..]
-    rows = condense_rows(state.num_scheduled_tokens, num_reqs_padded)
+    if config.features.reorder:  # decodes first (SPEC §2.15) instead of state-row order
+        rows = reordered_rows(state, num_reqs_padded, config.features)
+    else:
+        rows = condense_rows(state.num_scheduled_tokens, num_reqs_padded)
     scheduled = take_rows(state.num_scheduled_tokens, rows, fill_value=0)
     computed = take_rows(state.num_computed_tokens, rows, fill_value=0)
     # scheduled [3,2,0,0] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
@@ -76,7 +87,7 @@ def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int
         max_query_len=jnp.max(scheduled),
         max_seq_len=jnp.max(seq_lens),
     )
-    return StepInputs(
+    step = StepInputs(
         input_ids=input_ids,
         positions=positions,
         logits_indices=jnp.where(is_real_req, query_start_loc[1:] - 1, PAD_LOGITS_INDEX),
@@ -84,13 +95,8 @@ def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int
         attn_metadata=attn_metadata,
         num_tokens_padded=num_tokens_padded,
     )
-
-
-def _slot_mapping(block_table, token_rows, positions, is_real_token, block_size: int):
-    """``block_table[row, pos // B] * B + pos % B`` per token; padded tokens get PAD_SLOT_ID.
-
-    # B=2, row [1, 2], positions [0, 1, 2] -> blocks [1, 1, 2] -> slots [2, 3, 4]
-    """
-    block_numbers = block_table[token_rows, positions // block_size]
-    slots = block_numbers * block_size + positions % block_size
-    return jnp.where(is_real_token, slots, PAD_SLOT_ID)
+    if not config.features.any_on:
+        return step
+    layout = StepLayout(rows=rows, scheduled=scheduled, computed=computed, is_real_req=is_real_req,
+                        token_rows=token_rows, is_real_token=is_real_token)
+    return with_features(step, state, config, layout)

@@ -2,6 +2,9 @@
 
 Rows are request slots (vLLM's persistent batch rows). A row with ``num_scheduled_tokens == 0``
 takes no part in the step; the step's batch is the rows with work, in row order.
+
+The fields after the four core tables are inputs of optional features (`jaxprep.FeatureConfig`):
+``None`` (an empty pytree node) when not given; a feature that is on needs its fields.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxprep._typing import Array, Int32
+from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep.config import PrepConfig
+from jaxprep.config import PrepConfig, block_table_width
+from jaxprep.features import MROPE_NUM_DIMS
 
 INT32 = np.dtype(np.int32)
 
@@ -28,22 +32,46 @@ class BatchState:
     block_table: Int32[Array, "max_num_reqs max_blocks_per_req"]  # 0 = null block past num_blocks
     num_computed_tokens: Int32[Array, "max_num_reqs"]  # tokens whose KV is already cached
     num_scheduled_tokens: Int32[Array, "max_num_reqs"]  # tokens to run this step; 0 = not in the batch
+    # spec decode (§2.8): the last num_draft_tokens scheduled tokens of a row are drafts
+    num_draft_tokens: Int32[Array, "max_num_reqs"] | None = None
+    # prompt length (prompt + resumed outputs: vLLM V2 prefill_len); sampling (§2.7) and M-RoPE (§2.11)
+    num_prompt_tokens: Int32[Array, "max_num_reqs"] | None = None
+    # KV-cache groups 1..G-1 (§2.12); group 0 is block_table
+    extra_block_tables: tuple[Int32[Array, "max_num_reqs _"], ...] | None = None
+    # M-RoPE (§2.11): prompt positions per request (-1 = missing) and the completion delta
+    mrope_positions: Int32[Array, "max_num_reqs 3 max_model_len"] | None = None
+    mrope_position_delta: Int32[Array, "max_num_reqs"] | None = None
+    # prompt embeddings (§2.10): False where a prompt position is an embedding; its pool row is start + position
+    is_token_ids: Bool[Array, "max_num_reqs max_model_len"] | None = None
+    prompt_embeds_start: Int32[Array, "max_num_reqs"] | None = None
+    # async scheduling (§2.9): last step's outputs per last-step batch row, and each state row's last-step row
+    prev_sampled_token_ids: Int32[Array, "max_num_reqs"] | None = None
+    prev_draft_token_ids: Int32[Array, "max_num_reqs num_speculative_tokens"] | None = None
+    prev_batch_rows: Int32[Array, "max_num_reqs"] | None = None  # -1: not sampled last step
 
     @classmethod
     def empty(cls, config: PrepConfig) -> BatchState:
-        """All-zero tables: no tokens, null blocks, nothing computed or scheduled."""
+        """All-zero tables: no tokens, null blocks, nothing computed or scheduled.
+
+        The inputs of every feature that ``config.features`` turns on are filled too: no drafts,
+        prompt length 0, null blocks, M-RoPE positions missing (-1), all token ids, no last step.
+        """
         rows = config.max_num_reqs
         return cls(
             token_ids=jnp.zeros((rows, config.max_model_len), jnp.int32),
             block_table=jnp.full((rows, config.max_blocks_per_req), NULL_BLOCK_ID, jnp.int32),
             num_computed_tokens=jnp.zeros((rows,), jnp.int32),
             num_scheduled_tokens=jnp.zeros((rows,), jnp.int32),
+            **jax.device_put(_empty_feature_inputs(config)),
         )
 
     @classmethod
-    def from_numpy(cls, *, token_ids, block_table, num_computed_tokens, num_scheduled_tokens) -> BatchState:
+    def from_numpy(cls, *, token_ids, block_table, num_computed_tokens, num_scheduled_tokens,
+                   **feature_inputs) -> BatchState:
         """Builds a state from host arrays (any integer dtype whose values fit int32).
 
+        ``feature_inputs`` are the optional fields by name (``num_draft_tokens=...``, ...);
+        ``extra_block_tables`` is a sequence of 2-D tables and ``is_token_ids`` a bool table.
         Shapes are checked for consistency with each other; `jaxprep.validate` checks them
         against a `PrepConfig`.
         """
@@ -53,15 +81,84 @@ class BatchState:
             "num_computed_tokens": _as_int32(num_computed_tokens, "num_computed_tokens", ndim=1),
             "num_scheduled_tokens": _as_int32(num_scheduled_tokens, "num_scheduled_tokens", ndim=1),
         }
+        host.update(_feature_inputs_as_host(feature_inputs))
         rows = host["token_ids"].shape[0]
-        for name, array in host.items():
-            if array.shape[0] != rows:
-                raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
+        for name, value in host.items():
+            for array in value if isinstance(value, tuple) else (value,):
+                if array.shape[0] != rows:
+                    raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
         return cls(**jax.device_put(host))
 
     def to_numpy(self) -> dict[str, np.ndarray]:
-        """Host copies of every field, by name."""
-        return {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Host copies of every field that is set, by name (a tuple field gives a tuple of arrays)."""
+        host = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                host[f.name] = tuple(np.asarray(v) for v in value)
+            elif value is not None:
+                host[f.name] = np.asarray(value)
+        return host
+
+
+_OPTIONAL_NDIM = {
+    "num_draft_tokens": 1, "num_prompt_tokens": 1, "mrope_positions": 3, "mrope_position_delta": 1,
+    "prompt_embeds_start": 1, "prev_sampled_token_ids": 1, "prev_draft_token_ids": 2, "prev_batch_rows": 1,
+}
+OPTIONAL_FIELDS = (*_OPTIONAL_NDIM, "extra_block_tables", "is_token_ids")
+"""`BatchState` fields that only optional features read."""
+
+
+def _feature_inputs_as_host(feature_inputs: dict) -> dict:
+    host = {}
+    for name, value in feature_inputs.items():
+        if name not in OPTIONAL_FIELDS:
+            raise TypeError(f"BatchState.from_numpy got an unexpected field {name!r}")
+        if value is None:
+            continue
+        if name == "extra_block_tables":
+            host[name] = tuple(_as_int32(t, f"{name}[{g}]", ndim=2) for g, t in enumerate(value))
+        elif name == "is_token_ids":
+            host[name] = _as_bool(value, name, ndim=2)
+        else:
+            host[name] = _as_int32(value, name, ndim=_OPTIONAL_NDIM[name])
+    return host
+
+
+def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
+    """Host arrays of the feature inputs ``config.features`` needs, in their empty state."""
+    features, rows, width = config.features, config.max_num_reqs, config.max_model_len
+    zeros = np.zeros((rows,), INT32)
+    out = {}
+    if features.spec_decode:
+        out["num_draft_tokens"] = zeros
+    if features.discard_request_mask or features.mrope:
+        out["num_prompt_tokens"] = zeros
+    if len(features.kv_groups) > 1:
+        out["extra_block_tables"] = tuple(
+            np.full((rows, block_table_width(width, g.block_size)), NULL_BLOCK_ID, INT32)
+            for g in features.kv_groups[1:])
+    if features.mrope:
+        out["mrope_positions"] = np.full((rows, MROPE_NUM_DIMS, width), -1, INT32)
+        out["mrope_position_delta"] = zeros
+    if features.prompt_embeds:
+        out["is_token_ids"] = np.ones((rows, width), bool)
+        out["prompt_embeds_start"] = zeros
+    if features.async_tokens:
+        out["prev_sampled_token_ids"] = zeros
+        out["prev_batch_rows"] = np.full((rows,), -1, INT32)
+        if features.spec_decode:
+            out["prev_draft_token_ids"] = np.zeros((rows, features.num_speculative_tokens), INT32)
+    return out
+
+
+def _as_bool(value, name: str, *, ndim: int) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim != ndim:
+        raise ValueError(f"BatchState.{name} must be {ndim}-D, got shape {array.shape}")
+    if array.dtype != np.bool_:
+        raise TypeError(f"BatchState.{name} must hold bools, got dtype {array.dtype}")
+    return array
 
 
 def _as_int32(value, name: str, *, ndim: int) -> np.ndarray:

@@ -1,0 +1,63 @@
+"""Async scheduling (SPEC §2.9): last step's sampled tokens go into ``input_ids`` on the device.
+
+Under async scheduling the host has not seen last step's sampled token ids when it schedules the
+next step, so its token table holds a placeholder (-1) where each one belongs. The sampled ids
+(a device array, one per last-step batch row) are scattered into ``input_ids`` here, with no
+host round trip; so are last step's draft tokens when spec decode is on.
+
+For a request sampled last step at batch row ``prev`` and now at batch row ``b`` with ``D`` drafts:
+``input_ids[qsl[b+1] - 1 - D] = prev_sampled_token_ids[prev]`` and the ``D`` tokens after it are
+``prev_draft_token_ids[prev, :D]``. Placeholders left anywhere else are clamped to 0.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxprep._typing import Array, Bool, Int32
+
+from jaxprep._constants import NO_PREV_ROW, PAD_INPUT_ID, PAD_STATE_ROW
+from jaxprep.ragged import take_rows
+
+
+def write_prev_tokens(input_ids: Int32[Array, "num_tokens_padded"], rows: Int32[Array, "num_reqs_padded"],
+                      query_start_loc: Int32[Array, "num_reqs_padded_plus_1"], is_real_req: Bool[Array, "num_reqs_padded"],
+                      drafts: Int32[Array, "num_reqs_padded"], prev_batch_rows: Int32[Array, "max_num_reqs"],
+                      prev_sampled_token_ids: Int32[Array, "max_num_reqs"],
+                      prev_draft_token_ids: Int32[Array, "max_num_reqs K"] | None) -> Int32[Array, "num_tokens_padded"]:
+    """``input_ids`` with last step's sampled (and draft) tokens written in.
+
+    # last batch [r0, r1, r2], r2 discarded; now [r1, r0, r2] with S [1, 1, 3]:
+    #   prev rows [1, 0, -1] -> input_ids[0] = sampled[1], input_ids[1] = sampled[0]; r2 keeps the table's ids
+    """
+    num_tokens_padded = input_ids.shape[0]
+    prev = jnp.where(is_real_req, take_rows(prev_batch_rows, rows, fill_value=NO_PREV_ROW), NO_PREV_ROW)
+    has_prev = prev >= 0
+    prev_row = jnp.maximum(prev, 0)
+    sampled_dest = query_start_loc[1:] - 1 - drafts
+    # never scatter to -1 (it wraps): rows without a previous token aim past the end and are dropped
+    dest = jnp.where(has_prev, sampled_dest, num_tokens_padded)
+    input_ids = input_ids.at[dest].set(prev_sampled_token_ids[prev_row], mode="drop")
+    if prev_draft_token_ids is not None:
+        # D [2], sampled_dest [4] -> draft_dest [[5, 6, 7..]], kept where j < D
+        j = jnp.arange(prev_draft_token_ids.shape[1], dtype=jnp.int32)
+        keep = has_prev[:, None] & (j[None, :] < drafts[:, None])
+        draft_dest = jnp.where(keep, sampled_dest[:, None] + 1 + j[None, :], num_tokens_padded)
+        input_ids = input_ids.at[draft_dest].set(prev_draft_token_ids[prev_row], mode="drop")
+    return jnp.maximum(input_ids, PAD_INPUT_ID)
+
+
+def prev_batch_rows_from_step(idx_mapping: Int32[Array, "num_reqs_padded"],
+                              discard_request_mask: Bool[Array, "num_reqs_padded"] | None,
+                              max_num_reqs: int) -> Int32[Array, "max_num_reqs"]:
+    """`BatchState.prev_batch_rows` for the next step, from this step's outputs, on the device.
+
+    A state row gets the batch row it was sampled at, or `NO_PREV_ROW` if it was not in the batch
+    or its token was discarded (a partial prefill).
+    # idx_mapping [2, 0, -1], discard [F, T, T], 4 rows -> [-1, -1, 0, -1]
+    """
+    sampled = idx_mapping != PAD_STATE_ROW
+    if discard_request_mask is not None:
+        sampled = sampled & ~discard_request_mask
+    target = jnp.where(sampled, idx_mapping, max_num_reqs)
+    batch_rows = jnp.arange(idx_mapping.shape[0], dtype=jnp.int32)
+    return jnp.full((max_num_reqs,), NO_PREV_ROW, jnp.int32).at[target].set(batch_rows, mode="drop")

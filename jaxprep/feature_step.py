@@ -1,0 +1,111 @@
+"""Adds the outputs of the optional features to a prepared step (inside `prepare_padded`'s jit).
+
+`prepare_padded` builds the plain step and, only if some feature of ``config.features`` is on,
+hands it here with the batch layout it computed. Each feature is one call into its own module
+under a static switch; a feature that is off adds nothing to the traced computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxprep._typing import Array, Bool, Int32
+
+from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep.async_tokens import write_prev_tokens
+from jaxprep.attn_state import attn_state
+from jaxprep.dcp import dcp_local_seq_lens, dcp_slot_mapping
+from jaxprep.kv_groups import KVGroupMetadata, group_block_table
+from jaxprep.masks import attn_mask
+from jaxprep.mrope import mrope_positions
+from jaxprep.prompt_embeds import prompt_embeds_metadata
+from jaxprep.ragged import slot_mapping, take_rows
+from jaxprep.reorder import request_distribution
+from jaxprep.sampling import discard_request_mask
+from jaxprep.spec_decode import spec_decode_metadata
+
+
+class StepLayout(NamedTuple):
+    """Intermediate arrays of `prepare_padded` that the features read."""
+
+    rows: Int32[Array, "num_reqs_padded"]  # state row of each batch row; pad: max_num_reqs
+    scheduled: Int32[Array, "num_reqs_padded"]  # pad: 0
+    computed: Int32[Array, "num_reqs_padded"]  # pad: 0
+    is_real_req: Bool[Array, "num_reqs_padded"]
+    token_rows: Int32[Array, "num_tokens_padded"]  # state row of each token; pad: 0
+    is_real_token: Bool[Array, "num_tokens_padded"]
+
+
+def with_features(step, state, config, layout: StepLayout):
+    """``step`` with the outputs of every feature that ``config.features`` turns on."""
+    features = config.features
+    if features.spec_decode:
+        drafts = jnp.where(layout.is_real_req, take_rows(state.num_draft_tokens, layout.rows, fill_value=0), 0)
+    else:
+        drafts = jnp.zeros_like(layout.scheduled)
+    updates = _attention_outputs(step, state, config, layout, drafts)
+    input_ids = step.input_ids
+    if features.async_tokens:
+        input_ids = write_prev_tokens(input_ids, layout.rows, step.attn_metadata.query_start_loc, layout.is_real_req,
+                                      drafts, state.prev_batch_rows, state.prev_sampled_token_ids,
+                                      state.prev_draft_token_ids if features.spec_decode else None)
+    if features.prompt_embeds:
+        updates["prompt_embeds"], input_ids = prompt_embeds_metadata(
+            state.is_token_ids, state.prompt_embeds_start, layout.token_rows, step.positions,
+            layout.is_real_token, input_ids)
+    if features.spec_decode:
+        updates["spec_decode"] = spec_decode_metadata(drafts, step.attn_metadata.query_start_loc,
+                                                      layout.is_real_req, input_ids, features.num_speculative_tokens)
+    if features.discard_request_mask:
+        prompt = take_rows(state.num_prompt_tokens, layout.rows, fill_value=0)
+        updates["discard_request_mask"] = discard_request_mask(layout.computed, layout.scheduled, prompt,
+                                                               layout.is_real_req)
+    if features.mrope:
+        updates["mrope_positions"] = mrope_positions(state.mrope_positions, state.mrope_position_delta,
+                                                     state.num_prompt_tokens, layout.token_rows, step.positions,
+                                                     layout.is_real_token)
+    return dataclasses.replace(step, input_ids=input_ids, **updates)
+
+
+def _attention_outputs(step, state, config, layout: StepLayout, drafts) -> dict:
+    """Attention-side features: DCP, KV groups, attention state and mask, request distribution."""
+    features = config.features
+    meta = step.attn_metadata
+    out = {}
+    if features.dcp is not None:
+        meta = dataclasses.replace(
+            meta,
+            slot_mapping=dcp_slot_mapping(state.block_table, layout.token_rows, step.positions, layout.is_real_token,
+                                          config.block_size, features.dcp),
+            dcp_local_seq_lens=dcp_local_seq_lens(meta.seq_lens, layout.is_real_req, features.dcp))
+    if features.kv_groups:
+        out["kv_groups"] = _kv_groups(step, state, config, layout)
+    if features.attn_state:
+        out["attn_state"] = attn_state(layout.computed, layout.scheduled, drafts, layout.is_real_req, features)
+    if features.attn_mask:
+        out["attn_mask"] = attn_mask(step.positions, features.attn_mask, features.mask_columns(config),
+                                     features.attn_mask_dtype)
+    if features.request_distribution:
+        out["request_distribution"] = request_distribution(layout.scheduled, drafts, layout.is_real_req)
+    out["attn_metadata"] = meta
+    return out
+
+
+def _kv_groups(step, state, config, layout: StepLayout) -> tuple[KVGroupMetadata, ...]:
+    """One `KVGroupMetadata` per group; group 0 reads ``state.block_table``."""
+    features = config.features
+    tables = (state.block_table, *(state.extra_block_tables or ()))
+    groups = []
+    for spec, table in zip(features.kv_groups, tables, strict=True):
+        if features.dcp is not None:
+            slots = dcp_slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token,
+                                     spec.block_size, features.dcp)
+        else:
+            slots = slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token, spec.block_size)
+        gathered = take_rows(table, layout.rows, fill_value=NULL_BLOCK_ID)
+        groups.append(KVGroupMetadata(block_table=group_block_table(gathered, layout.computed, spec),
+                                      slot_mapping=slots, block_size=spec.block_size,
+                                      kernel_block_size=spec.kernel_block_size or spec.block_size))
+    return tuple(groups)

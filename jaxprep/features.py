@@ -1,0 +1,181 @@
+"""`FeatureConfig`: static switches of the optional vLLM features (SPEC §2.7-§2.15, PEERS §2.2-§2.4).
+
+Every switch is static (part of `PrepConfig`, so part of the compile key). A feature that is off
+adds no operation and no output to a step: its `StepInputs` fields are ``None`` (an empty pytree
+node) and its `BatchState` inputs are not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
+ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
+REORDER_MODES = (None, "decode_first", "v2")
+MROPE_NUM_DIMS = 3
+"""Rows of M-RoPE positions (temporal, height, width), as in Qwen2-VL."""
+
+
+class AttnState(enum.IntEnum):
+    """vllm-ascend's ``AscendAttentionState``: names and values as there (PEERS §2.2)."""
+
+    PrefillNoCache = 0
+    PrefillCacheHit = 1
+    DecodeOnly = 2
+    ChunkedPrefill = 3
+    SpecDecoding = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One KV-cache group (SPEC §2.12): its manager block size and how its kernel reads it.
+
+    Attributes:
+      block_size: manager block size ``B_g``: slots are ``block * B_g + offset``.
+      kernel_block_size: block size the attention kernel wants (divides ``block_size``); the
+        kernel block table expands every manager block into ``block_size // kernel_block_size``.
+        ``None``: the kernel uses ``block_size``.
+      sliding_window: window in tokens (SPEC §2.14); blocks wholly outside it read the null block.
+      num_blocks: KV-cache size of this group in blocks; ``None`` bounds ids by the int32 range.
+    """
+
+    block_size: int
+    kernel_block_size: int | None = None
+    sliding_window: int | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self):
+        _check_positive("KVCacheGroupSpec.block_size", self.block_size)
+        for name in ("kernel_block_size", "sliding_window", "num_blocks"):
+            if getattr(self, name) is not None:
+                _check_positive(f"KVCacheGroupSpec.{name}", getattr(self, name))
+        if self.kernel_block_size is not None and self.block_size % self.kernel_block_size:
+            raise ValueError(f"KVCacheGroupSpec.kernel_block_size={self.kernel_block_size} must divide "
+                             f"block_size={self.block_size}")
+
+    @property
+    def blocks_per_kernel_block(self) -> int:
+        """``k = B / b``: kernel blocks per manager block (1 without a kernel block size)."""
+        return self.block_size // (self.kernel_block_size or self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class DCPConfig:
+    """Decode context parallelism (SPEC §2.13): this process is ``rank`` of ``world_size``.
+
+    Tokens are stored round-robin over the ranks in chunks of ``interleave`` tokens (vLLM
+    ``cp_kv_cache_interleave_size``), which must divide every group's block size.
+    """
+
+    world_size: int
+    rank: int
+    interleave: int = 1
+
+    def __post_init__(self):
+        _check_positive("DCPConfig.world_size", self.world_size)
+        _check_positive("DCPConfig.interleave", self.interleave)
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"DCPConfig.rank={self.rank!r} is outside the world [0, world_size={self.world_size})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeatureConfig:
+    """Static switches of the optional features; the default turns all of them off.
+
+    Attributes:
+      num_speculative_tokens: ``K``, the most draft tokens of one request (SPEC §2.8); > 0
+        turns on `StepInputs.spec_decode` and reads `BatchState.num_draft_tokens`.
+      speculative_method: vLLM ``speculative_config.method`` ("mtp", "eagle", "ngram", ...);
+        only the attention state reads it.
+      discard_request_mask: `StepInputs.discard_request_mask` from `BatchState.num_prompt_tokens` (§2.7).
+      kv_groups: one spec per KV-cache group (§2.12); group 0 is `BatchState.block_table` with
+        ``PrepConfig.block_size``, groups 1.. are `BatchState.extra_block_tables`. ``()``: off.
+      dcp: decode context parallelism (§2.13); ``None``: off.
+      mrope: `StepInputs.mrope_positions` ``[3, T_pad]`` (§2.11).
+      prompt_embeds: `StepInputs.prompt_embeds` (§2.10).
+      async_tokens: write last step's sampled (and draft) token ids into ``input_ids`` (§2.9).
+      attn_state: `StepInputs.attn_state`, vllm-ascend's state ladder (PEERS §2.2).
+      enable_chunked_prefill: the ladder's rung 4 (vLLM ``scheduler_config.enable_chunked_prefill``).
+      attn_mask: None, "compressed" (constant 2048x2048 int8), "rows_bool" or "rows_additive"
+        (a row per token for chunked prefill, PEERS §2.3).
+      attn_mask_dtype: dtype of the additive row mask.
+      mask_kv_len: columns of a row mask (a bound on ``seq_lens``); ``None``: ``max_model_len``.
+      reorder: None (state-row order), "decode_first" (tpu-inference) or "v2" (vLLM V2 sort), §2.15.
+      request_distribution: `StepInputs.request_distribution` ``[decode_end, prefill_end, mixed_end]``.
+    """
+
+    num_speculative_tokens: int = 0
+    speculative_method: str | None = None
+    discard_request_mask: bool = False
+    kv_groups: tuple[KVCacheGroupSpec, ...] = ()
+    dcp: DCPConfig | None = None
+    mrope: bool = False
+    prompt_embeds: bool = False
+    async_tokens: bool = False
+    attn_state: bool = False
+    enable_chunked_prefill: bool = True
+    attn_mask: str | None = None
+    attn_mask_dtype: str = "float16"
+    mask_kv_len: int | None = None
+    reorder: str | None = None
+    request_distribution: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"FeatureConfig.num_speculative_tokens must be an int >= 0, "
+                             f"got {self.num_speculative_tokens!r}")
+        _check_choice("attn_mask", self.attn_mask, ATTN_MASK_MODES)
+        _check_choice("attn_mask_dtype", self.attn_mask_dtype, ATTN_MASK_DTYPES)
+        _check_choice("reorder", self.reorder, REORDER_MODES)
+        if self.mask_kv_len is not None:
+            _check_positive("FeatureConfig.mask_kv_len", self.mask_kv_len)
+        if self.speculative_method is not None and not self.spec_decode:
+            raise ValueError(f"FeatureConfig.speculative_method={self.speculative_method!r} needs "
+                             f"num_speculative_tokens > 0")
+        if self.dcp is not None and any(g.sliding_window for g in self.kv_groups):
+            raise ValueError("FeatureConfig: DCP does not support sliding-window KV groups (as in vLLM)")
+
+    @property
+    def spec_decode(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    @property
+    def dcp_world_size(self) -> int:
+        """DCP world size, 1 when DCP is off."""
+        return self.dcp.world_size if self.dcp is not None else 1
+
+    @property
+    def any_on(self) -> bool:
+        """True unless every feature is off (the plain step)."""
+        return bool(self.spec_decode or self.discard_request_mask or self.kv_groups or self.dcp or self.mrope
+                    or self.prompt_embeds or self.async_tokens or self.attn_state or self.attn_mask
+                    or self.reorder or self.request_distribution)
+
+    def check_against(self, config) -> None:
+        """Checks that need the `PrepConfig` (block sizes, lengths); raises ValueError."""
+        if self.kv_groups and self.kv_groups[0].block_size != config.block_size:
+            raise ValueError(f"FeatureConfig.kv_groups[0].block_size={self.kv_groups[0].block_size} must equal "
+                             f"PrepConfig.block_size={config.block_size} (group 0 is BatchState.block_table)")
+        if self.dcp is not None:
+            for block_size in {config.block_size, *(g.block_size for g in self.kv_groups)}:
+                if block_size % self.dcp.interleave:
+                    raise ValueError(f"DCPConfig.interleave={self.dcp.interleave} must divide block size {block_size}")
+        if self.mask_kv_len is not None and self.mask_kv_len > config.max_model_len:
+            raise ValueError(f"FeatureConfig.mask_kv_len={self.mask_kv_len} exceeds "
+                             f"max_model_len={config.max_model_len}")
+
+    def mask_columns(self, config) -> int:
+        """Columns of a row mask: ``mask_kv_len`` or ``max_model_len``."""
+        return self.mask_kv_len or config.max_model_len
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"FeatureConfig.{name}={value!r} must be one of {choices}")

@@ -1,0 +1,82 @@
+"""M-RoPE positions (SPEC §2.11): ``[3, T_pad]`` positions for Qwen2-VL-style models.
+
+Each request carries its prompt's positions (`BatchState.mrope_positions`, built at admission,
+e.g. by `qwen2vl_prompt_positions`) and a delta. A scheduled token at position ``p`` reads column
+``p`` of its prompt positions while ``p < num_prompt_tokens``; after the prompt every row is
+``p + delta`` (vLLM ``MRotaryEmbedding.get_next_input_positions_tensor``). Text-only requests
+have positions ``arange`` on every row and delta 0, so they equal the 1-D positions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jaxprep._typing import Array, Bool, Int32
+
+from jaxprep._constants import PAD_POSITION
+from jaxprep.features import MROPE_NUM_DIMS
+
+
+def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len"],
+                    position_delta: Int32[Array, "max_num_reqs"], num_prompt_tokens: Int32[Array, "max_num_reqs"],
+                    token_rows: Int32[Array, "num_tokens_padded"], positions: Int32[Array, "num_tokens_padded"],
+                    is_real_token: Bool[Array, "num_tokens_padded"]) -> Int32[Array, "3 num_tokens_padded"]:
+    """The ``[3, T_pad]`` positions of the scheduled tokens; padded tokens `PAD_POSITION`.
+
+    # P=9, delta=-2, positions [7, 8, 9, 10] -> table columns 7 and 8, then [7, 8] on every row
+    """
+    in_prompt = positions < num_prompt_tokens[token_rows]
+    from_prompt = prompt_positions[token_rows, :, positions].T  # [3, T_pad]
+    completion = positions + position_delta[token_rows]
+    out = jnp.where(in_prompt[None, :], from_prompt, completion[None, :])
+    return jnp.where(is_real_token[None, :], out, PAD_POSITION)
+
+
+def qwen2vl_prompt_positions(segments: Sequence, *, spatial_merge_size: int = 2,
+                             tokens_per_second: float = 1.0) -> tuple[np.ndarray, int]:
+    """Qwen2-VL prompt positions ``[3, P]`` (temporal, height, width) and the delta, on the host.
+
+    ``segments`` in prompt order: an int ``L`` (a run of ``L`` text tokens), ``("image", (t, h, w))``
+    or ``("video", (t, h, w), second_per_grid_t)`` with the grid in patches (vLLM
+    ``image_grid_thw``); a feature has ``t * (h // m) * (w // m)`` tokens for merge size ``m``.
+    Each segment starts one past the largest earlier position (0 first); text counts up on all
+    rows, a feature lays out its merged grid in ``(t, h, w)`` order, with the temporal index
+    scaled by ``second_per_grid_t * tokens_per_second`` for videos.
+    ``delta = max(positions) + 1 - P``.
+
+    # [2, ("image", (1, 4, 4)), 3], merge 2 -> T [0,1, 2,2,2,2, 4,5,6], H [0,1, 2,2,3,3, 4,5,6],
+    #   W [0,1, 2,3,2,3, 4,5,6]; delta = 7 - 9 = -2
+    """
+    columns = []
+    start = 0
+    for segment in segments:
+        if isinstance(segment, (int, np.integer)):
+            block = np.broadcast_to(start + np.arange(int(segment)), (MROPE_NUM_DIMS, int(segment)))
+        else:
+            block = _feature_positions(segment, spatial_merge_size, tokens_per_second) + start
+        columns.append(block)
+        if block.shape[1]:
+            start = int(block.max()) + 1
+    positions = np.concatenate(columns, axis=1) if columns else np.zeros((MROPE_NUM_DIMS, 0), np.int64)
+    delta = (int(positions.max()) + 1 if positions.size else 0) - positions.shape[1]
+    return positions.astype(np.int32), delta
+
+
+def _feature_positions(segment, spatial_merge_size: int, tokens_per_second: float) -> np.ndarray:
+    """``[3, t*h'*w']`` grid indices of one image or video, before the start offset."""
+    kind, (t, h, w) = segment[0], segment[1]
+    if kind == "image":
+        time_scale = 1.0
+    elif kind == "video":
+        time_scale = float(segment[2]) * tokens_per_second
+    else:
+        raise ValueError(f"M-RoPE segment kind {kind!r} must be 'image' or 'video'")
+    if h % spatial_merge_size or w % spatial_merge_size:
+        raise ValueError(f"{kind} grid {(t, h, w)} is not divisible by spatial_merge_size={spatial_merge_size}")
+    grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(h // spatial_merge_size),
+                                         np.arange(w // spatial_merge_size), indexing="ij")
+    temporal = np.array([math.floor(i * time_scale) for i in grid_t.ravel()], np.int64)
+    return np.stack([temporal, grid_h.ravel(), grid_w.ravel()])

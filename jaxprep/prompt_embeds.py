@@ -1,0 +1,43 @@
+"""Prompt embeddings (SPEC §2.10): which scheduled positions are embeddings, and where they are.
+
+`BatchState.is_token_ids` is False where a prompt position was given as an embedding; that
+embedding is row ``prompt_embeds_start[r] + position`` of the caller's embedding pool. The model
+embeds ``input_ids`` where ``is_token_ids`` is True and gathers the pool elsewhere (vLLM V2
+``_apply_prompt_embeds_kernel``); ``input_ids`` at embedding positions become 0, as vLLM does
+before its lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxprep._typing import Array, Bool, Int32
+
+from jaxprep._constants import PAD_EMBEDS_INDEX, PAD_INPUT_ID
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptEmbedsMetadata:
+    """Per-token choice between the token embedding and a prompt embedding."""
+
+    is_token_ids: Bool[Array, "num_tokens_padded"]  # False: take embeds_indices; pad: True
+    embeds_indices: Int32[Array, "num_tokens_padded"]  # pool row of a prompt embedding; else 0
+
+
+def prompt_embeds_metadata(is_token_ids: Bool[Array, "max_num_reqs max_model_len"],
+                           prompt_embeds_start: Int32[Array, "max_num_reqs"],
+                           token_rows: Int32[Array, "num_tokens_padded"], positions: Int32[Array, "num_tokens_padded"],
+                           is_real_token: Bool[Array, "num_tokens_padded"],
+                           input_ids: Int32[Array, "num_tokens_padded"]):
+    """Returns the metadata and ``input_ids`` with 0 at the embedding positions.
+
+    # start [100], is_token_ids row [F, F, F, T, ...], positions [1, 2, 3] -> is_token_ids [F, F, T],
+    #   embeds_indices [101, 102, 0]
+    """
+    is_token = jnp.where(is_real_token, is_token_ids[token_rows, positions], True)
+    indices = jnp.where(is_token, PAD_EMBEDS_INDEX, prompt_embeds_start[token_rows] + positions)
+    return PromptEmbedsMetadata(is_token_ids=is_token, embeds_indices=indices), jnp.where(is_token, input_ids,
+                                                                                          PAD_INPUT_ID)

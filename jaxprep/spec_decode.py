@@ -1,0 +1,92 @@
+"""Speculative-decoding metadata (SPEC §2.8), vLLM's ``SpecDecodeMetadata`` on static shapes.
+
+A row with ``D`` drafts schedules ``S >= D + 1`` tokens whose last ``D`` are the drafts (they
+already sit in the token table after the accepted tokens). Its last ``D + 1`` tokens are sampled:
+logit ``j`` of the row verifies the draft at ``j + 1``, the last one gives the bonus token.
+
+Static sizes: ``num_logits_padded = min(T_pad, R_pad * (K + 1))`` and
+``num_drafts_padded = min(T_pad, R_pad * K)`` with ``K = num_speculative_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxprep._typing import Array, Bool, Int32
+
+from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
+from jaxprep.ragged import token_request_index
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecDecodeMetadata:
+    """vLLM ``SpecDecodeMetadata``, padded; ``*_indices`` pads are the safe index 0."""
+
+    num_draft_tokens: Int32[Array, "num_reqs_padded"]  # D per batch row; pad: 0
+    cu_num_draft_tokens: Int32[Array, "num_reqs_padded"]  # inclusive cumsum of D; pad repeats the total
+    cu_num_sampled_tokens: Int32[Array, "num_reqs_padded"]  # inclusive cumsum of D + 1; pad repeats the total
+    logits_indices: Int32[Array, "num_logits_padded"]  # token row of each sampled logit
+    target_logits_indices: Int32[Array, "num_drafts_padded"]  # logit row that verifies each draft
+    bonus_logits_indices: Int32[Array, "num_reqs_padded"]  # logit row of each bonus token
+    draft_token_ids: Int32[Array, "num_drafts_padded"]  # the drafts, flattened; pad: 0
+    num_logits: Int32[Array, ""]  # sum(D + 1): real entries of logits_indices
+    total_num_draft_tokens: Int32[Array, ""]  # sum(D): real entries of the draft arrays
+    max_spec_len: Int32[Array, ""]  # max D
+
+
+def padded_sizes(num_tokens_padded: int, num_reqs_padded: int, num_speculative_tokens: int) -> tuple[int, int]:
+    """``(num_logits_padded, num_drafts_padded)``: the static lengths of the logit and draft arrays."""
+    k = num_speculative_tokens
+    return min(num_tokens_padded, num_reqs_padded * (k + 1)), min(num_tokens_padded, num_reqs_padded * k)
+
+
+def spec_decode_metadata(num_draft_tokens: Int32[Array, "num_reqs_padded"],
+                         query_start_loc: Int32[Array, "num_reqs_padded_plus_1"],
+                         is_real_req: Bool[Array, "num_reqs_padded"],
+                         input_ids: Int32[Array, "num_tokens_padded"],
+                         num_speculative_tokens: int) -> SpecDecodeMetadata:
+    """Builds the metadata from each batch row's draft count (SPEC §2.8's formulas).
+
+    # qsl [0, 4, 104, 107], D [3, 0, 2] -> n = D + 1 = [4, 1, 3], cu_num_sampled [4, 5, 8]
+    # logits_indices [0,1,2,3, 103, 104,105,106]; target [0,1,2, 5,6]; bonus [3, 4, 7]
+    """
+    num_logits_padded, num_drafts_padded = padded_sizes(input_ids.shape[0], is_real_req.shape[0],
+                                                        num_speculative_tokens)
+    drafts = jnp.where(is_real_req, num_draft_tokens, 0)
+    num_sampled = jnp.where(is_real_req, drafts + 1, 0)
+    zero = jnp.zeros((1,), jnp.int32)
+    # starts_sampled [0, 4, 5, 8]: first logit row of each request
+    starts_sampled = jnp.concatenate([zero, jnp.cumsum(num_sampled, dtype=jnp.int32)])
+    starts_draft = jnp.concatenate([zero, jnp.cumsum(drafts, dtype=jnp.int32)])
+    num_logits, total_drafts = starts_sampled[-1], starts_draft[-1]
+
+    # logit row j of request b picks token qsl[b+1] - n[b] + (j - starts_sampled[b])
+    logit_req = token_request_index(starts_sampled, num_logits_padded)
+    logit_row = jnp.arange(num_logits_padded, dtype=jnp.int32)
+    local = logit_row - starts_sampled[logit_req]
+    logits_indices = jnp.where(logit_row < num_logits,
+                               query_start_loc[logit_req + 1] - num_sampled[logit_req] + local, PAD_LOGITS_INDEX)
+
+    # draft k of request b is verified by logit row starts_sampled[b] + (k - starts_draft[b])
+    draft_req = token_request_index(starts_draft, num_drafts_padded)
+    draft_row = jnp.arange(num_drafts_padded, dtype=jnp.int32)
+    is_real_draft = draft_row < total_drafts
+    target = jnp.where(is_real_draft, starts_sampled[draft_req] + draft_row - starts_draft[draft_req],
+                       PAD_LOGITS_INDEX)
+    # the draft checked by logit row j sits at the token of logit row j + 1
+    draft_token_ids = jnp.where(is_real_draft, input_ids[logits_indices[target + 1]], PAD_INPUT_ID)
+    return SpecDecodeMetadata(
+        num_draft_tokens=drafts,
+        cu_num_draft_tokens=starts_draft[1:],
+        cu_num_sampled_tokens=starts_sampled[1:],
+        logits_indices=logits_indices,
+        target_logits_indices=target,
+        bonus_logits_indices=jnp.where(is_real_req, starts_sampled[1:] - 1, PAD_LOGITS_INDEX),
+        draft_token_ids=draft_token_ids,
+        num_logits=num_logits,
+        total_num_draft_tokens=total_drafts,
+        max_spec_len=jnp.max(drafts),
+    )
