@@ -68,8 +68,6 @@ def spec_decode_reference(num_scheduled, num_draft, input_ids) -> dict:
         "target_logits_indices": target,
         "bonus_logits_indices": cu_num_sampled - 1,
         "draft_token_ids": np.asarray(input_ids)[logits_indices][target + 1],
-        "num_logits": int(num_sampled.sum()),
-        "total_num_draft_tokens": int(num_draft.sum()),
         "max_spec_len": int(num_draft.max()) if len(num_draft) else 0,
     }
 

@@ -34,8 +34,9 @@ def test_worked_example_from_source(mode):
     arrays = dict(token_ids=token_ids, block_table=sequential_block_table(-(-scheduled // 16), 8),
                   num_computed_tokens=np.zeros(5, np.int32), num_scheduled_tokens=scheduled,
                   num_draft_tokens=np.array([3, 0, 2, 0, 1], np.int32))
-    spec = spec_fields(run_step(arrays, config, mode))
-    num_logits, num_drafts = int(spec["num_logits"]), int(spec["total_num_draft_tokens"])
+    step = run_step(arrays, config, mode)
+    spec = spec_fields(step)
+    num_logits, num_drafts = int(step.spec_decode.num_logits), int(step.spec_decode.total_num_draft_tokens)
     assert (num_logits, num_drafts, int(spec["max_spec_len"])) == (11, 6, 3)
     assert spec["cu_num_sampled_tokens"].tolist() == [4, 5, 8, 9, 11]
     assert spec["cu_num_draft_tokens"].tolist() == [3, 3, 5, 5, 6]
@@ -107,7 +108,8 @@ def test_bonus_logit_is_each_requests_last_token(data):
     bonus_tokens = np.asarray(spec.logits_indices)[np.asarray(spec.bonus_logits_indices)[:num_reqs]]
     np.testing.assert_array_equal(bonus_tokens, np.asarray(step.logits_indices)[:num_reqs])
     assert int(spec.num_logits) == int(spec.total_num_draft_tokens) + num_reqs
-    assert int(spec.cu_num_sampled_tokens[-1]) == int(spec.num_logits)
+    drafts = arrays["num_draft_tokens"][arrays["num_scheduled_tokens"] > 0]
+    assert (int(spec.total_num_draft_tokens), int(spec.max_spec_len)) == (drafts.sum(), drafts.max())
 
 
 def draft_batch(**overrides) -> dict:

@@ -1,0 +1,148 @@
+"""Per-step cost of each optional feature: a plain step against the same step with one feature on.
+
+    PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 300]
+
+Runs on one CPU thread (``PJRT_NPROC=1``) with synchronous dispatch, the way the CLI does. Every
+configuration is compiled first (compile time reported apart), then timed call by call with
+``block_until_ready`` inside the clock; the plain step is measured in the same process, and the
+table gives each feature's median, its extra microseconds over the plain median, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import statistics
+import subprocess
+import time
+
+from jaxprep.cli import configure_runtime
+
+configure_runtime()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxprep import (BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig,  # noqa: E402
+                     prepare_inputs, validate)
+from jaxprep.config import block_table_width, cdiv  # noqa: E402
+
+K = 3  # draft tokens per decode when spec decode is on
+BLOCK_SIZE = 16
+FEATURES = {
+    "plain": FeatureConfig(),
+    "spec_decode (K=3)": FeatureConfig(num_speculative_tokens=K),
+    "discard_request_mask": FeatureConfig(discard_request_mask=True),
+    "kv_groups (3 groups)": FeatureConfig(kv_groups=(
+        KVCacheGroupSpec(BLOCK_SIZE), KVCacheGroupSpec(32, kernel_block_size=16),
+        KVCacheGroupSpec(BLOCK_SIZE, sliding_window=512))),
+    "dcp (W=4, I=1)": FeatureConfig(dcp=DCPConfig(4, 1, 1)),
+    "mrope": FeatureConfig(mrope=True),
+    "prompt_embeds": FeatureConfig(prompt_embeds=True),
+    "async_tokens": FeatureConfig(async_tokens=True),
+    "async_tokens + spec": FeatureConfig(async_tokens=True, num_speculative_tokens=K),
+    "attn_state": FeatureConfig(attn_state=True),
+    "attn_mask compressed": FeatureConfig(attn_mask="compressed"),
+    "attn_mask rows_bool": FeatureConfig(attn_mask="rows_bool"),
+    "attn_mask rows_additive fp16": FeatureConfig(attn_mask="rows_additive"),
+    "reorder decode_first": FeatureConfig(reorder="decode_first"),
+    "reorder v2": FeatureConfig(reorder="v2"),
+    "request_distribution": FeatureConfig(request_distribution=True),
+}
+
+
+def batch(config: PrepConfig, num_reqs: int, num_tokens: int, rng) -> dict:
+    """3/4 of the requests decode (with K drafts when spec decode is on), the rest share the other tokens."""
+    features, rows, width = config.features, config.max_num_reqs, config.max_model_len
+    num_decodes = num_reqs * 3 // 4
+    decode_len = 1 + (K if features.spec_decode else 0)
+    prefill_tokens = num_tokens - num_decodes * decode_len
+    scheduled = np.array([decode_len] * num_decodes + [prefill_tokens // (num_reqs - num_decodes)] *
+                         (num_reqs - num_decodes), np.int32)
+    scheduled[-1] += num_tokens - scheduled.sum()
+    computed = np.where(np.arange(num_reqs) < num_decodes, rng.integers(100, 2000, num_reqs), 0).astype(np.int32)
+    arrays = dict(token_ids=rng.integers(1, 32000, (rows, width), np.int32),
+                  block_table=_blocks(rows, config.max_blocks_per_req, computed + scheduled, BLOCK_SIZE),
+                  num_computed_tokens=computed, num_scheduled_tokens=scheduled)
+    return _feature_inputs(arrays, config, rng)
+
+
+def _blocks(rows, width, seq_lens, block_size):
+    table = np.zeros((rows, width), np.int32)
+    start = 1
+    for row, n in enumerate(seq_lens):
+        count = cdiv(int(n), block_size)
+        table[row, :count] = np.arange(start, start + count)
+        start += count
+    return table
+
+
+def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
+    features, rows, width = config.features, config.max_num_reqs, config.max_model_len
+    seq_lens = arrays["num_computed_tokens"] + arrays["num_scheduled_tokens"]
+    decodes = (arrays["num_computed_tokens"] > 0).astype(np.int32)
+    arrays["num_prompt_tokens"] = np.where(decodes, 1, seq_lens + 100).astype(np.int32)
+    if features.spec_decode:
+        arrays["num_draft_tokens"] = (decodes * K).astype(np.int32)
+    if len(features.kv_groups) > 1:
+        arrays["extra_block_tables"] = [_blocks(rows, block_table_width(width, g.block_size), seq_lens, g.block_size)
+                                        for g in features.kv_groups[1:]]
+    if features.mrope:
+        arrays["mrope_positions"] = np.tile(np.arange(width, dtype=np.int32), (rows, 3, 1))
+        arrays["mrope_position_delta"] = np.zeros(rows, np.int32)
+    if features.prompt_embeds:
+        arrays["is_token_ids"] = rng.random((rows, width)) < 0.5
+        arrays["prompt_embeds_start"] = (np.arange(rows) * width).astype(np.int32)
+    if features.async_tokens:
+        arrays["prev_sampled_token_ids"] = rng.integers(1, 32000, rows).astype(np.int32)
+        arrays["prev_batch_rows"] = np.where(decodes, rng.permutation(rows), -1).astype(np.int32)
+        if features.spec_decode:
+            arrays["prev_draft_token_ids"] = rng.integers(1, 32000, (rows, K)).astype(np.int32)
+    return arrays
+
+
+def time_step(state, config, num_tokens: int, iters: int) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    jax.block_until_ready(prepare_inputs(state, config, num_tokens))
+    compile_s = time.perf_counter() - start
+    for _ in range(20):
+        jax.block_until_ready(prepare_inputs(state, config, num_tokens))
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(prepare_inputs(state, config, num_tokens))
+        samples.append((time.perf_counter() - start) * 1e6)
+    return compile_s, samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reqs", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=300)
+    args = parser.parse_args()
+    base = PrepConfig(max_num_reqs=args.reqs, max_model_len=args.max_model_len,
+                      max_num_batched_tokens=args.tokens, block_size=BLOCK_SIZE)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# jaxprep feature costs: {args.reqs} requests, {args.tokens} tokens (bucket {args.tokens}), "
+          f"max_model_len {args.max_model_len}, {args.iters} timed calls each")
+    print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"numpy {np.__version__}, commit {commit}, PJRT_NPROC=1, synchronous dispatch")
+    print(f"{'feature':32s} {'compile s':>9s} {'median us':>10s} {'p10 us':>8s} {'extra us':>9s} {'ratio':>6s}")
+    plain_median = None
+    for name, features in FEATURES.items():
+        config = dataclasses.replace(base, features=features)
+        state = BatchState.from_numpy(**batch(config, args.reqs, args.tokens, np.random.default_rng(0)))
+        validate(state, config)
+        compile_s, samples = time_step(state, config, args.tokens, args.iters)
+        median = statistics.median(samples)
+        p10 = float(np.percentile(samples, 10))
+        plain_median = plain_median or median
+        print(f"{name:32s} {compile_s:9.2f} {median:10.1f} {p10:8.1f} {median - plain_median:+9.1f} "
+              f"{median / plain_median:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
