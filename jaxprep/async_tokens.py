@@ -20,7 +20,8 @@ from jaxprep.ragged import take_rows
 
 
 def write_prev_tokens(input_ids: Int32[Array, "num_tokens_padded"], rows: Int32[Array, "num_reqs_padded"],
-                      query_start_loc: Int32[Array, "num_reqs_padded_plus_1"], is_real_req: Bool[Array, "num_reqs_padded"],
+                      query_start_loc: Int32[Array, "num_reqs_padded_plus_1"],
+                      is_real_req: Bool[Array, "num_reqs_padded"],
                       drafts: Int32[Array, "num_reqs_padded"], prev_batch_rows: Int32[Array, "max_num_reqs"],
                       prev_sampled_token_ids: Int32[Array, "max_num_reqs"],
                       prev_draft_token_ids: Int32[Array, "max_num_reqs K"] | None) -> Int32[Array, "num_tokens_padded"]:

@@ -44,7 +44,8 @@ def sliding_window_null(block_table: Int32[Array, "num_reqs_padded W"], computed
     return jnp.where(columns[None, :] < first_kept[:, None], NULL_BLOCK_ID, block_table)
 
 
-def kernel_block_table(block_table: Int32[Array, "num_reqs_padded W"], k: int) -> Int32[Array, "num_reqs_padded kernel_width"]:
+def kernel_block_table(block_table: Int32[Array, "num_reqs_padded W"],
+                       k: int) -> Int32[Array, "num_reqs_padded kernel_width"]:
     """Expands manager blocks into ``k`` kernel blocks each; the null block stays null.
 
     # B=32, b=16, k=2: row [3, 7, 0] -> [6, 7, 14, 15, 0, 0]

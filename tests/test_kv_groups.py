@@ -115,7 +115,8 @@ def test_kernel_table_gives_the_manager_slot(data):
 def two_group_batch(**overrides) -> dict:
     config = CONFIG
     arrays = dict(token_ids=np.ones((6, 48), np.int32), block_table=np.ones((6, 12), np.int32),
-                  num_computed_tokens=np.zeros(6, np.int32), num_scheduled_tokens=np.array([9, 0, 0, 0, 0, 0], np.int32),
+                  num_computed_tokens=np.zeros(6, np.int32),
+                  num_scheduled_tokens=np.array([9, 0, 0, 0, 0, 0], np.int32),
                   extra_block_tables=[np.ones((6, block_table_width(48, g.block_size)), np.int32)
                                       for g in config.features.kv_groups[1:]])
     arrays.update(overrides)
@@ -140,14 +141,16 @@ def test_bad_group_tables_are_rejected():
 
 
 def test_group_block_ids_are_bounded_by_the_groups_pool():
-    config = dataclasses.replace(CONFIG, features=FeatureConfig(kv_groups=(GROUPS[0], KVCacheGroupSpec(8, num_blocks=5))))
+    groups = (GROUPS[0], KVCacheGroupSpec(8, num_blocks=5))
+    config = dataclasses.replace(CONFIG, features=FeatureConfig(kv_groups=groups))
     arrays = two_group_batch(extra_block_tables=[np.full((6, 16), 5, np.int32)])
     with pytest.raises(InvalidBatchError, match="extra_block_tables\\[0\\]\\[0, 0\\] = 5 is outside .*max_block_id=4"):
         validate(BatchState.from_numpy(**arrays), config)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(kv_groups=(KVCacheGroupSpec(block_size=8),)), "kv_groups\\[0\\].block_size=8 must equal PrepConfig.block_size=4"),
+    (dict(kv_groups=(KVCacheGroupSpec(block_size=8),)),
+     "kv_groups\\[0\\].block_size=8 must equal PrepConfig.block_size=4"),
 ])
 def test_bad_group_configs_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):

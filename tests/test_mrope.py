@@ -54,7 +54,8 @@ def worked_request(computed: int, scheduled: int) -> dict:
     table = np.full((1, 3, 16), -1, np.int32)
     table[0, :, :9] = positions
     return dict(token_ids=np.ones((1, 16), np.int32), block_table=np.ones((1, 64), np.int32),
-                num_computed_tokens=np.array([computed], np.int32), num_scheduled_tokens=np.array([scheduled], np.int32),
+                num_computed_tokens=np.array([computed], np.int32),
+                num_scheduled_tokens=np.array([scheduled], np.int32),
                 num_prompt_tokens=np.array([9], np.int32), mrope_positions=table,
                 mrope_position_delta=np.array([delta], np.int32))
 
@@ -129,5 +130,6 @@ def test_missing_mrope_positions_are_rejected():
         with pytest.raises(InvalidBatchError, match=f"{field} is missing: FeatureConfig.mrope needs it"):
             validate(BatchState.from_numpy(**dict(worked_request(0, 9), **{field: None})), config)
     state = with_field(BatchState.from_numpy(**worked_request(0, 9)), "mrope_positions", np.zeros((1, 3, 8), np.int32))
-    with pytest.raises(InvalidBatchError, match="mrope_positions has shape \\(1, 3, 8\\), config expects \\(1, 3, 16\\)"):
+    message = "mrope_positions has shape \\(1, 3, 8\\), config expects \\(1, 3, 16\\)"
+    with pytest.raises(InvalidBatchError, match=message):
         validate(state, config)

@@ -19,7 +19,8 @@ def one_request(computed: int, scheduled: int) -> dict:
     is_token_ids = np.ones((1, 8), bool)
     is_token_ids[0, :3] = False  # prompt positions 0..2 are embeddings, 3.. token ids
     return dict(token_ids=np.arange(11, 19, dtype=np.int32)[None, :], block_table=np.ones((1, 64), np.int32),
-                num_computed_tokens=np.array([computed], np.int32), num_scheduled_tokens=np.array([scheduled], np.int32),
+                num_computed_tokens=np.array([computed], np.int32),
+                num_scheduled_tokens=np.array([scheduled], np.int32),
                 is_token_ids=is_token_ids, prompt_embeds_start=np.array([100], np.int32))
 
 

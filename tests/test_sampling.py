@@ -48,7 +48,8 @@ def test_discard_mask_matches_reference(mode, data):
 ])
 def test_bad_prompt_lengths_are_rejected(prompts, message):
     arrays = dict(token_ids=np.ones((6, 40), np.int32), block_table=np.ones((6, 16), np.int32),
-                  num_computed_tokens=np.zeros(6, np.int32), num_scheduled_tokens=np.array([4, 0, 0, 0, 0, 0], np.int32),
+                  num_computed_tokens=np.zeros(6, np.int32),
+                  num_scheduled_tokens=np.array([4, 0, 0, 0, 0, 0], np.int32),
                   num_prompt_tokens=None if prompts is None else np.array(prompts, np.int32))
     with pytest.raises(InvalidBatchError, match=message):
         validate(BatchState.from_numpy(**arrays), CONFIG)

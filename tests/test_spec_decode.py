@@ -113,7 +113,8 @@ def test_bonus_logit_is_each_requests_last_token(data):
 
 
 def draft_batch(**overrides) -> dict:
-    arrays = dict(token_ids=np.ones((6, 64), np.int32), block_table=np.arange(1, 6 * 16 + 1, dtype=np.int32).reshape(6, 16),
+    arrays = dict(token_ids=np.ones((6, 64), np.int32),
+                  block_table=np.arange(1, 6 * 16 + 1, dtype=np.int32).reshape(6, 16),
                   num_computed_tokens=np.array([10, 0, 0, 0, 0, 0], np.int32),
                   num_scheduled_tokens=np.array([3, 0, 0, 0, 0, 0], np.int32),
                   num_draft_tokens=np.array([2, 0, 0, 0, 0, 0], np.int32))
