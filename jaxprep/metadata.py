@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from jaxprep._typing import Array, Int32
+from jaxprep._typing import Int32, StepArray
 
 
 @jax.tree_util.register_dataclass
@@ -18,14 +18,14 @@ from jaxprep._typing import Array, Int32
 class AttentionMetadata:
     """vLLM's ``CommonAttentionMetadata`` fields, padded to static shapes."""
 
-    query_start_loc: Int32[Array, "num_reqs_padded+1"]  # pad: repeats num_actual_tokens
-    seq_lens: Int32[Array, "num_reqs_padded"]  # num_computed + num_scheduled; pad: 0
-    slot_mapping: Int32[Array, "num_tokens_padded"]  # block * block_size + offset; pad: -1
-    block_table: Int32[Array, "num_reqs_padded max_blocks_per_req"]  # rows in batch order; pad: 0
-    num_actual_tokens: Int32[Array, ""]  # scheduled tokens, unpadded
-    num_reqs: Int32[Array, ""]  # requests in the batch, unpadded
-    max_query_len: Int32[Array, ""]  # max num_scheduled over the batch
-    max_seq_len: Int32[Array, ""]  # max seq_lens over the batch
+    query_start_loc: Int32[StepArray, "num_reqs_padded_plus_1"]  # pad: repeats num_actual_tokens
+    seq_lens: Int32[StepArray, "num_reqs_padded"]  # num_computed + num_scheduled; pad: 0
+    slot_mapping: Int32[StepArray, "num_tokens_padded"]  # block * block_size + offset; pad: -1
+    block_table: Int32[StepArray, "num_reqs_padded max_blocks_per_req"]  # rows in batch order; pad: 0
+    num_actual_tokens: Int32[StepArray, ""]  # scheduled tokens, unpadded
+    num_reqs: Int32[StepArray, ""]  # requests in the batch, unpadded
+    max_query_len: Int32[StepArray, ""]  # max num_scheduled over the batch
+    max_seq_len: Int32[StepArray, ""]  # max seq_lens over the batch
 
 
 @jax.tree_util.register_dataclass
@@ -33,10 +33,10 @@ class AttentionMetadata:
 class StepInputs:
     """Model inputs of one step."""
 
-    input_ids: Int32[Array, "num_tokens_padded"]  # pad: 0
-    positions: Int32[Array, "num_tokens_padded"]  # pad: 0
-    logits_indices: Int32[Array, "num_reqs_padded"]  # last scheduled token of each request; pad: 0
-    idx_mapping: Int32[Array, "num_reqs_padded"]  # state row of each batch row; pad: -1
+    input_ids: Int32[StepArray, "num_tokens_padded"]  # pad: 0
+    positions: Int32[StepArray, "num_tokens_padded"]  # pad: 0
+    logits_indices: Int32[StepArray, "num_reqs_padded"]  # last scheduled token of each request; pad: 0
+    idx_mapping: Int32[StepArray, "num_reqs_padded"]  # state row of each batch row; pad: -1
     attn_metadata: AttentionMetadata
     num_tokens_padded: int = dataclasses.field(metadata=dict(static=True))
 
