@@ -17,7 +17,7 @@ def test_layout_aligns_wide_fields_to_even_words():
     a, b, c = layout((("a", (3,), False), ("b", (2,), True), ("c", (2, 2), False)))
     assert (a.offset, a.num_words) == (0, 3)
     assert (b.offset, b.num_words) == (4, 4)  # one pad word after a
-    assert (c.offset, c.num_words, c.strides) == (8, 4, (2, 1))
+    assert (c.offset, c.num_words, c.shape) == (8, 4, (2, 2))
     assert num_packed_words((a, b, c)) == 12
 
 

@@ -1,7 +1,7 @@
 """One int32 buffer per step: a jitted pack on the JAX side, views on the torch side.
 
 Instead of one DLPack capsule per field, a small jitted function concatenates the step's int32
-arrays into one flat buffer; torch takes it with a single ``torch.from_dlpack`` and slices views.
+arrays into one flat buffer; torch takes it with a single ``torch.from_dlpack`` and cuts views.
 A field torch wants as int64 (``positions``, ``slot_mapping``) is written as (low, high) int32
 word pairs, so its int64 view needs no cast on the torch side (JAX runs with x64 off):
 
@@ -38,7 +38,6 @@ class Span:
     shape: tuple[int, ...]
     wide: bool  # stored as int64 (two words per element)
     num_words: int
-    strides: tuple[int, ...]  # contiguous (row-major), in elements
 
 
 @functools.lru_cache(maxsize=512)
@@ -50,9 +49,7 @@ def layout(fields: tuple[tuple[str, tuple[int, ...], bool], ...]) -> tuple[Span,
     spans, offset = [], 0
     for name, shape, wide in fields:
         offset += offset % 2 if wide else 0
-        shape = tuple(shape)
-        strides = tuple(math.prod(shape[axis + 1:]) for axis in range(len(shape)))
-        spans.append(Span(name, offset, shape, wide, math.prod(shape) * (2 if wide else 1), strides))
+        spans.append(Span(name, offset, tuple(shape), wide, math.prod(shape) * (2 if wide else 1)))
         offset += spans[-1].num_words
     return tuple(spans)
 
@@ -109,7 +106,7 @@ def unpack(words: torch.Tensor, spans: tuple[Span, ...], base: int = 0) -> dict[
 
 
 @functools.lru_cache(maxsize=512)
-def _split_plan(spans: tuple[Span, ...], base: int, num_words: int) -> tuple[list[int], list[int]]:
+def _split_plan(spans: tuple[Span, ...], base: int, num_words: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Chunk sizes covering ``num_words`` words from ``base`` (gaps included), and each span's chunk.
 
     # spans at 0 (3 words) and 4 (4 words), 8 words -> sizes [0, 3, 1, 4, 0], chunks [1, 3]
@@ -121,4 +118,4 @@ def _split_plan(spans: tuple[Span, ...], base: int, num_words: int) -> tuple[lis
         sizes.append(span.num_words)
         end = span.offset + span.num_words
     sizes.append(base + num_words - end)
-    return sizes, chunk_index
+    return tuple(sizes), tuple(chunk_index)

@@ -40,7 +40,7 @@ class PackSpec:
 class Bridged:
     """What a strategy hands to the step assembler."""
 
-    device: dict[str, torch.Tensor]  # every non-scalar field on the target device
+    device: dict[str, torch.Tensor]  # every array field on the target device
     host: dict[str, torch.Tensor]  # the host-mirrored fields on the CPU
     scalars: dict[str, int]
     jax_buffers: tuple[jax.Array, ...]  # the JAX arrays whose memory the tensors share
@@ -105,7 +105,7 @@ def bridge_per_field(arrays: dict[str, jax.Array], pack_spec: PackSpec, device) 
 def _host_region(spans: tuple[Span, ...], num_device_only: int, num_scalars: int) -> tuple[int, tuple[Span, ...]]:
     """First word of the host region, and its spans: the scalars as one chunk, then the mirrored arrays."""
     start = spans[num_device_only].offset
-    scalars = Span("scalars", start, (num_scalars,), False, num_scalars, (1,))
+    scalars = Span("scalars", start, (num_scalars,), False, num_scalars)
     return start, (scalars,) + spans[num_device_only + num_scalars:]
 
 
