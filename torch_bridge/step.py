@@ -3,11 +3,11 @@
 Lifetime: every tensor shares memory with a JAX array through DLPack and holds a reference to it
 (so does `TorchStepInputs.jax_buffers`). A step's arrays are outputs of `prepare_inputs`: they
 never alias the `BatchState` they came from, so updating and donating that state leaves the
-tensors as they were. While torch holds a tensor, PJRT sees an external reference on the buffer
-and does not hand it to a donated argument (on the CPU it copies instead; on CUDA the call fails
-with "Donation requested for buffer with external reference"),
-and with the default packed strategy the shared buffer is internal to the bridge, so no caller can
-donate it at all. Do not donate a step's arrays while torch still reads them.
+tensors as they were. While torch holds a tensor, PJRT sees an external reference on its buffer
+and will not hand the buffer to a donated argument: on the CPU it copies instead, on CUDA the call
+fails ("Donation requested for buffer with external reference"). With the default packed strategy
+the shared buffer is internal to the bridge, so no caller can donate it at all. Do not donate a
+step's arrays while torch still reads them.
 """
 
 from __future__ import annotations
