@@ -41,8 +41,8 @@ def test_chunked_paged_prefill_matches_dense_logits():
     prompts = [rng.integers(2, 64, n) for n in (13, 6, 20)]
     blocks = rng.permutation(np.arange(1, PREP.num_blocks))  # scattered, never block 0
     blocks_of = [blocks[0:4], blocks[4:6], blocks[6:11]]
-    batch.add_requests(AddRequests.build(CONFIG, [dict(row=r, token_ids=p, max_num_tokens=24, block_ids=blocks_of[r][:1])
-                                                  for r, p in enumerate(prompts[:2])]))
+    batch.add_requests(AddRequests.build(CONFIG, [
+        dict(row=r, token_ids=p, max_num_tokens=24, block_ids=blocks_of[r][:1]) for r, p in enumerate(prompts[:2])]))
     batch.add_requests(AddRequests.build(CONFIG, [dict(row=2, token_ids=prompts[2], max_num_tokens=24,
                                                        block_ids=blocks_of[2][:1])]))
     compared = 0

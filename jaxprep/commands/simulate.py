@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-DEFAULTS = dict(requests=48, budget=64, block_size=16, max_num_reqs=16, max_model_len=256, num_blocks=48,
-                layers=2, d_model=64, heads=4, vocab_size=512, decode_steps=8, max_prompt_len=96, max_tokens=48,
+DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_model_len=256, num_blocks=64,
+                layers=2, d_model=64, heads=4, vocab_size=512, decode_steps=8, max_prompt_len=96, max_tokens=64,
                 arrival_spread=30, seed=0)
 
 

@@ -185,14 +185,16 @@ class Scheduler:
     def _maybe_multi_step(self, out: SchedulerOutput) -> None:
         """Every running request decoding and none waiting: give each the blocks of up to K tokens
         (as many as are free) and let the device run the K decode steps."""
-        steps = self.config.decode_steps
+        steps, max_model_len = self.config.decode_steps, self.config.max_model_len
         if steps == 1 or self.waiting or not self.running:
             return
         if any(r.num_computed_tokens != r.num_tokens - 1 or out.num_scheduled_tokens[r.row] != 1 for r in self.running):
             return
         for request in self.running:
-            last_position = min(request.num_computed_tokens + steps, request.max_num_tokens(self.config.max_model_len) - 1)
-            needed = min(cdiv(last_position, self.config.block_size) - len(request.block_ids), self.allocator.num_free)
+            # K decodes compute positions C .. C+K-1; the last token worth computing is max_num_tokens - 2
+            num_positions = min(request.num_computed_tokens + steps, request.max_num_tokens(max_model_len) - 1)
+            needed = cdiv(num_positions, self.config.block_size) - len(request.block_ids)
+            needed = min(needed, self.allocator.num_free)
             if needed > 0:
                 blocks = self.allocator.allocate(needed)
                 request.block_ids += blocks
@@ -213,9 +215,9 @@ class Scheduler:
                 continue
             column = tokens[:, request.row]
             request.num_computed_tokens += scheduled
-            if int(column[0] >= 0) != int(request.num_computed_tokens >= request.num_tokens):
-                raise RuntimeError(f"request {request.request_id}: the device and the host disagree on "
-                                   f"whether step {out.num_scheduled_tokens[request.row]} tokens sample")
+            if (column[0] >= 0) != (request.num_computed_tokens >= request.num_tokens):
+                raise RuntimeError(f"request {request.request_id}: the device and the host disagree on whether "
+                                   f"computing {request.num_computed_tokens} of {request.num_tokens} tokens samples")
             appended = [int(t) for t in column if t >= 0]
             request.num_computed_tokens += max(len(appended) - 1, 0)
             for i, token in enumerate(appended):
