@@ -31,8 +31,8 @@ WORKLOADS = {
                          decode_steps=3), dict(prompt_len=(2, 24), max_tokens=(4, 16))),
     "multi-step": (dict(budget=24, block_size=8, num_blocks=40, max_num_reqs=8, max_model_len=48,
                         decode_steps=8), dict(prompt_len=(1, 16), max_tokens=(8, 30))),
-    "odd sizes, max_model_len": (dict(budget=5, block_size=3, num_blocks=30, max_num_reqs=3, max_model_len=20,
-                                      decode_steps=2), dict(prompt_len=(1, 15), max_tokens=(1, 12))),
+    "odd sizes, max_model_len, K=1": (dict(budget=5, block_size=3, num_blocks=30, max_num_reqs=3, max_model_len=20,
+                                           decode_steps=1), dict(prompt_len=(1, 15), max_tokens=(1, 12))),
 }
 
 
@@ -41,7 +41,7 @@ def test_greedy_tokens_match_dense_recomputation(name):
     config_args, workload_args = WORKLOADS[name]
     config = make_config(**config_args)
     totals = dict(preemptions=0, multi_step=0, chunked=0)
-    for seed in range(2):
+    for seed in range(3):
         workload = random_workload(seed, num_requests=16, vocab_size=MODEL.vocab_size, arrival_spread=10,
                                    **workload_args)
         engine = Engine(config, MODEL, seed=seed)
@@ -55,7 +55,7 @@ def test_greedy_tokens_match_dense_recomputation(name):
         totals["chunked"] += sum(len(r.prompt_token_ids) > config.prep.max_num_batched_tokens for r in finished)
     if name in ("chunked+preempt", "tight cache"):
         assert totals["preemptions"] > 0
-    if name in ("chunked+preempt", "odd sizes, max_model_len"):
+    if name in ("chunked+preempt", "odd sizes, max_model_len, K=1"):
         assert totals["chunked"] > 0
     if name == "multi-step":
         assert totals["multi_step"] > 0

@@ -33,6 +33,11 @@ class ModelConfig:
     d_ff: int = 128
     rope_theta: float = 10000.0
 
+    def __post_init__(self):
+        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"ModelConfig: d_model={self.d_model} must split into num_heads={self.num_heads} "
+                             "heads of an even size (RoPE rotates pairs)")
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
