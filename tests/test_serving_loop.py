@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxprep import PrepConfig, count_compiles
-from jaxprep.serving import (AddRequests, Engine, KVCache, ModelConfig, NO_TOKEN, ServingBatch, ServingConfig,
+from jaxprep.serving import (Engine, InvalidUpdateError, KVCache, ModelConfig, NO_TOKEN, ServingBatch, ServingConfig,
                              StepUpdates, check_against_dense, dense_forward, init_params, random_workload)
 
 MODEL = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=64)
@@ -59,6 +59,23 @@ def test_greedy_tokens_match_dense_recomputation(name):
         assert totals["chunked"] > 0
     if name == "multi-step":
         assert totals["multi_step"] > 0
+
+
+def test_adds_and_appends_beyond_the_payload_sizes_go_first():
+    """One new request and one block per fused payload: the rest go through extra `apply_updates`."""
+    prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=2, num_blocks=40)
+    config = ServingConfig(prep=prep, eos_token_id=EOS, decode_steps=4, max_new_reqs_per_step=1,
+                           max_block_appends_per_step=1)
+    workload = random_workload(5, num_requests=12, vocab_size=MODEL.vocab_size, prompt_len=(1, 12),
+                               max_tokens=(4, 12))
+    engine = Engine(config, MODEL, seed=4)
+    extra_calls = []
+    apply_updates = engine.batch.apply_updates
+    engine.batch.apply_updates = lambda updates: (extra_calls.append(1), apply_updates(updates))
+    engine.submit(workload.requests)
+    finished = engine.run()
+    assert len(extra_calls) > 5 and len(finished) == 12
+    assert check_against_dense(engine.params, MODEL, finished, prep.max_model_len).passed
 
 
 def test_two_thousand_steps_compile_nothing_and_keep_memory_flat():
@@ -141,3 +158,16 @@ def test_multi_step_stops_at_eos():
     stop = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])  # first new token after 2 decodes
     _, tokens, _ = decode_once_then_multi(small_config(eos=greedy[stop]), max_num_tokens=32, num_blocks=8)
     assert tokens == greedy[: stop + 1]
+
+
+def test_multi_step_over_a_prefill_is_rejected_before_dispatch():
+    config = small_config()
+    batch = ServingBatch(config)
+    kv_cache = KVCache.zeros(MODEL, config.num_blocks, config.block_size)
+    state = batch.state
+    add = [dict(row=0, token_ids=[5, 6, 7], max_num_tokens=12, block_ids=[1, 2])]
+    updates = StepUpdates.build(config, add=add, num_scheduled_tokens=[3, 0], decode_steps=4)
+    with pytest.raises(InvalidUpdateError, match="decode its last token"):
+        batch.serve(kv_cache, init_params(MODEL, seed=0), updates, model=MODEL, num_tokens_padded=8)
+    assert batch.state is state and not state.num_tokens.is_deleted() and not kv_cache.k.is_deleted()
+    assert not batch.rows.busy.any()

@@ -26,7 +26,7 @@ def reference_empty():
 
 def assert_matches_reference(batch: ServingBatch, expected: dict) -> None:
     got = batch.state.to_numpy()
-    assert set(got) == set(expected)
+    assert set(expected) <= set(got)  # BatchState may grow fields the serving reference does not model
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     for name in ("num_tokens", "max_num_tokens", "num_computed_tokens", "num_blocks"):
