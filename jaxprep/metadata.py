@@ -8,12 +8,14 @@ bucket shares one compiled executable.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 from jaxprep._typing import Int32, StepArray
 
 
 @jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """vLLM's ``CommonAttentionMetadata`` fields, padded to static shapes."""
@@ -29,6 +31,7 @@ class AttentionMetadata:
 
 
 @jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """Model inputs of one step."""

@@ -7,6 +7,7 @@ takes no part in the step; the step's batch is the rows with work, in row order.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ INT32 = np.dtype(np.int32)
 
 
 @jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class BatchState:
     """Immutable pytree of the batch tables; every field is a device array."""

@@ -88,7 +88,7 @@ def test_rejects_shape_mismatch():
 
 
 def _unchecked_state(**fields):
-    """A BatchState built without its constructor (whose annotations the test suite enforces)."""
+    """A BatchState built without its constructor, as a caller without the shape annotations could."""
     state = object.__new__(BatchState)
     for name, value in fields.items():
         object.__setattr__(state, name, value)
