@@ -4,10 +4,16 @@ jaxtyping is a test extra, not a core dependency: with it installed the aliases 
 (and the test suite checks them at run time); without it they fall back to plain `jax.Array`.
 """
 
+import numpy as np
+from jax import Array as _DeviceArray
+
+StepArray = _DeviceArray | np.ndarray
+"""A field of a prepared step: a device array, or a host view after `jaxprep.host.prepare_to_host`."""
+
 try:
     from jaxtyping import Array, Bool, Int32
 except ImportError:  # pragma: no cover - exercised only without the test extra
-    from jax import Array
+    Array = _DeviceArray
 
     class _ShapeAlias:
         def __getitem__(self, item):
@@ -15,4 +21,4 @@ except ImportError:  # pragma: no cover - exercised only without the test extra
 
     Bool = Int32 = _ShapeAlias()
 
-__all__ = ["Array", "Bool", "Int32"]
+__all__ = ["Array", "Bool", "Int32", "StepArray"]

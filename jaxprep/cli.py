@@ -14,8 +14,9 @@ import sys
 # subcommand -> module with add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "demo": "jaxprep.commands.demo",
+    "simulate": "jaxprep.commands.simulate",
 }
-DEFAULT_COMMAND = "demo"
+DEFAULT_COMMAND = "simulate"
 
 
 def configure_runtime(single_thread_cpu: bool = True) -> None:

@@ -6,19 +6,18 @@ Semantics follow vLLM V1 ``_prepare_inputs`` (SPEC §2.1-§2.7) over the condens
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION,
-                                PAD_SEQ_LEN, PAD_STATE_ROW)
+                                PAD_STATE_ROW)
 from jaxprep.config import PrepConfig
-from jaxprep.metadata import AttentionMetadata, StepInputs
 from jaxprep.feature_step import StepLayout, with_features
 from jaxprep.masks import compressed_causal_mask
-from jaxprep.ragged import condense_rows, take_rows, token_mask, token_request_index
+from jaxprep.metadata import AttentionMetadata, StepInputs
+from jaxprep.ragged import condense_rows, prefix_sum, take_rows, token_mask, token_request_index
 from jaxprep.ragged import slot_mapping as _slot_mapping
 from jaxprep.reorder import reordered_rows
 from jaxprep.state import BatchState
@@ -52,34 +51,36 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
     return step
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
-def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
-    """The compiled core of `prepare_inputs`: one executable per (config, num_tokens_padded)."""
+def prepare_step(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
+    """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further."""
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
+    max_num_reqs = state.num_scheduled_tokens.shape[0]
     # num_scheduled [0,3,0,2] -> rows [1,3,pad..], scheduled [3,2,0..], computed [C1,C3,0..]
     if config.features.reorder:  # decodes first (SPEC §2.15) instead of state-row order
         rows = reordered_rows(state, num_reqs_padded, config.features)
     else:
         rows = condense_rows(state.num_scheduled_tokens, num_reqs_padded)
-    scheduled = take_rows(state.num_scheduled_tokens, rows, fill_value=0)
-    computed = take_rows(state.num_computed_tokens, rows, fill_value=0)
-    # scheduled [3,2,0,0] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
-    query_start_loc = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(scheduled, dtype=jnp.int32)])
-    num_actual_tokens = query_start_loc[-1]
+    per_row = jnp.stack([state.num_scheduled_tokens, state.num_computed_tokens], axis=1)
+    scheduled, computed = take_rows(per_row, rows, fill_value=0).T
+    # scheduled [3,2,0,0] -> ends [3,5,5,5] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
+    ends = prefix_sum(scheduled)
+    query_start_loc = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    num_actual_tokens = ends[-1]
     is_real_token = token_mask(num_actual_tokens, num_tokens_padded)
-    # qsl [0,3,5] -> token_req [0,0,0,1,1], offsets [0,1,2,0,1], positions = computed[token_req] + offset
-    token_req = token_request_index(query_start_loc, num_tokens_padded)
-    offsets = jnp.arange(num_tokens_padded, dtype=jnp.int32) - query_start_loc[token_req]
-    positions = jnp.where(is_real_token, computed[token_req] + offsets, PAD_POSITION)
-    token_rows = jnp.where(is_real_token, rows[token_req], 0)
+    # ends [3,5] -> token_req [0,0,0,1,1]; position = computed[req] + (t - qsl[req]) = t + shift[req]
+    token_req = token_request_index(ends, num_tokens_padded)
+    per_req = jnp.stack([computed - query_start_loc[:-1], jnp.minimum(rows, max_num_reqs - 1)], axis=1)
+    shift, token_rows = per_req[token_req].T
+    positions = jnp.where(is_real_token, jnp.arange(num_tokens_padded, dtype=jnp.int32) + shift, PAD_POSITION)
+    token_rows = jnp.where(is_real_token, token_rows, 0)
     # 2-D gathers: no flattened row * max_model_len index that could overflow int32
     input_ids = jnp.where(is_real_token, state.token_ids[token_rows, positions], PAD_INPUT_ID)
     slot_mapping = _slot_mapping(state.block_table, token_rows, positions, is_real_token, config.block_size)
+    is_real_req = rows < max_num_reqs
     seq_lens = computed + scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
-    is_real_req = rows < state.num_scheduled_tokens.shape[0]
     attn_metadata = AttentionMetadata(
         query_start_loc=query_start_loc,
-        seq_lens=jnp.where(is_real_req, seq_lens, PAD_SEQ_LEN),
+        seq_lens=seq_lens,
         slot_mapping=slot_mapping,
         block_table=take_rows(state.block_table, rows, fill_value=NULL_BLOCK_ID),
         num_actual_tokens=num_actual_tokens,
@@ -90,7 +91,7 @@ def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int
     step = StepInputs(
         input_ids=input_ids,
         positions=positions,
-        logits_indices=jnp.where(is_real_req, query_start_loc[1:] - 1, PAD_LOGITS_INDEX),
+        logits_indices=jnp.where(is_real_req, ends - 1, PAD_LOGITS_INDEX),
         idx_mapping=jnp.where(is_real_req, rows, PAD_STATE_ROW),
         attn_metadata=attn_metadata,
         num_tokens_padded=num_tokens_padded,
@@ -100,3 +101,8 @@ def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int
     layout = StepLayout(rows=rows, scheduled=scheduled, computed=computed, is_real_req=is_real_req,
                         token_rows=token_rows, is_real_token=is_real_token)
     return with_features(step, state, config, layout)
+
+
+prepare_padded = jax.jit(prepare_step, static_argnames=("config", "num_tokens_padded"))
+prepare_padded.__doc__ = """The compiled core of `prepare_inputs`: one executable per (config, num_tokens_padded)."""
+

@@ -76,14 +76,14 @@ def spec_decode_metadata(num_draft_tokens: Int32[Array, "num_reqs_padded"],
     num_logits, total_drafts = starts_sampled[-1], starts_draft[-1]
 
     # logit row j of request b picks token qsl[b+1] - n[b] + (j - starts_sampled[b])
-    logit_req = token_request_index(starts_sampled, num_logits_padded)
+    logit_req = token_request_index(starts_sampled[1:], num_logits_padded)
     logit_row = jnp.arange(num_logits_padded, dtype=jnp.int32)
     local = logit_row - starts_sampled[logit_req]
     logits_indices = jnp.where(logit_row < num_logits,
                                query_start_loc[logit_req + 1] - num_sampled[logit_req] + local, PAD_LOGITS_INDEX)
 
     # draft k of request b is verified by logit row starts_sampled[b] + (k - starts_draft[b])
-    draft_req = token_request_index(starts_draft, num_drafts_padded)
+    draft_req = token_request_index(starts_draft[1:], num_drafts_padded)
     draft_row = jnp.arange(num_drafts_padded, dtype=jnp.int32)
     is_real_draft = draft_row < total_drafts
     target = jnp.where(is_real_draft, starts_sampled[draft_req] + draft_row - starts_draft[draft_req],

@@ -10,6 +10,7 @@ The fields after the four core tables are inputs of optional features (`jaxprep.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ INT32 = np.dtype(np.int32)
 
 
 @jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class BatchState:
     """Immutable pytree of the batch tables; every field is a device array."""

@@ -1,0 +1,28 @@
+"""Device-resident serving: checked, donated state transitions, a vLLM-style host scheduler, a
+tiny paged-KV transformer and the jitted serving step that ties them together.
+
+    config = ServingConfig(prep=PrepConfig(max_num_reqs=8, max_model_len=256, max_num_batched_tokens=64,
+                                           block_size=16, num_blocks=64))
+    engine = Engine(config, ModelConfig(), seed=0)
+    engine.warmup()
+    finished = engine.run(list(workload.requests), workload.arrival_steps)
+"""
+
+from jaxprep.serving.batch import ServingBatch
+from jaxprep.serving.checks import HostRows, InvalidUpdateError
+from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.engine import Engine, LoopStats
+from jaxprep.serving.model import KVCache, ModelConfig, dense_forward, init_params, paged_forward
+from jaxprep.serving.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
+from jaxprep.serving.state import (PAD_ROW, AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState,
+                                   StepUpdates)
+from jaxprep.serving.step import NO_TOKEN, prepare_step, serve_step
+from jaxprep.serving.workload import DenseCheck, Workload, check_against_dense, random_workload
+
+__all__ = [
+    "AddRequests", "AppendBlocks", "BlockAllocator", "DenseCheck", "Engine", "FinishRequests", "HostRows",
+    "InvalidUpdateError", "KVCache", "LoopStats", "ModelConfig", "NO_TOKEN", "PAD_ROW", "Request", "Schedule",
+    "Scheduler", "SchedulerOutput", "ServingBatch", "ServingConfig", "ServingState", "StepUpdates",
+    "Workload", "check_against_dense", "dense_forward", "init_params", "paged_forward", "prepare_step",
+    "random_workload", "serve_step",
+]

@@ -1,0 +1,78 @@
+"""`ServingBatch`: a device `ServingState` and its host mirror, updated only by checked transitions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxprep.serving import checks, transitions
+from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.model import KVCache, ModelConfig
+from jaxprep.serving.packing import pack_updates
+from jaxprep.serving.state import AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState, StepUpdates
+from jaxprep.serving.step import serve_step
+
+
+class ServingBatch:
+    """Owns a `ServingState` (donated by every update) and the `HostRows` mirror its checks read.
+
+    Every method checks its payload on the host first and raises `InvalidUpdateError` before
+    anything is dispatched, so on error ``state`` is still the old, live state. On success the old
+    state's buffers are donated: use ``batch.state``, never a reference kept from before.
+    """
+
+    def __init__(self, config: ServingConfig, state: ServingState | None = None):
+        if state is not None and int(np.asarray(state.num_tokens).max(initial=0)) > 0:
+            raise ValueError("ServingBatch starts from an empty state (its host mirror starts empty)")
+        self.config = config
+        self.state = ServingState.empty(config) if state is None else state
+        self.rows = checks.HostRows.empty(config.max_num_reqs)
+
+    def finish_requests(self, payload: FinishRequests) -> None:
+        self._apply(checks.check_finish(self.rows, payload, self.config), transitions.finish_jit, payload)
+
+    def add_requests(self, payload: AddRequests) -> None:
+        self._apply(checks.check_add(self.rows, payload, self.config), transitions.add_jit, payload)
+
+    def append_block_ids(self, payload: AppendBlocks) -> None:
+        self._apply(checks.check_append(self.rows, payload, self.config), transitions.append_jit, payload)
+
+    def schedule(self, payload: Schedule) -> None:
+        self._apply(checks.check_schedule(self.rows, payload, self.config), transitions.schedule_jit, payload)
+
+    def apply_updates(self, updates: StepUpdates) -> None:
+        """finish, add, append and schedule in one dispatch."""
+        self._apply(checks.check_updates(self.rows, updates, self.config), transitions.apply_updates_jit, updates)
+
+    def record_sampled(self, idx_mapping, sampled_token_ids, num_sampled) -> None:
+        """Records one step's sampled tokens (``sampled_token_ids`` [R_pad, n], ``num_sampled`` [R_pad])."""
+        idx_mapping, num_sampled = np.asarray(idx_mapping, np.int32), np.asarray(num_sampled, np.int32)
+        sampled_token_ids = np.asarray(sampled_token_ids, np.int32)
+        rows = checks.check_record(self.rows, idx_mapping, sampled_token_ids, num_sampled, self.config)
+        self.state = transitions.record_sampled_jit(self.state, idx_mapping, sampled_token_ids, num_sampled)
+        self.rows = rows
+
+    def serve(self, kv_cache: KVCache, params, updates: StepUpdates, *, model: ModelConfig,
+              num_tokens_padded: int, packed: np.ndarray | None = None) -> tuple[KVCache, np.ndarray]:
+        """Checks ``updates``, runs `serve_step` (donating the state and ``kv_cache``) and reads back
+        the appended tokens [config.decode_steps, max_num_reqs] (-1 = none).
+
+        ``packed``: ``pack_updates(updates)`` if the caller has it already.
+        """
+        rows = checks.check_updates(self.rows, updates, self.config)
+        checks.check_step(rows, int(np.asarray(updates.decode_steps)[0]), num_tokens_padded, self.config)
+        packed = pack_updates(updates) if packed is None else packed
+        self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed, config=self.config,
+                                                  model=model, num_tokens_padded=num_tokens_padded)
+        tokens = np.asarray(tokens)
+        appended = tokens >= 0
+        # iteration 0 computes the scheduled tokens, every later one the single token it decodes
+        rows.num_computed_tokens += rows.num_scheduled_tokens + appended[1:].sum(axis=0)
+        rows.num_tokens += appended.sum(axis=0)
+        rows.num_scheduled_tokens[:] = 0
+        rows.num_draft_tokens[:] = 0
+        self.rows = rows
+        return kv_cache, tokens
+
+    def _apply(self, rows: checks.HostRows, update, payload) -> None:
+        self.state = update(self.state, payload)
+        self.rows = rows

@@ -1,0 +1,65 @@
+"""`ServingConfig`: the static sizes of the serving loop's per-step updates, on top of a `PrepConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxprep.config import PrepConfig, cdiv
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServingConfig:
+    """Static configuration of the serving state and its updates; hashable, a static jit argument.
+
+    Attributes:
+      prep: the input-preparation configuration; ``prep.num_blocks`` (the KV-cache size) is required.
+      max_new_reqs_per_step: rows of the `AddRequests` payload a fused step carries; more new
+        requests in one step are added by extra `add_requests` calls of the same shape.
+      max_block_appends_per_step: entries of the `AppendBlocks` payload; ``None`` picks
+        ``cdiv(max_num_batched_tokens, block_size) + max_num_reqs`` (every block a full-budget
+        step can start, plus one per row for block boundaries).
+      num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
+        the width of `Schedule.draft_token_ids`.
+      eos_token_id: a sampled token equal to it finishes the request; -1 disables the check.
+      decode_steps: decode steps one multi-step dispatch runs when every request is decoding (K).
+    """
+
+    prep: PrepConfig
+    max_new_reqs_per_step: int = 4
+    max_block_appends_per_step: int | None = None
+    num_speculative_tokens: int = 0
+    eos_token_id: int = -1
+    decode_steps: int = 8
+
+    def __post_init__(self):
+        if self.prep.num_blocks is None:
+            raise ValueError("ServingConfig.prep.num_blocks must be set: it is the KV-cache size in blocks")
+        if self.max_block_appends_per_step is None:
+            appends = cdiv(self.prep.max_num_batched_tokens, self.prep.block_size) + self.prep.max_num_reqs
+            object.__setattr__(self, "max_block_appends_per_step", appends)
+        for name in ("max_new_reqs_per_step", "max_block_appends_per_step", "decode_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ServingConfig.{name} must be a positive int, got {value!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"ServingConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+
+    @property
+    def max_num_reqs(self) -> int:
+        return self.prep.max_num_reqs
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prep.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.prep.block_size
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return self.prep.max_blocks_per_req
+
+    @property
+    def num_blocks(self) -> int:
+        return self.prep.num_blocks

@@ -1,0 +1,178 @@
+"""A tiny decoder-only transformer with random weights, run two ways: paged and dense.
+
+`paged_forward` is the serving path: it writes each layer's K/V into a paged cache through
+``slot_mapping`` and reads a request's context back through its gathered block table, with the
+causal mask given by ``positions`` and ``seq_lens`` (SPEC §3). `dense_forward` recomputes a whole
+sequence with a plain causal mask and no cache: the oracle the serving loop is checked against.
+Both share the embedding, RoPE, norms and MLP; only attention and the cache differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprep.metadata import StepInputs
+from jaxprep.ragged import token_request_index
+
+MASKED = -1e30
+"""Score of a masked key: exp(MASKED - max) is exactly 0, and a fully masked (padded) query stays finite."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Sizes of the tiny model (static, hashable)."""
+
+    vocab_size: int = 512
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    d_ff: int = 128
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"ModelConfig: d_model={self.d_model} must split into num_heads={self.num_heads} "
+                             "heads of an even size (RoPE rotates pairs)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Paged K/V of every layer, indexed by slot = block_id * block_size + offset."""
+
+    k: jax.Array  # [num_layers, num_blocks * block_size, num_heads, head_dim] float32
+    v: jax.Array  # [num_layers, num_blocks * block_size, num_heads, head_dim] float32
+
+    @classmethod
+    def zeros(cls, model: ModelConfig, num_blocks: int, block_size: int) -> KVCache:
+        shape = (model.num_layers, num_blocks * block_size, model.num_heads, model.head_dim)
+        return cls(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32))
+
+
+def init_params(model: ModelConfig, seed: int) -> dict[str, jax.Array]:
+    """Gaussian weights scaled by 1/sqrt(fan_in); per-layer weights stacked on a leading axis."""
+    rng = np.random.default_rng(seed)
+    layers, d, f, v = model.num_layers, model.d_model, model.d_ff, model.vocab_size
+
+    def normal(*shape, fan_in=None):
+        scale = 1.0 if fan_in is None else fan_in ** -0.5
+        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+    return {
+        "embed": normal(v, d),
+        "wqkv": normal(layers, d, 3 * d, fan_in=d),
+        "wo": normal(layers, d, d, fan_in=d),
+        "w_up": normal(layers, d, f, fan_in=d),
+        "w_down": normal(layers, f, d, fan_in=f),
+        "lm_head": normal(d, v, fan_in=d) * 4.0,  # logits of std ~4: greedy picks are well separated
+    }
+
+
+def _rms_norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of x [T, H, Dh] at integer positions [T] (half-split pairs)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _qkv(layer_params, x: jax.Array, positions: jax.Array, model: ModelConfig):
+    tokens = x.shape[0]
+    qkv = _rms_norm(x) @ layer_params["wqkv"]
+    q, k, v = (part.reshape(tokens, model.num_heads, model.head_dim) for part in jnp.split(qkv, 3, axis=-1))
+    return _rope(q, positions, model.rope_theta), _rope(k, positions, model.rope_theta), v
+
+
+def _mlp_and_residual(layer_params, x: jax.Array, attn: jax.Array) -> jax.Array:
+    x = x + attn.reshape(x.shape) @ layer_params["wo"]
+    return x + jax.nn.gelu(_rms_norm(x) @ layer_params["w_up"]) @ layer_params["w_down"]
+
+
+def _layers(params) -> dict[str, jax.Array]:
+    """The stacked per-layer weights, scanned over by the forward passes."""
+    return {name: params[name] for name in ("wqkv", "wo", "w_up", "w_down")}
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention of q [T, H, Dh] over per-query keys k, v [T, S, H, Dh] where mask [T, S]."""
+    scores = jnp.einsum("thd,tshd->ths", q, k) * (q.shape[-1] ** -0.5)
+    scores = jnp.where(mask[:, None, :], scores, MASKED)
+    return jnp.einsum("ths,tshd->thd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: ModelConfig,
+                  block_size: int, max_model_len: int) -> tuple[KVCache, jax.Array]:
+    """One step over the padded batch: writes K/V at ``slot_mapping``, returns logits [R_pad, V]
+    of the rows' ``logits_indices``. Scans over the layers, carrying the whole cache."""
+    meta = inputs.attn_metadata
+    num_slots = kv_cache.k.shape[1]
+    # PAD_SLOT_ID -1 would wrap to the last slot even with mode='drop': send it past the end instead
+    write_slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping, num_slots)
+    context_slots, mask = _context(inputs, block_size, max_model_len)
+
+    def layer_step(carry, layer_in):
+        x, k_cache, v_cache = carry
+        layer, layer_params = layer_in
+        q, k, v = _qkv(layer_params, x, inputs.positions, model)
+        k_cache = k_cache.at[layer, write_slots].set(k, mode="drop")
+        v_cache = v_cache.at[layer, write_slots].set(v, mode="drop")
+        attn = _attend(q, k_cache[layer][context_slots], v_cache[layer][context_slots], mask)
+        return (_mlp_and_residual(layer_params, x, attn), k_cache, v_cache), None
+
+    layer_ids = jnp.arange(model.num_layers, dtype=jnp.int32)
+    carry = (params["embed"][inputs.input_ids], kv_cache.k, kv_cache.v)
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, carry, (layer_ids, _layers(params)))
+    logits = _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
+    return KVCache(k=k_cache, v=v_cache), logits
+
+
+def _context(inputs: StepInputs, block_size: int, max_model_len: int):
+    """Cache slot of every context position of every query token, and which of them it may see.
+
+    Context position j of batch row b lives at slot block_table[b, j // B] * B + j % B; token t of
+    row b sees j <= positions[t] (causal) and j < seq_lens[b]; padded tokens see nothing.
+    # B 2, block_table row [4, 9, 0..], position 2 -> slots [8, 9, 18, 19, ..], mask [1, 1, 1, 0, ..]
+    """
+    meta = inputs.attn_metadata
+    num_columns = -(-max_model_len // block_size)
+    table = meta.block_table[:, :num_columns]  # [R_pad, cdiv(M, B)]
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    row_slots = (table[:, :, None] * block_size + offsets[None, None, :]).reshape(table.shape[0], -1)
+    token_row = token_request_index(meta.query_start_loc[1:], inputs.num_tokens_padded)
+    is_real = jnp.arange(inputs.num_tokens_padded, dtype=jnp.int32) < meta.num_actual_tokens
+    context = jnp.arange(row_slots.shape[1], dtype=jnp.int32)[None, :]
+    mask = ((context <= inputs.positions[:, None]) & (context < meta.seq_lens[token_row][:, None])
+            & is_real[:, None])
+    return row_slots[token_row], mask
+
+
+def dense_forward(params, token_ids: jax.Array, *, model: ModelConfig) -> jax.Array:
+    """Logits [L, V] of every position of one sequence, recomputed with a causal mask, no cache.
+
+    Padding past the real length changes nothing before it (the mask is causal)."""
+    length = token_ids.shape[0]
+    positions = jnp.arange(length, dtype=jnp.int32)
+    causal = positions[None, :] <= positions[:, None]
+
+    def layer_step(x, layer_params):
+        q, k, v = _qkv(layer_params, x, positions, model)
+        keys = jnp.broadcast_to(k[None], (length,) + k.shape)
+        values = jnp.broadcast_to(v[None], (length,) + v.shape)
+        return _mlp_and_residual(layer_params, x, _attend(q, keys, values, causal)), None
+
+    x, _ = jax.lax.scan(layer_step, params["embed"][token_ids], _layers(params))
+    return _rms_norm(x) @ params["lm_head"]

@@ -1,0 +1,191 @@
+"""`ServingState`, the device-resident serving tables, and the padded per-step update payloads.
+
+`ServingState` wraps the `BatchState` that `prepare_inputs` reads and adds the serving-only
+bookkeeping (vLLM V2 ``RequestState``: ``total_len``, ``num_blocks``; SPEC §1.4, §5.2). A row is
+busy while ``num_tokens > 0``.
+
+The payloads are pytrees of host (NumPy) arrays padded to sizes fixed by `ServingConfig`, so a
+jitted update sees the same shapes every step; padded entries use row -1, which updates nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep.serving.config import ServingConfig
+from jaxprep.state import BatchState
+
+PAD_ROW = -1
+"""Row of a padded payload entry: it changes nothing."""
+
+HostOrDevice = np.ndarray | jax.Array
+"""Payload leaves are NumPy arrays on the host and traced arrays inside a jitted update."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ServingState:
+    """The batch tables plus per-row serving counters; every leaf is an int32 device array."""
+
+    batch: BatchState  # token_ids, block_table, num_computed_tokens (authoritative), num_scheduled_tokens
+    num_tokens: jax.Array  # [max_num_reqs] prompt + sampled tokens in token_ids; 0 = free row
+    max_num_tokens: jax.Array  # [max_num_reqs] stop length: min(prompt + max_tokens, max_model_len)
+    num_blocks: jax.Array  # [max_num_reqs] allocated block-table columns
+    num_draft_tokens: jax.Array  # [max_num_reqs] draft tokens scheduled this step (spec decode)
+
+    @classmethod
+    def empty(cls, config: ServingConfig) -> ServingState:
+        """No requests: every row free."""
+        def zeros():  # one buffer per field: donation rejects a buffer passed twice
+            return jnp.zeros((config.max_num_reqs,), jnp.int32)
+
+        return cls(batch=BatchState.empty(config.prep), num_tokens=zeros(), max_num_tokens=zeros(),
+                   num_blocks=zeros(), num_draft_tokens=zeros())
+
+    def to_numpy(self) -> dict[str, np.ndarray]:
+        """Host copies of every leaf, by field name (the batch's fields included)."""
+        host = self.batch.to_numpy()
+        for field in dataclasses.fields(self):
+            if field.name != "batch":
+                host[field.name] = np.asarray(getattr(self, field.name))
+        return host
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FinishRequests:
+    """Rows to free (finished or preempted requests)."""
+
+    rows: HostOrDevice  # [max_num_reqs] state rows; pad -1
+
+    @classmethod
+    def build(cls, config: ServingConfig, rows=()) -> FinishRequests:
+        return cls(rows=_padded(rows, config.max_num_reqs))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AddRequests:
+    """New (or resumed) requests written into free rows: whole rows of the token and block tables."""
+
+    rows: HostOrDevice  # [A] state rows; pad -1 (A = max_new_reqs_per_step)
+    token_ids: HostOrDevice  # [A, max_model_len] prompt (+ resumed outputs), zero past num_tokens
+    num_tokens: HostOrDevice  # [A] tokens written
+    max_num_tokens: HostOrDevice  # [A] stop length
+    num_computed_tokens: HostOrDevice  # [A] > 0 after a prefix-cache hit
+    block_ids: HostOrDevice  # [A, max_blocks_per_req] allocated blocks, null block 0 past num_blocks
+    num_blocks: HostOrDevice  # [A]
+
+    @classmethod
+    def build(cls, config: ServingConfig, requests=()) -> AddRequests:
+        """``requests``: dicts with row, token_ids, max_num_tokens, block_ids and optionally
+        num_computed_tokens (default 0). At most ``max_new_reqs_per_step`` of them."""
+        size, prep = config.max_new_reqs_per_step, config.prep
+        requests = list(requests)
+        if len(requests) > size:
+            raise ValueError(f"AddRequests holds at most max_new_reqs_per_step={size} requests, got {len(requests)}")
+        arrays = dict(rows=np.full(size, PAD_ROW, np.int32),
+                      token_ids=np.zeros((size, prep.max_model_len), np.int32),
+                      num_tokens=np.zeros(size, np.int32), max_num_tokens=np.zeros(size, np.int32),
+                      num_computed_tokens=np.zeros(size, np.int32),
+                      block_ids=np.full((size, prep.max_blocks_per_req), NULL_BLOCK_ID, np.int32),
+                      num_blocks=np.zeros(size, np.int32))
+        for i, request in enumerate(requests):
+            tokens, blocks = _row_values(request["token_ids"]), _row_values(request["block_ids"])
+            arrays["rows"][i] = request["row"]
+            _fill_row(arrays["token_ids"], i, tokens, "AddRequests.token_ids", "max_model_len")
+            _fill_row(arrays["block_ids"], i, blocks, "AddRequests.block_ids", "max_blocks_per_req")
+            arrays["num_tokens"][i] = len(tokens)
+            arrays["num_blocks"][i] = len(blocks)
+            arrays["max_num_tokens"][i] = request["max_num_tokens"]
+            arrays["num_computed_tokens"][i] = request.get("num_computed_tokens", 0)
+        return cls(**arrays)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AppendBlocks:
+    """Block ids appended to rows after their last allocated column, in payload order."""
+
+    rows: HostOrDevice  # [P] state rows; pad -1 (P = max_block_appends_per_step)
+    block_ids: HostOrDevice  # [P]
+
+    @classmethod
+    def build(cls, config: ServingConfig, appends=None) -> AppendBlocks:
+        """``appends``: {row: [block ids]}."""
+        size = config.max_block_appends_per_step
+        pairs = [(row, block) for row, blocks in (appends or {}).items() for block in blocks]
+        if len(pairs) > size:
+            raise ValueError(f"AppendBlocks holds at most max_block_appends_per_step={size} blocks, got {len(pairs)}")
+        rows, blocks = np.full(size, PAD_ROW, np.int32), np.full(size, NULL_BLOCK_ID, np.int32)
+        if pairs:
+            rows[: len(pairs)], blocks[: len(pairs)] = zip(*pairs)
+        return cls(rows=rows, block_ids=blocks)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Tokens (and drafts) every row runs this step; 0 = not in the batch."""
+
+    num_scheduled_tokens: HostOrDevice  # [max_num_reqs]
+    num_draft_tokens: HostOrDevice  # [max_num_reqs] D; a row with drafts schedules D + 1 tokens
+    draft_token_ids: HostOrDevice  # [max_num_reqs, num_speculative_tokens] written after num_tokens
+
+    @classmethod
+    def build(cls, config: ServingConfig, num_scheduled_tokens=None, num_draft_tokens=None,
+              draft_token_ids=None) -> Schedule:
+        rows, width = config.max_num_reqs, config.num_speculative_tokens
+        return cls(num_scheduled_tokens=_padded(num_scheduled_tokens, rows, fill=0),
+                   num_draft_tokens=_padded(num_draft_tokens, rows, fill=0),
+                   draft_token_ids=(np.zeros((rows, width), np.int32) if draft_token_ids is None
+                                    else np.asarray(draft_token_ids, np.int32).reshape(rows, width)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepUpdates:
+    """Everything the host sends for one step, applied in field order: finish, add, append, schedule.
+
+    ``decode_steps`` is read by the serving step, not by the state transitions: 1 runs the scheduled
+    step once; k > 1 (every scheduled row decoding its last token) lets it decode up to k tokens.
+    """
+
+    finish: FinishRequests
+    add: AddRequests
+    append: AppendBlocks
+    schedule: Schedule
+    decode_steps: HostOrDevice  # [1] iterations the serving step may run, 1 <= k <= config.decode_steps
+
+    @classmethod
+    def build(cls, config: ServingConfig, *, finish=(), add=(), append=None, num_scheduled_tokens=None,
+              num_draft_tokens=None, draft_token_ids=None, decode_steps: int = 1) -> StepUpdates:
+        return cls(finish=FinishRequests.build(config, finish), add=AddRequests.build(config, add),
+                   append=AppendBlocks.build(config, append),
+                   schedule=Schedule.build(config, num_scheduled_tokens, num_draft_tokens, draft_token_ids),
+                   decode_steps=np.array([decode_steps], np.int32))
+
+
+def _padded(values, size: int, fill: int = PAD_ROW) -> np.ndarray:
+    """A [size] int32 array holding ``values`` then ``fill``."""
+    values = np.asarray([] if values is None else values, np.int64).ravel()
+    if len(values) > size:
+        raise ValueError(f"got {len(values)} entries, the payload holds {size}")
+    out = np.full(size, fill, np.int32)
+    out[: len(values)] = values
+    return out
+
+
+def _row_values(values) -> np.ndarray:
+    return np.asarray(values, np.int64).ravel()
+
+
+def _fill_row(table: np.ndarray, i: int, values: np.ndarray, name: str, bound: str) -> None:
+    if len(values) > table.shape[1]:
+        raise ValueError(f"{name}[{i}] has {len(values)} entries, more than {bound}={table.shape[1]}")
+    table[i, : len(values)] = values

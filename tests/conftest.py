@@ -1,0 +1,24 @@
+"""Strict JAX settings and run-time shape checks for the whole suite (STYLE.md habit 4, 10).
+
+- dtype promotion is strict and rank promotion raises, so an implicit int64/float upcast or a
+  broadcasting slip fails a test instead of passing silently;
+- jaxprep is imported under jaxtyping's import hook with beartype, so every annotated function
+  checks the shapes and dtypes written in its signature;
+- XLA's CPU client runs on one thread (as the CLI and benchmarks do): faster on small hosts.
+"""
+
+import os
+
+os.environ.setdefault("PJRT_NPROC", "1")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+from jaxtyping import install_import_hook  # noqa: E402
+
+with install_import_hook(["jaxprep", "torch_bridge"], "beartype.beartype"):
+    import jaxprep  # noqa: E402,F401
+    import jaxprep.reference  # noqa: E402,F401

@@ -1,0 +1,50 @@
+"""The bucket ladder and block-table width."""
+
+import pytest
+
+from jaxprep import PrepConfig, default_token_buckets
+from jaxprep.config import block_table_width
+
+
+@pytest.mark.parametrize("budget", [1, 7, 8, 10, 64, 100, 300, 512, 2048, 8192, 16384, 16640])
+def test_default_ladder_includes_and_never_exceeds_budget(budget):
+    ladder = default_token_buckets(budget)
+    assert ladder[-1] == budget
+    assert all(0 < b <= budget for b in ladder)
+    assert list(ladder) == sorted(set(ladder))
+
+
+@pytest.mark.parametrize("budget", [512, 8192, 16384])
+def test_default_ladder_pads_at_most_a_quarter_above_64(budget):
+    ladder = default_token_buckets(budget)
+    for n in range(65, budget + 1, 7):
+        bucket = next(b for b in ladder if b >= n)
+        assert bucket <= 1.25 * n + 1, (n, bucket)
+
+
+def test_ladder_example():
+    assert default_token_buckets(300) == (8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 300)
+
+
+def test_bucket_for_picks_the_smallest_bucket_holding_the_step():
+    config = PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=300, block_size=16)
+    assert [config.bucket_for(n) for n in (1, 8, 9, 65, 256, 257, 300)] == [8, 8, 16, 80, 256, 300, 300]
+    with pytest.raises(ValueError, match=r"num_tokens=301 must lie in \[1, max_num_batched_tokens=300\]"):
+        config.bucket_for(301)
+    with pytest.raises(ValueError, match="num_tokens=0"):
+        config.bucket_for(0)
+
+
+def test_block_table_width_matches_vllm_alignment():
+    """SPEC §1.3: B=2, M=12 -> 64 columns; B=16, M=240 -> 16 columns."""
+    assert block_table_width(12, 2) == 64
+    assert block_table_width(240, 16) == 16
+    assert block_table_width(4096, 16) == 256
+    assert block_table_width(100, 3) == 128  # alignment 128 / gcd(128, 3) = 128
+
+
+def test_config_is_hashable_and_static():
+    a = PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=300, block_size=16)
+    b = PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=300, block_size=16)
+    assert a == b and hash(a) == hash(b)
+    assert a.num_reqs_padded(8) == 4 and a.num_reqs_padded(2) == 2

@@ -1,0 +1,136 @@
+"""`to_torch`: a prepared `jaxprep.StepInputs` as torch tensors under vLLM's names and dtypes.
+
+Lifetime: every tensor shares memory with a JAX array through DLPack and holds a reference to it
+(so does `TorchStepInputs.jax_buffers`). A step's arrays are outputs of `prepare_inputs`: they
+never alias the `BatchState` they came from, so updating and donating that state leaves the
+tensors as they were. While torch holds a tensor, PJRT sees an external reference on its buffer
+and will not hand the buffer to a donated argument: on the CPU it copies instead, on CUDA the call
+fails ("Donation requested for buffer with external reference"). With the default packed strategy
+the shared buffer is internal to the bridge, so no caller can donate it at all. Do not donate a
+step's arrays while torch still reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from torch_bridge._torch import device_type, torch
+from torch_bridge.dlpack import jax_to_torch
+from torch_bridge.transfer import Bridged, PackSpec, bridge_packed, bridge_per_field, transfer
+
+SCALARS = ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len")
+HOST_MIRRORED = ("query_start_loc", "seq_lens")
+
+# positions and slot_mapping are int64 in vLLM's CUDA/CPU runners ("wide": int64 on the torch side)
+STEP_SPEC = PackSpec(
+    device_only=(("positions", True), ("slot_mapping", True), ("input_ids", False),
+                 ("logits_indices", False), ("idx_mapping", False), ("block_table_tensor", False)),
+    scalars=SCALARS, host_mirrored=HOST_MIRRORED)
+
+STRATEGIES = {"packed": bridge_packed, "per_field": bridge_per_field}
+DEFAULT_STRATEGY = "packed"
+"""The faster one on a 2-core CPU host (benchmarks/bench_bridge.py): see README, torch_bridge."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchAttentionMetadata:
+    """vLLM's ``CommonAttentionMetadata`` fields, as torch tensors and Python ints."""
+
+    query_start_loc: torch.Tensor  # [num_reqs_padded + 1] int32; pad repeats num_actual_tokens
+    query_start_loc_cpu: torch.Tensor  # host mirror of query_start_loc
+    seq_lens: torch.Tensor  # [num_reqs_padded] int32; pad 0
+    seq_lens_cpu: torch.Tensor  # host mirror of seq_lens
+    num_reqs: int  # requests in the batch, unpadded
+    num_actual_tokens: int  # scheduled tokens, unpadded
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor  # [num_reqs_padded, max_blocks_per_req] int32; pad rows 0
+    slot_mapping: torch.Tensor  # [num_tokens_padded] int64 (int32 on the NPU); pad -1
+    causal: bool = True
+    attn_state: Any = None  # from jaxprep's attention-state function, passed through
+    attn_mask: torch.Tensor | None = None  # likewise
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchStepInputs:
+    """Model inputs of one step on the torch side."""
+
+    input_ids: torch.Tensor  # [num_tokens_padded] int32; pad 0
+    positions: torch.Tensor  # [num_tokens_padded] int64; pad 0
+    logits_indices: torch.Tensor  # [num_reqs_padded] int32; pad 0
+    idx_mapping: torch.Tensor  # [num_reqs_padded] int32; pad -1
+    attn_metadata: TorchAttentionMetadata
+    num_tokens_padded: int
+    spec_decode: Any = None  # the step's spec-decode pytree with torch leaves, when it has one
+    jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
+
+
+def step_arrays(step_inputs) -> dict[str, jax.Array]:
+    """The step's arrays under vLLM's names (``block_table`` becomes ``block_table_tensor``)."""
+    meta = step_inputs.attn_metadata
+    arrays = {name: getattr(step_inputs, name) for name in ("input_ids", "positions", "logits_indices", "idx_mapping")}
+    arrays.update({name: getattr(meta, name) for name in ("query_start_loc", "seq_lens", "slot_mapping") + SCALARS})
+    arrays["block_table_tensor"] = meta.block_table
+    for name, array in arrays.items():
+        if array.is_deleted():
+            raise ValueError(f"StepInputs field {name} was deleted (donated to a jitted update?) before "
+                             "it reached torch: never donate a step that is still to be bridged")
+    return arrays
+
+
+def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn_state=None,
+             attn_mask=None) -> TorchStepInputs:
+    """The step as torch tensors on ``device`` (default: where its JAX arrays live).
+
+    On the arrays' own device (CPU or CUDA) every int32 field is shared, not copied. ``device="npu"``
+    goes through `torch_bridge.to_npu` (host staging, FIA padding). ``attn_state`` and ``attn_mask``
+    override the step's own attributes of those names, if it has any.
+    """
+    if device_type(device) == "npu":
+        from torch_bridge.npu import to_npu
+
+        return to_npu(step_inputs, device, attn_state=attn_state, attn_mask=attn_mask)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
+    bridged = STRATEGIES[strategy](step_arrays(step_inputs), STEP_SPEC, device)
+    return assemble(step_inputs, bridged, device, attn_state=attn_state, attn_mask=attn_mask)
+
+
+def assemble(step_inputs, bridged: Bridged, device, *, attn_state, attn_mask,
+             metadata_cls=TorchAttentionMetadata, **metadata_extras) -> TorchStepInputs:
+    """Builds `TorchStepInputs` from bridged tensors, with the step's optional features converted."""
+    tensors, host = bridged.device, bridged.host
+    attn_state = _feature(step_inputs, "attn_state", attn_state)
+    attn_mask = _feature(step_inputs, "attn_mask", attn_mask)
+    spec_decode = getattr(step_inputs, "spec_decode", None)
+    metadata = metadata_cls(
+        query_start_loc=tensors["query_start_loc"], query_start_loc_cpu=host["query_start_loc"],
+        seq_lens=tensors["seq_lens"], seq_lens_cpu=host["seq_lens"],
+        block_table_tensor=tensors["block_table_tensor"], slot_mapping=tensors["slot_mapping"],
+        attn_state=int(attn_state) if isinstance(attn_state, jax.Array) else attn_state,
+        attn_mask=None if attn_mask is None else convert_leaf(attn_mask, device),
+        **bridged.scalars, **metadata_extras)
+    return TorchStepInputs(
+        input_ids=tensors["input_ids"], positions=tensors["positions"],
+        logits_indices=tensors["logits_indices"], idx_mapping=tensors["idx_mapping"],
+        attn_metadata=metadata, num_tokens_padded=step_inputs.num_tokens_padded,
+        spec_decode=None if spec_decode is None else jax.tree.map(lambda leaf: convert_leaf(leaf, device), spec_decode),
+        jax_buffers=bridged.jax_buffers)
+
+
+def convert_leaf(value, device):
+    """A JAX array as a (zero-copy) tensor on ``device``; a tensor moved there; anything else as is."""
+    if isinstance(value, jax.Array):
+        value = jax_to_torch(value)
+    return transfer(value, device) if isinstance(value, torch.Tensor) else value
+
+
+def _feature(step_inputs, name: str, given):
+    """An explicit argument wins over the step's own attribute (or its attn_metadata's)."""
+    if given is not None:
+        return given
+    found = getattr(step_inputs, name, None)
+    return getattr(step_inputs.attn_metadata, name, None) if found is None else found
