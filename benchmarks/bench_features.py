@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import platform
-import statistics
-import subprocess
+import os
+import sys
 import time
 
-from jaxprep.cli import configure_runtime
+sys.path.insert(0, os.path.dirname(__file__))
+
+from jaxprep.cli import configure_runtime  # noqa: E402
 
 configure_runtime()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from common import machine_line, median_us  # noqa: E402
 from jaxprep import (BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig,  # noqa: E402
                      prepare_inputs, validate)
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
@@ -102,18 +104,14 @@ def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
     return arrays
 
 
-def time_step(state, config, num_tokens: int, iters: int) -> tuple[float, list[float]]:
+def time_step(state, config, num_tokens: int, iters: int) -> tuple[float, float]:
+    """(compile seconds, median us per call with the outputs ready)."""
+    def call():
+        jax.block_until_ready(prepare_inputs(state, config, num_tokens))
+
     start = time.perf_counter()
-    jax.block_until_ready(prepare_inputs(state, config, num_tokens))
-    compile_s = time.perf_counter() - start
-    for _ in range(20):
-        jax.block_until_ready(prepare_inputs(state, config, num_tokens))
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(prepare_inputs(state, config, num_tokens))
-        samples.append((time.perf_counter() - start) * 1e6)
-    return compile_s, samples
+    call()
+    return time.perf_counter() - start, median_us(call, iters, warmup=20)
 
 
 def main() -> None:
@@ -125,23 +123,18 @@ def main() -> None:
     args = parser.parse_args()
     base = PrepConfig(max_num_reqs=args.reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.tokens, block_size=BLOCK_SIZE)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# jaxprep feature costs: {args.reqs} requests, {args.tokens} tokens (bucket {args.tokens}), "
-          f"max_model_len {args.max_model_len}, {args.iters} timed calls each")
-    print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"numpy {np.__version__}, commit {commit}, PJRT_NPROC=1, synchronous dispatch")
-    print(f"{'feature':32s} {'compile s':>9s} {'median us':>10s} {'p10 us':>8s} {'extra us':>9s} {'ratio':>6s}")
+          f"max_model_len {args.max_model_len}, median of {args.iters} calls each; PJRT_NPROC=1, sync dispatch")
+    print(f"# {machine_line()}")
+    print(f"{'feature':30s} {'compile s':>9s} {'median us':>10s} {'extra us':>9s} {'ratio':>6s}")
     plain_median = None
     for name, features in FEATURES.items():
         config = dataclasses.replace(base, features=features)
         state = BatchState.from_numpy(**batch(config, args.reqs, args.tokens, np.random.default_rng(0)))
         validate(state, config)
-        compile_s, samples = time_step(state, config, args.tokens, args.iters)
-        median = statistics.median(samples)
-        p10 = float(np.percentile(samples, 10))
+        compile_s, median = time_step(state, config, args.tokens, args.iters)
         plain_median = plain_median or median
-        print(f"{name:32s} {compile_s:9.2f} {median:10.1f} {p10:8.1f} {median - plain_median:+9.1f} "
-              f"{median / plain_median:6.2f}")
+        print(f"{name:30s} {compile_s:9.2f} {median:10.1f} {median - plain_median:+9.1f} {median / plain_median:6.2f}")
 
 
 if __name__ == "__main__":

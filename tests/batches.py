@@ -49,9 +49,14 @@ def _token_ids(config: PrepConfig, draw) -> np.ndarray:
 def _block_table(config: PrepConfig, seq_lens: np.ndarray, draw) -> np.ndarray:
     """Distinct block ids >= 1 for every column a row uses; 0 (null) past them."""
     seed = draw(0, 2**31 - 1)
-    table = np.zeros((config.max_num_reqs, config.max_blocks_per_req), np.int32)
     needed = [cdiv(int(n), config.block_size) for n in seq_lens]
-    highest = min(config.max_block_id, 2 * sum(needed) + 1)
+    return allocate_blocks(config.max_num_reqs, config.max_blocks_per_req, needed,
+                           min(config.max_block_id, 2 * sum(needed) + 1), seed)
+
+
+def allocate_blocks(rows: int, width: int, needed, highest: int, seed: int) -> np.ndarray:
+    """``needed[r]`` distinct random ids from ``[1, highest]`` at the start of row r; 0 (null) past them."""
+    table = np.zeros((rows, width), np.int32)
     pool = np.random.default_rng(seed).permutation(np.arange(1, highest + 1))
     start = 0
     for row, count in enumerate(needed):

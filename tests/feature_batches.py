@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from jaxprep import BatchState, prepare_inputs, validate
 from jaxprep.config import cdiv
 
+from batches import allocate_blocks
+
 VOCAB = 50_000
 RUN_MODES = ("jit", "eager")
 
@@ -66,13 +68,7 @@ def token_table(config, seed: int) -> np.ndarray:
 def block_table(rows: int, width: int, seq_lens, block_size: int, seed: int, tokens_per_column: int | None = None):
     """Distinct block ids >= 1 for every column a row uses; 0 (null) past them."""
     needed = [cdiv(int(n), tokens_per_column or block_size) for n in seq_lens]
-    pool = np.random.default_rng(seed).permutation(np.arange(1, 4 * sum(needed) + 2))
-    table = np.zeros((rows, width), np.int32)
-    start = 0
-    for row, count in enumerate(needed):
-        table[row, :count] = pool[start:start + count]
-        start += count
-    return table
+    return allocate_blocks(rows, width, needed, 4 * sum(needed) + 1, seed)
 
 
 @st.composite
