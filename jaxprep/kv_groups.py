@@ -12,22 +12,24 @@ DCP when it is on). The block table handed to its kernel is gathered in batch or
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
-from jaxprep._typing import Array, Int32
+from jaxprep._typing import Array, Int32, StepArray
 
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep.features import KVCacheGroupSpec
 
 
 @jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class KVGroupMetadata:
     """What the layers of one KV-cache group read."""
 
-    block_table: Int32[Array, "num_reqs_padded kernel_width"]  # kernel block table in batch order; pad rows: 0
-    slot_mapping: Int32[Array, "num_tokens_padded"]  # manager slots; pad: -1
+    block_table: Int32[StepArray, "num_reqs_padded kernel_width"]  # kernel block table in batch order; pad rows: 0
+    slot_mapping: Int32[StepArray, "num_tokens_padded"]  # manager slots; pad: -1
     block_size: int = dataclasses.field(metadata=dict(static=True))  # manager block size B_g
     kernel_block_size: int = dataclasses.field(metadata=dict(static=True))  # b; the table's block size
 

@@ -10,21 +10,23 @@ before its lookup.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
+from jaxprep._typing import Array, Bool, Int32, StepArray
 
 from jaxprep._constants import PAD_EMBEDS_INDEX, PAD_INPUT_ID
 
 
 @jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class PromptEmbedsMetadata:
     """Per-token choice between the token embedding and a prompt embedding."""
 
-    is_token_ids: Bool[Array, "num_tokens_padded"]  # False: take embeds_indices; pad: True
-    embeds_indices: Int32[Array, "num_tokens_padded"]  # pool row of a prompt embedding; else 0
+    is_token_ids: Bool[StepArray, "num_tokens_padded"]  # False: take embeds_indices; pad: True
+    embeds_indices: Int32[StepArray, "num_tokens_padded"]  # pool row of a prompt embedding; else 0
 
 
 def prompt_embeds_metadata(is_token_ids: Bool[Array, "max_num_reqs max_model_len"],

@@ -11,16 +11,18 @@ Static sizes: ``num_logits_padded = min(T_pad, R_pad * (K + 1))`` and
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
+from jaxprep._typing import Array, Bool, Int32, StepArray
 
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
 from jaxprep.ragged import token_request_index
 
 
 @jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class SpecDecodeMetadata:
     """vLLM ``SpecDecodeMetadata``, padded; ``*_indices`` pads are the safe index 0.
@@ -29,14 +31,14 @@ class SpecDecodeMetadata:
     properties read from the cumsums rather than fields of their own.
     """
 
-    num_draft_tokens: Int32[Array, "num_reqs_padded"]  # D per batch row; pad: 0
-    cu_num_draft_tokens: Int32[Array, "num_reqs_padded"]  # inclusive cumsum of D; pad repeats the total
-    cu_num_sampled_tokens: Int32[Array, "num_reqs_padded"]  # inclusive cumsum of D + 1; pad repeats the total
-    logits_indices: Int32[Array, "num_logits_padded"]  # token row of each sampled logit
-    target_logits_indices: Int32[Array, "num_drafts_padded"]  # logit row that verifies each draft
-    bonus_logits_indices: Int32[Array, "num_reqs_padded"]  # logit row of each bonus token
-    draft_token_ids: Int32[Array, "num_drafts_padded"]  # the drafts, flattened; pad: 0
-    max_spec_len: Int32[Array, ""]  # max D
+    num_draft_tokens: Int32[StepArray, "num_reqs_padded"]  # D per batch row; pad: 0
+    cu_num_draft_tokens: Int32[StepArray, "num_reqs_padded"]  # inclusive cumsum of D; pad repeats the total
+    cu_num_sampled_tokens: Int32[StepArray, "num_reqs_padded"]  # inclusive cumsum of D + 1; pad repeats the total
+    logits_indices: Int32[StepArray, "num_logits_padded"]  # token row of each sampled logit
+    target_logits_indices: Int32[StepArray, "num_drafts_padded"]  # logit row that verifies each draft
+    bonus_logits_indices: Int32[StepArray, "num_reqs_padded"]  # logit row of each bonus token
+    draft_token_ids: Int32[StepArray, "num_drafts_padded"]  # the drafts, flattened; pad: 0
+    max_spec_len: Int32[StepArray, ""]  # max D
 
     @property
     def num_logits(self) -> Int32[Array, ""]:

@@ -88,17 +88,3 @@ def batch_rows(arrays: dict) -> np.ndarray:
     """State rows of the batch in row order."""
     return np.flatnonzero(np.asarray(arrays["num_scheduled_tokens"]) > 0)
 
-
-def with_field(state, name: str, value):
-    """A copy of ``state`` with one field set as given, bypassing the constructor's shape checks.
-
-    Under the test suite's jaxtyping hook a `BatchState` with inconsistent shapes cannot be built;
-    this makes one so that `jaxprep.validate`'s own checks can be tested.
-    """
-    import copy
-
-    import jax
-
-    bad = copy.copy(state)
-    object.__setattr__(bad, name, jax.device_put(value))
-    return bad

@@ -15,7 +15,7 @@ from jaxprep.async_tokens import prev_batch_rows_from_step
 from jaxprep.reference import prepare_reference
 from jaxprep.reference_spec import async_input_ids_reference
 
-from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step, with_field
+from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step
 
 K = 2
 CONFIG = PrepConfig(max_num_reqs=6, max_model_len=40, max_num_batched_tokens=32, block_size=4,
@@ -143,7 +143,7 @@ def test_bad_async_inputs_are_rejected():
     arrays = dict(section_2_9_example(), num_draft_tokens=np.zeros(5, np.int32))
     with pytest.raises(InvalidBatchError, match="prev_draft_token_ids is missing"):
         validate(BatchState.from_numpy(**arrays), spec_config)
-    state = with_field(BatchState.from_numpy(**dict(arrays, prev_draft_token_ids=np.zeros((5, 2), np.int32))),
-                       "prev_draft_token_ids", np.zeros((5, 3), np.int32))
+    state = dataclasses.replace(BatchState.from_numpy(**dict(arrays, prev_draft_token_ids=np.zeros((5, 2), np.int32))),
+                                prev_draft_token_ids=np.zeros((5, 3), np.int32))
     with pytest.raises(InvalidBatchError, match="prev_draft_token_ids has shape \\(5, 3\\), config expects \\(5, 2\\)"):
         validate(state, spec_config)

@@ -97,3 +97,19 @@ def test_all_features_at_once_match_each_feature_alone(data):
         for leaf_want, leaf_got in zip(want, got):
             np.testing.assert_array_equal(leaf_got, leaf_want, err_msg=name)
     assert step.attn_metadata.dcp_local_seq_lens is not None
+
+
+def test_torch_bridge_carries_feature_outputs():
+    """torch_bridge.to_torch passes attn_state, attn_mask and spec_decode through (AttnState values)."""
+    pytest.importorskip("torch")
+    import torch_bridge
+
+    from jaxprep import AttnState, prepare_inputs
+
+    features = FeatureConfig(attn_state=True, attn_mask="rows_bool", num_speculative_tokens=2)
+    arrays = dict(example_a_step2(), num_draft_tokens=np.array([0, 0, 2], np.int32))
+    step = prepare_inputs(BatchState.from_numpy(**arrays), dataclasses.replace(example_a_config(), features=features))
+    bridged = torch_bridge.to_torch(step)
+    assert bridged.attn_metadata.attn_state == AttnState.ChunkedPrefill  # rung 3, no "mtp" method
+    np.testing.assert_array_equal(bridged.attn_metadata.attn_mask.numpy(), np.asarray(step.attn_mask))
+    assert bridged.spec_decode.draft_token_ids[:2].tolist() == [307, 308]

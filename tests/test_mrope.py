@@ -1,5 +1,7 @@
 """M-RoPE (SPEC §2.11): Qwen2-VL prompt positions and the [3, T_pad] positions of a step."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,7 +10,7 @@ from hypothesis import strategies as st
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, PrepConfig, qwen2vl_prompt_positions, validate
 from jaxprep.reference_kv import mrope_reference, qwen2vl_positions_reference
 
-from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step, with_field
+from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step
 
 WORKED_SEGMENTS = [2, ("image", (1, 4, 4)), 3]
 WORKED_T = [0, 1, 2, 2, 2, 2, 4, 5, 6]
@@ -129,7 +131,8 @@ def test_missing_mrope_positions_are_rejected():
     for field in ("mrope_positions", "mrope_position_delta", "num_prompt_tokens"):
         with pytest.raises(InvalidBatchError, match=f"{field} is missing: FeatureConfig.mrope needs it"):
             validate(BatchState.from_numpy(**dict(worked_request(0, 9), **{field: None})), config)
-    state = with_field(BatchState.from_numpy(**worked_request(0, 9)), "mrope_positions", np.zeros((1, 3, 8), np.int32))
+    state = dataclasses.replace(BatchState.from_numpy(**worked_request(0, 9)),
+                                mrope_positions=np.zeros((1, 3, 8), np.int32))
     message = "mrope_positions has shape \\(1, 3, 8\\), config expects \\(1, 3, 16\\)"
     with pytest.raises(InvalidBatchError, match=message):
         validate(state, config)
