@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import os
 import time
 
 import jax
@@ -43,16 +45,48 @@ def count_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = None) -> float:
+def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = None, *,
+           cache_dir: str | os.PathLike | None = None, threads: int | None = None) -> float:
     """Compiles `prepare_inputs` for every bucket of the ladder; returns the seconds it took.
 
-    ``state`` supplies the shapes (default: `BatchState.empty(config)`); it is only read.
+    Each bucket is lowered from shapes alone (nothing is allocated or run) and the lowered
+    modules are compiled on ``threads`` threads (default: the CPU count); XLA compiles outside
+    the GIL, and an ahead-of-time compile fills the cache the jitted calls read.
+
+    ``state`` supplies the shapes (a `BatchState` or a pytree of ``jax.ShapeDtypeStruct``;
+    default: those of `BatchState.empty(config)`); it is only read.
+    ``cache_dir``: turn on JAX's persistent compilation cache there first (`use_compile_cache`),
+    so a later process warms up from disk.
     """
     from jaxprep.prepare import prepare_padded
     from jaxprep.state import BatchState
 
-    state = BatchState.empty(config) if state is None else state
     start = time.perf_counter()
-    for bucket in buckets or config.token_buckets:
-        jax.block_until_ready(prepare_padded(state, config, bucket))
+    if cache_dir is not None:
+        use_compile_cache(cache_dir)
+    shapes = jax.eval_shape(lambda: BatchState.empty(config)) if state is None else state
+    lowered = [prepare_padded.trace(shapes, config, bucket).lower() for bucket in buckets or config.token_buckets]
+    compile_all(lowered, threads)
     return time.perf_counter() - start
+
+
+def compile_all(lowered, threads: int | None = None) -> None:
+    """Compiles ``jax.stages.Lowered`` modules on ``threads`` threads (default: the CPU count)."""
+    with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+        list(pool.map(lambda stage: stage.compile(), lowered))
+
+
+def use_compile_cache(cache_dir: str | os.PathLike) -> None:
+    """Turns on JAX's persistent compilation cache in ``cache_dir`` for this process.
+
+    Process-wide (it sets JAX's ``jax_compilation_cache_dir``), so jaxprep never calls it on its
+    own: only `warmup(..., cache_dir=...)` and the CLI's ``--compile-cache`` do. Every executable
+    is cached, however fast it compiled (``jax_persistent_cache_min_compile_time_secs = 0``: a
+    prepare bucket compiles in well under JAX's default 1 s threshold). The cache is trusted code:
+    keep it in a directory only you can write.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", os.fspath(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()  # a process that compiled before looks at the cache again

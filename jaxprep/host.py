@@ -33,6 +33,7 @@ _PACKED_FIELDS = (
     ("max_query_len", lambda t, r: 1),
     ("max_seq_len", lambda t, r: 1),
 )
+_SCALAR_FIELDS = frozenset({"num_actual_tokens", "num_reqs", "max_query_len", "max_seq_len"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,10 +70,7 @@ def prepare_packed(state: BatchState, config: PrepConfig, num_tokens_padded: int
 
 def unpack_host(words: np.ndarray, block_table: np.ndarray, num_tokens_padded: int) -> StepInputs:
     """A `StepInputs` of NumPy views into the fetched buffer (scalars as 0-d arrays)."""
-    offsets = packed_offsets(num_tokens_padded, block_table.shape[0])
-    views = {name: words[offsets[i]:offsets[i + 1]] for i, (name, _) in enumerate(_PACKED_FIELDS)}
-    for scalar in ("num_actual_tokens", "num_reqs", "max_query_len", "max_seq_len"):
-        views[scalar] = views[scalar].reshape(())
+    views = {name: words[piece] for name, piece in _packed_slices(num_tokens_padded, block_table.shape[0])}
     meta = AttentionMetadata(
         query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"], slot_mapping=views["slot_mapping"],
         block_table=block_table, num_actual_tokens=views["num_actual_tokens"], num_reqs=views["num_reqs"],
@@ -80,6 +78,17 @@ def unpack_host(words: np.ndarray, block_table: np.ndarray, num_tokens_padded: i
     return StepInputs(input_ids=views["input_ids"], positions=views["positions"],
                       logits_indices=views["logits_indices"], idx_mapping=views["idx_mapping"],
                       attn_metadata=meta, num_tokens_padded=num_tokens_padded)
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_slices(num_tokens_padded: int, num_reqs_padded: int) -> tuple[tuple[str, object], ...]:
+    """(name, index) of every packed field: a slice, or ``(start, ...)`` for a 0-d view of a scalar."""
+    offsets = packed_offsets(num_tokens_padded, num_reqs_padded)
+    pieces = []
+    for i, (name, _) in enumerate(_PACKED_FIELDS):
+        scalar = name in _SCALAR_FIELDS
+        pieces.append((name, (offsets[i], Ellipsis) if scalar else slice(offsets[i], offsets[i + 1])))
+    return tuple(pieces)
 
 
 def prepare_to_host(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:

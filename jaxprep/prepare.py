@@ -17,9 +17,9 @@ from jaxprep.config import PrepConfig
 from jaxprep.feature_step import StepLayout, with_features
 from jaxprep.masks import compressed_causal_mask
 from jaxprep.metadata import AttentionMetadata, StepInputs
-from jaxprep.ragged import condense_rows, prefix_sum, take_rows, token_mask, token_request_index
+from jaxprep.layout import batch_layout
+from jaxprep.ragged import stack, take_rows, token_mask
 from jaxprep.ragged import slot_mapping as _slot_mapping
-from jaxprep.reorder import reordered_rows
 from jaxprep.state import BatchState
 from jaxprep.validate import validate
 
@@ -54,53 +54,43 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
 def prepare_step(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
     """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further."""
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
-    max_num_reqs = state.num_scheduled_tokens.shape[0]
-    # num_scheduled [0,3,0,2] -> rows [1,3,pad..], scheduled [3,2,0..], computed [C1,C3,0..]
-    if config.features.reorder:  # decodes first (SPEC §2.15) instead of state-row order
-        rows = reordered_rows(state, num_reqs_padded, config.features)
-    else:
-        rows = condense_rows(state.num_scheduled_tokens, num_reqs_padded)
-    per_row = jnp.stack([state.num_scheduled_tokens, state.num_computed_tokens], axis=1)
-    scheduled, computed = take_rows(per_row, rows, fill_value=0).T
-    # scheduled [3,2,0,0] -> ends [3,5,5,5] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
-    ends = prefix_sum(scheduled)
-    query_start_loc = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-    num_actual_tokens = ends[-1]
+    layout = batch_layout(state, num_reqs_padded, num_tokens_padded, config.max_num_batched_tokens, config.features)
+    # ends [3,5,5,5] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
+    query_start_loc = jnp.pad(layout.ends, (1, 0))
+    num_actual_tokens = query_start_loc[-1]
     is_real_token = token_mask(num_actual_tokens, num_tokens_padded)
-    # ends [3,5] -> token_req [0,0,0,1,1]; position = computed[req] + (t - qsl[req]) = t + shift[req]
-    token_req = token_request_index(ends, num_tokens_padded)
-    per_req = jnp.stack([computed - query_start_loc[:-1], jnp.minimum(rows, max_num_reqs - 1)], axis=1)
-    shift, token_rows = per_req[token_req].T
-    positions = jnp.where(is_real_token, jnp.arange(num_tokens_padded, dtype=jnp.int32) + shift, PAD_POSITION)
-    token_rows = jnp.where(is_real_token, token_rows, 0)
+    # position = t + shift[owner]: shift = computed - first token index of the owning request
+    positions = jnp.where(is_real_token, jnp.arange(num_tokens_padded, dtype=jnp.int32) + layout.token_shift,
+                          PAD_POSITION)
+    token_rows = jnp.where(is_real_token, layout.token_rows, 0)
     # 2-D gathers: no flattened row * max_model_len index that could overflow int32
     input_ids = jnp.where(is_real_token, state.token_ids[token_rows, positions], PAD_INPUT_ID)
     slot_mapping = _slot_mapping(state.block_table, token_rows, positions, is_real_token, config.block_size)
-    is_real_req = rows < max_num_reqs
-    seq_lens = computed + scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
+    seq_lens = layout.computed + layout.scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
+    maxima = jnp.max(stack([layout.scheduled, seq_lens]), axis=1)  # one reduction for both
     attn_metadata = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         slot_mapping=slot_mapping,
-        block_table=take_rows(state.block_table, rows, fill_value=NULL_BLOCK_ID),
+        block_table=take_rows(state.block_table, layout.rows, fill_value=NULL_BLOCK_ID),
         num_actual_tokens=num_actual_tokens,
-        num_reqs=jnp.sum(is_real_req, dtype=jnp.int32),
-        max_query_len=jnp.max(scheduled),
-        max_seq_len=jnp.max(seq_lens),
+        num_reqs=layout.num_reqs,
+        max_query_len=maxima[0],
+        max_seq_len=maxima[1],
     )
     step = StepInputs(
         input_ids=input_ids,
         positions=positions,
-        logits_indices=jnp.where(is_real_req, ends - 1, PAD_LOGITS_INDEX),
-        idx_mapping=jnp.where(is_real_req, rows, PAD_STATE_ROW),
+        logits_indices=jnp.where(layout.is_real_req, layout.ends - 1, PAD_LOGITS_INDEX),
+        idx_mapping=jnp.where(layout.is_real_req, layout.rows, PAD_STATE_ROW),
         attn_metadata=attn_metadata,
         num_tokens_padded=num_tokens_padded,
     )
     if not config.features.any_on:
         return step
-    layout = StepLayout(rows=rows, scheduled=scheduled, computed=computed, is_real_req=is_real_req,
-                        token_rows=token_rows, is_real_token=is_real_token)
-    return with_features(step, state, config, layout)
+    features_layout = StepLayout(rows=layout.rows, scheduled=layout.scheduled, computed=layout.computed,
+                                 is_real_req=layout.is_real_req, token_rows=token_rows, is_real_token=is_real_token)
+    return with_features(step, state, config, features_layout)
 
 
 prepare_padded = jax.jit(prepare_step, static_argnames=("config", "num_tokens_padded"))

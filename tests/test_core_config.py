@@ -15,20 +15,24 @@ def test_default_ladder_includes_and_never_exceeds_budget(budget):
 
 
 @pytest.mark.parametrize("budget", [512, 8192, 16384])
-def test_default_ladder_pads_at_most_a_quarter_above_64(budget):
+def test_default_ladder_pads_at_most_half_above_32(budget):
     ladder = default_token_buckets(budget)
-    for n in range(65, budget + 1, 7):
+    for n in range(33, budget + 1, 7):
         bucket = next(b for b in ladder if b >= n)
-        assert bucket <= 1.25 * n + 1, (n, bucket)
+        assert bucket <= 1.5 * n, (n, bucket)
+
+
+def test_default_ladder_size_at_8192():
+    assert len(default_token_buckets(8192)) == 19
 
 
 def test_ladder_example():
-    assert default_token_buckets(300) == (8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 300)
+    assert default_token_buckets(300) == (8, 16, 32, 48, 64, 96, 128, 192, 256, 300)
 
 
 def test_bucket_for_picks_the_smallest_bucket_holding_the_step():
     config = PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=300, block_size=16)
-    assert [config.bucket_for(n) for n in (1, 8, 9, 65, 256, 257, 300)] == [8, 8, 16, 80, 256, 300, 300]
+    assert [config.bucket_for(n) for n in (1, 8, 9, 65, 256, 257, 300)] == [8, 8, 16, 96, 256, 300, 300]
     with pytest.raises(ValueError, match=r"num_tokens=301 must lie in \[1, max_num_batched_tokens=300\]"):
         config.bucket_for(301)
     with pytest.raises(ValueError, match="num_tokens=0"):

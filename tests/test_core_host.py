@@ -1,12 +1,13 @@
 """`prepare_to_host` returns the same step as `prepare_padded`, as NumPy views of one buffer."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
 from jaxprep.host import packed_offsets, prepare_to_host
-from jaxprep.ragged import token_prefix_sum
+from jaxprep.ragged import F32_EXACT_BOUND, prefix_sum
 
 from batches import numpy_batches
 from expect import assert_step_matches_reference, step_fields
@@ -31,7 +32,18 @@ def test_packed_offsets_example():
     assert packed_offsets(8, 3) == (0, 8, 16, 24, 28, 31, 34, 37, 38, 39, 40, 41)
 
 
-@pytest.mark.parametrize("length", [1, 63, 64, 127, 128, 129, 1000, 4096])
-def test_token_prefix_sum_matches_numpy(length):
-    values = np.random.default_rng(length).integers(0, 5, length).astype(np.int32)
-    np.testing.assert_array_equal(jax.jit(token_prefix_sum)(values), np.cumsum(values))
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 63, 64, 127, 1000, 1024, 1025, 4096, 33000])
+def test_prefix_sum_matches_numpy(length):
+    values = np.random.default_rng(length).integers(0, 5, (2, length)).astype(np.int32)
+    scan = jax.jit(prefix_sum, static_argnums=1)
+    total = int(values.sum(axis=1).max())
+    np.testing.assert_array_equal(scan(values, total), np.cumsum(values, axis=1))
+    np.testing.assert_array_equal(scan(values[0], total), np.cumsum(values[0]))
+
+
+def test_prefix_sum_exact_near_the_float32_bound():
+    """Totals just below 2**24 are still exact; a larger bound falls back to the integer scan."""
+    values = np.full(64, (F32_EXACT_BOUND - 1) // 64, np.int32)
+    np.testing.assert_array_equal(prefix_sum(jnp.asarray(values), F32_EXACT_BOUND - 1), np.cumsum(values))
+    big = np.full(4, 2**28, np.int32)
+    np.testing.assert_array_equal(prefix_sum(jnp.asarray(big), 2**30), np.cumsum(big))

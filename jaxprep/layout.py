@@ -1,0 +1,82 @@
+"""Where every batch row and every token of a step comes from: the index part of `prepare_step`.
+
+Two layouts give the same answer. Without `FeatureConfig.reorder` the batch is the rows with
+work in state-row order, so token ranges follow state rows: one scan over the state rows gives
+both each row's batch position and its token end, and tokens map straight to state rows. With a
+reorder the batch order is computed first and tokens map to batch rows, then to state rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxprep._typing import Array, Bool, Int32
+
+from jaxprep.ragged import prefix_sum, stack, take_rows, token_request_index
+from jaxprep.reorder import reordered_rows
+
+
+class Layout(NamedTuple):
+    """Batch rows and tokens of one step, before padding values are applied to the tokens."""
+
+    rows: Int32[Array, "num_reqs_padded"]  # state row of each batch row; pad: max_num_reqs
+    scheduled: Int32[Array, "num_reqs_padded"]  # pad: 0
+    computed: Int32[Array, "num_reqs_padded"]  # pad: 0
+    ends: Int32[Array, "num_reqs_padded"]  # query_start_loc[1:]; pad: num_actual_tokens
+    is_real_req: Bool[Array, "num_reqs_padded"]
+    num_reqs: Int32[Array, ""]  # rows in the batch
+    token_rows: Int32[Array, "num_tokens_padded"]  # state row of each token (tail: any valid row)
+    token_shift: Int32[Array, "num_tokens_padded"]  # position - token index, per token (tail: any)
+
+
+def batch_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int, features) -> Layout:
+    """The step's `Layout`; ``max_total`` bounds the scheduled tokens (the token budget)."""
+    if features.reorder:
+        return _reordered_layout(state, num_reqs_padded, num_tokens_padded, max_total, features)
+    return _state_order_layout(state, num_reqs_padded, num_tokens_padded, max_total)
+
+
+def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int) -> Layout:
+    """Batch rows in state-row order: tokens of state row r lie in [ends_state[r] - S[r], ends_state[r]).
+
+    # S [0, 3, 0, 2] -> has_work [0,1,0,1] -> counts [0,1,1,2], ends_state [0,3,3,5]
+    #   batch_row [-,0,-,1] -> rows [1, 3]; token owners [1,1,1,3,3]; shift[r] = C[r] - (ends_state[r] - S[r])
+    """
+    scheduled, computed = state.num_scheduled_tokens, state.num_computed_tokens
+    max_num_reqs = scheduled.shape[0]
+    has_work = scheduled > 0
+    counts, ends_state = prefix_sum(stack([has_work.astype(jnp.int32), scheduled]),
+                                    max(max_total, max_num_reqs))
+    batch_row = jnp.where(has_work, counts - 1, num_reqs_padded)
+    rows = jnp.full((num_reqs_padded,), max_num_reqs, jnp.int32)
+    rows = rows.at[batch_row].set(jnp.arange(max_num_reqs, dtype=jnp.int32), mode="drop")
+    is_real_req = rows < max_num_reqs
+    per_row = stack([scheduled, computed, ends_state], axis=1)
+    batch_rows = take_rows(per_row, rows, fill_value=0)
+    batch_scheduled, batch_computed, ends = batch_rows[:, 0], batch_rows[:, 1], batch_rows[:, 2]
+    ends = jnp.where(is_real_req, ends, ends_state[-1])
+    # a token's owner counts the state-row ends at or before it; rows without work end where the last one did
+    token_rows = token_request_index(ends_state, num_tokens_padded)
+    token_shift = (computed - (ends_state - scheduled))[token_rows]
+    return Layout(rows=rows, scheduled=batch_scheduled, computed=batch_computed, ends=ends, is_real_req=is_real_req,
+                  num_reqs=jnp.minimum(counts[-1], num_reqs_padded), token_rows=token_rows, token_shift=token_shift)
+
+
+def _reordered_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int, features) -> Layout:
+    """Batch rows in the ``features.reorder`` order; tokens map to batch rows, then to state rows.
+
+    # rows [4, 1] (S[4] = 1, S[1] = 3) -> ends [1, 4] -> token batch rows [0,1,1,1] -> state rows [4,1,1,1]
+    """
+    max_num_reqs = state.num_scheduled_tokens.shape[0]
+    rows = reordered_rows(state, num_reqs_padded, features)
+    per_row = stack([state.num_scheduled_tokens, state.num_computed_tokens], axis=1)
+    batch_rows = take_rows(per_row, rows, fill_value=0)
+    scheduled, computed = batch_rows[:, 0], batch_rows[:, 1]
+    ends = prefix_sum(scheduled, max_total)
+    is_real_req = rows < max_num_reqs
+    owners = stack([computed - (ends - scheduled), jnp.minimum(rows, max_num_reqs - 1)], axis=1)
+    token_owners = owners[token_request_index(ends, num_tokens_padded)]
+    token_shift, token_rows = token_owners[:, 0], token_owners[:, 1]
+    return Layout(rows=rows, scheduled=scheduled, computed=computed, ends=ends, is_real_req=is_real_req,
+                  num_reqs=jnp.sum(is_real_req, dtype=jnp.int32), token_rows=token_rows, token_shift=token_shift)
