@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in flags.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name],
                             help=f"{help_text} (default {DEFAULTS[name]})")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
+                             "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
+    parser.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="JAX persistent compilation cache directory: a second run warms up from disk")
     parser.add_argument("--check", action="store_true",
                         help="check the greedy tokens against a dense recomputation; exit 1 if they differ "
                              "or anything compiled after warm-up")
@@ -41,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxprep.compilation import count_compiles
+    from jaxprep.compilation import count_compiles, use_compile_cache
     from jaxprep.config import PrepConfig
-    from jaxprep.serving import Engine, ModelConfig, ServingConfig, check_against_dense, random_workload
+    from jaxprep.serving import ModelConfig, ServingConfig, check_against_dense, random_workload
 
     prep = PrepConfig(max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.budget, block_size=args.block_size, num_blocks=args.num_blocks)
@@ -53,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     workload = random_workload(args.seed, num_requests=args.requests, vocab_size=args.vocab_size,
                                prompt_len=(4, min(args.max_prompt_len, args.max_model_len - 1)),
                                max_tokens=(1, args.max_tokens), arrival_spread=args.arrival_spread)
-    engine = Engine(config, model, seed=args.seed, time_prep=True)
+    if args.compile_cache:
+        use_compile_cache(args.compile_cache)
+    engine = _engine(config, model, args)
     warmup_s = engine.warmup()
     progress = None if args.no_progress else _Progress(len(workload.requests))
     with count_compiles() as compiles:
@@ -61,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         finished = _serve(engine, workload, progress)
         wall_s = time.perf_counter() - start
     summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
+    summary["devices"] = args.devices
     if args.check:
         check = check_against_dense(engine.params, model, finished, prep.max_model_len)
         summary.update(check_passed=check.passed and len(finished) == len(workload.requests),
@@ -71,10 +79,22 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _engine(config, model, args):
+    """One `Engine`, or a `DataParallelEngine` over ``args.devices`` devices."""
+    from jaxprep.serving import Engine
+
+    if args.devices == 1:
+        return Engine(config, model, seed=args.seed, time_prep=True)
+    from jaxprep.serving.dp_engine import DataParallelEngine
+    from jaxprep.sharding import data_mesh
+
+    return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True)
+
+
 def _serve(engine, workload, progress):
     engine.submit(workload.requests, workload.arrival_steps)
     on_step = None if progress is None else (
-        lambda engine: progress.update(engine.stats.model_steps, len(engine.scheduler.finished)))
+        lambda engine: progress.update(engine.stats.model_steps, len(engine.finished)))
     finished = engine.run(on_step=on_step)
     if progress:
         progress.close()

@@ -64,15 +64,22 @@ class ServingBatch:
         self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed, config=self.config,
                                                   model=model, num_tokens_padded=num_tokens_padded)
         tokens = np.asarray(tokens)
-        appended = tokens >= 0
-        # iteration 0 computes the scheduled tokens, every later one the single token it decodes
-        rows.num_computed_tokens += rows.num_scheduled_tokens + appended[1:].sum(axis=0)
-        rows.num_tokens += appended.sum(axis=0)
-        rows.num_scheduled_tokens[:] = 0
-        rows.num_draft_tokens[:] = 0
-        self.rows = rows
+        self.rows = advance_rows(rows, tokens)
         return kv_cache, tokens
 
     def _apply(self, rows: checks.HostRows, update, payload) -> None:
         self.state = update(self.state, payload)
         self.rows = rows
+
+
+def advance_rows(rows: checks.HostRows, tokens: np.ndarray) -> checks.HostRows:
+    """The mirror after a serving step appended ``tokens`` [iterations, max_num_reqs] (-1 = none).
+
+    Iteration 0 computes the scheduled tokens, every later one the single token it decodes.
+    """
+    appended = tokens >= 0
+    rows.num_computed_tokens += rows.num_scheduled_tokens + appended[1:].sum(axis=0)
+    rows.num_tokens += appended.sum(axis=0)
+    rows.num_scheduled_tokens[:] = 0
+    rows.num_draft_tokens[:] = 0
+    return rows

@@ -105,10 +105,10 @@ class Engine:
         """Steps until every submitted request finished (or ``max_dispatches`` more dispatches);
         calls ``on_step(engine)`` after each. Returns the finished requests so far."""
         stop_at = None if max_dispatches is None else self.stats.dispatches + max_dispatches
-        while self._arrivals or self.scheduler.has_unfinished:
+        while self._arrivals or self.has_unfinished:
             if stop_at is not None and self.stats.dispatches >= stop_at:
                 break
-            if not self.scheduler.has_unfinished:
+            if not self.has_unfinished:
                 self.iteration = max(self.iteration, self._arrivals[0][0])  # idle: jump to the next arrival
             while self._arrivals and self._arrivals[0][0] <= self.iteration:
                 self.add_request(self._arrivals.pop(0)[2])
@@ -116,19 +116,23 @@ class Engine:
             self.iteration += 1
             if on_step is not None:
                 on_step(self)
+        return self.finished
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def finished(self) -> list[Request]:
+        """Finished requests, in finishing order."""
         return self.scheduler.finished
 
     def _updates(self, out: SchedulerOutput) -> StepUpdates:
         """The fused step's payload; adds and appends beyond its static sizes go first, separately."""
-        adds, appends = out.new_requests, list(out.new_block_ids.items())
-        size_add, size_append = self.config.max_new_reqs_per_step, self.config.max_block_appends_per_step
-        finish = out.finished_rows
-        while len(adds) > size_add or sum(len(b) for _, b in appends) > size_append:
-            chunk, appends = _take_blocks(appends, size_append)
-            self.batch.apply_updates(StepUpdates.build(self.config, finish=finish, add=adds[:size_add], append=chunk))
-            finish, adds = (), adds[size_add:]
-        return StepUpdates.build(self.config, finish=finish, add=adds, append=dict(appends),
-                                 num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps)
+        extra, updates = split_updates(self.config, out)
+        for chunk in extra:
+            self.batch.apply_updates(chunk)
+        return updates
 
     def _count(self, out: SchedulerOutput, tokens: np.ndarray, bucket: int) -> None:
         """Iteration 0 runs the scheduled tokens; each later iteration that ran decoded one token per row."""
@@ -142,6 +146,20 @@ class Engine:
         stats.model_steps += iterations
         stats.scheduled_tokens += out.total_num_scheduled_tokens + int(later.sum())
         stats.padded_tokens += bucket * iterations
+
+
+def split_updates(config: ServingConfig, out: SchedulerOutput) -> tuple[list[StepUpdates], StepUpdates]:
+    """``out`` as payloads of the static sizes: the extra updates to apply first (adds and appends
+    beyond ``max_new_reqs_per_step`` / ``max_block_appends_per_step``), then the fused step's."""
+    adds, appends = out.new_requests, list(out.new_block_ids.items())
+    size_add, size_append = config.max_new_reqs_per_step, config.max_block_appends_per_step
+    finish, extra = out.finished_rows, []
+    while len(adds) > size_add or sum(len(b) for _, b in appends) > size_append:
+        chunk, appends = _take_blocks(appends, size_append)
+        extra.append(StepUpdates.build(config, finish=finish, add=adds[:size_add], append=chunk))
+        finish, adds = (), adds[size_add:]
+    return extra, StepUpdates.build(config, finish=finish, add=adds, append=dict(appends),
+                                    num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps)
 
 
 def _take_blocks(appends: list[tuple[int, list[int]]], size: int):

@@ -39,6 +39,13 @@ def serve_step(state: ServingState, kv_cache: KVCache, params, packed_updates: j
     Returns ``(state, kv_cache, tokens)``; ``tokens`` [config.decode_steps, max_num_reqs] holds
     the token each state row appended in each iteration, or NO_TOKEN.
     """
+    return serve_body(state, kv_cache, params, packed_updates, config, model, num_tokens_padded)
+
+
+def serve_body(state: ServingState, kv_cache: KVCache, params, packed_updates: jax.Array, config: ServingConfig,
+               model: ModelConfig, num_tokens_padded: int):
+    """The traced body of `serve_step` (no jit of its own), for callers that wrap it further
+    (`jaxprep.serving.data_parallel` runs it on every device of a mesh)."""
     updates = unpack_updates(packed_updates, config)
     state = apply_updates(state, updates)
     return _run_iterations(state, kv_cache, params, jnp.clip(updates.decode_steps[0], 1, config.decode_steps),
@@ -49,6 +56,11 @@ def serve_step(state: ServingState, kv_cache: KVCache, params, packed_updates: j
 def prepare_step(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig, num_tokens_padded: int):
     """The input-preparation part of `serve_step` alone (unpack, updates, `prepare_padded`), not
     donating: what the simulator times as prep."""
+    return prepare_body(state, packed_updates, config, num_tokens_padded)
+
+
+def prepare_body(state: ServingState, packed_updates: jax.Array, config: ServingConfig, num_tokens_padded: int):
+    """The traced body of `prepare_step`."""
     state = apply_updates(state, unpack_updates(packed_updates, config))
     return prepare_padded(state.batch, config.prep, num_tokens_padded)
 

@@ -1,0 +1,145 @@
+"""The serving state split over a device mesh by request rows: one vLLM DP rank per device.
+
+Rank r owns rows ``[r * R, (r + 1) * R)`` of the global `ServingState` (R = the per-rank
+``ServingConfig.max_num_reqs``) and blocks ``[r * NB, (r + 1) * NB)`` of the global KV cache
+(NB = the per-rank ``num_blocks``). Inside one jitted ``shard_map`` call every device sees only its
+slices, so the per-rank code is the single-device code (`serve_body`): row indices, block ids and
+slots in payloads and metadata are local to their rank. Each rank sends its own packed
+`StepUpdates`; they travel as one [num_ranks, packed_size] array sharded by rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxprep.serving import checks
+from jaxprep.serving.batch import advance_rows
+from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.model import KVCache, ModelConfig
+from jaxprep.serving.packing import pack_updates, unpack_updates
+from jaxprep.serving.state import ServingState, StepUpdates
+from jaxprep.serving.step import prepare_body, serve_body
+from jaxprep.serving.transitions import apply_updates
+from jaxprep.sharding import DATA_AXIS, shard_rows
+
+ROWS = PartitionSpec(DATA_AXIS)  # leading axis split by rank
+SLOTS = PartitionSpec(None, DATA_AXIS)  # KV cache [layers, slots, heads, head_dim]: slots split by rank
+WHOLE = PartitionSpec()  # replicated (model weights)
+
+
+def _per_rank(fn, mesh: Mesh, in_specs, out_specs):
+    # check_vma off: the serving loop's carries start as constants and become per-rank values
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "model", "num_tokens_padded", "mesh"),
+                   donate_argnames=("state", "kv_cache"))
+def serve_step_sharded(state: ServingState, kv_cache: KVCache, params, packed: jax.Array, *, config: ServingConfig,
+                       model: ModelConfig, num_tokens_padded: int, mesh: Mesh):
+    """`serve_step` on every rank at once; ``packed`` [num_ranks, packed_size]. Returns the state, the
+    KV cache and the tokens [config.decode_steps, num_ranks * max_num_reqs] by global row."""
+
+    def rank_step(state, kv_cache, params, packed):
+        return serve_body(state, kv_cache, params, packed[0], config, model, num_tokens_padded)
+
+    return _per_rank(rank_step, mesh, (ROWS, SLOTS, WHOLE, ROWS), (ROWS, SLOTS, SLOTS))(state, kv_cache, params,
+                                                                                      packed)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames="state")
+def apply_updates_sharded(state: ServingState, packed: jax.Array, *, config: ServingConfig, mesh: Mesh):
+    """`apply_updates` on every rank at once (the extra adds and appends of a crowded step)."""
+
+    def rank_update(state, packed):
+        return apply_updates(state, unpack_updates(packed[0], config))
+
+    return _per_rank(rank_update, mesh, (ROWS, ROWS), ROWS)(state, packed)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded", "mesh"))
+def prepare_step_sharded(state: ServingState, packed: jax.Array, *, config: ServingConfig, num_tokens_padded: int,
+                         mesh: Mesh):
+    """The preparation part of `serve_step_sharded` alone, not donating (what the simulator times)."""
+
+    def rank_prepare(state, packed):
+        return jax.tree.map(lambda leaf: leaf[None], prepare_body(state, packed[0], config, num_tokens_padded))
+
+    return _per_rank(rank_prepare, mesh, (ROWS, ROWS), ROWS)(state, packed)
+
+
+class ShardedServingBatch:
+    """`ServingBatch` over a mesh: the global state and one host mirror (`HostRows`) per rank.
+
+    ``config`` describes one rank. Each call takes one `StepUpdates` per rank, checks every rank's
+    payload against its mirror and raises `InvalidUpdateError` (naming the rank) before anything
+    is dispatched; on success the old state is donated.
+    """
+
+    def __init__(self, config: ServingConfig, mesh: Mesh):
+        self.config, self.mesh, self.num_ranks = config, mesh, mesh.size
+        self.state = shard_rows(ServingState.empty(_global(config, self.num_ranks)), mesh)
+        self.rows = [checks.HostRows.empty(config.max_num_reqs) for _ in range(self.num_ranks)]
+
+    def packed(self, updates: list[StepUpdates]) -> jax.Array:
+        """Every rank's packed updates as one array sharded by rank."""
+        return jax.device_put(np.stack([pack_updates(u) for u in updates]), NamedSharding(self.mesh, ROWS))
+
+    def apply_updates(self, updates: list[StepUpdates]) -> None:
+        rows = self._checked(updates)
+        self.state = apply_updates_sharded(self.state, self.packed(updates), config=self.config, mesh=self.mesh)
+        self.rows = rows
+
+    def serve(self, kv_cache: KVCache, params, updates: list[StepUpdates], *, model: ModelConfig,
+              num_tokens_padded: int, packed: jax.Array | None = None) -> tuple[KVCache, np.ndarray]:
+        """Runs `serve_step_sharded`; returns the KV cache and the tokens [decode_steps, num_ranks * R]."""
+        rows = self._checked(updates)
+        for rank, (rank_rows, rank_updates) in enumerate(zip(rows, updates)):
+            try:
+                checks.check_step(rank_rows, int(np.asarray(rank_updates.decode_steps)[0]), num_tokens_padded,
+                                  self.config)
+            except checks.InvalidUpdateError as error:
+                raise checks.InvalidUpdateError(f"rank {rank}: {error}") from None
+        packed = self.packed(updates) if packed is None else packed
+        self.state, kv_cache, tokens = serve_step_sharded(self.state, kv_cache, params, packed, config=self.config,
+                                                          model=model, num_tokens_padded=num_tokens_padded,
+                                                          mesh=self.mesh)
+        tokens = np.asarray(tokens)
+        self.rows = [advance_rows(r, part) for r, part in zip(rows, self.rank_tokens(tokens))]
+        return kv_cache, tokens
+
+    def rank_tokens(self, tokens: np.ndarray) -> list[np.ndarray]:
+        """[iterations, num_ranks * R] -> one [iterations, R] block per rank."""
+        return np.split(tokens, self.num_ranks, axis=1)
+
+    def _checked(self, updates: list[StepUpdates]) -> list[checks.HostRows]:
+        if len(updates) != self.num_ranks:
+            raise ValueError(f"got {len(updates)} StepUpdates for {self.num_ranks} ranks")
+        checked = []
+        for rank, (rows, rank_updates) in enumerate(zip(self.rows, updates)):
+            try:
+                checked.append(checks.check_updates(rows, rank_updates, self.config))
+            except checks.InvalidUpdateError as error:
+                raise checks.InvalidUpdateError(f"rank {rank}: {error}") from None
+        return checked
+
+
+def _global(config: ServingConfig, num_ranks: int) -> ServingConfig:
+    """The configuration of all ranks' rows together (only its sizes are used: the empty state)."""
+    prep = dataclasses.replace(config.prep, max_num_reqs=config.max_num_reqs * num_ranks)
+    return dataclasses.replace(config, prep=prep)
+
+
+def sharded_kv_cache(model: ModelConfig, config: ServingConfig, mesh: Mesh) -> KVCache:
+    """Zeros for every rank's ``config.num_blocks`` blocks, each rank's slots on its device."""
+    cache = KVCache.zeros(model, config.num_blocks * mesh.size, config.block_size)
+    return jax.device_put(cache, NamedSharding(mesh, SLOTS))
+
+
+def replicated(tree, mesh: Mesh):
+    """``tree`` on every device of ``mesh`` (the model weights)."""
+    return jax.device_put(tree, NamedSharding(mesh, WHOLE))

@@ -1,0 +1,95 @@
+"""Data parallelism over a device mesh (`jaxprep.sharding`, `jaxprep.serving.dp_engine`).
+
+Several devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts,
+so the multi-device checks run in subprocesses; the in-process tests use a one-device mesh, or
+skip unless the suite itself was started with several devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxprep import BatchState, PrepConfig, prepare_padded
+from jaxprep.sharding import data_mesh, prepare_data_parallel, rank_slice, stack_ranks
+
+from batches import numpy_batches
+from expect import assert_step_matches_reference, step_fields
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
+SMALL = ["--requests", "24", "--budget", "32", "--max-num-reqs", "4", "--max-model-len", "64", "--num-blocks", "24",
+         "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--max-prompt-len", "24",
+         "--max-tokens", "12", "--arrival-spread", "4", "--decode-steps", "4"]
+CONFIG = PrepConfig(max_num_reqs=5, max_model_len=48, max_num_batched_tokens=40, block_size=4)
+
+
+def run_with_four_devices(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=FOUR_DEVICES,
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_simulate_on_four_devices_checks_and_reports_devices():
+    """`jaxprep simulate --devices 4 --check --json`: every rank's greedy tokens are the dense ones,
+    nothing compiles after warm-up, and the summary says how many devices ran."""
+    result = run_with_four_devices("-m", "jaxprep", "simulate", "--devices", "4", "--check", "--json", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["devices"] == 4
+    assert summary["check_passed"] is True and summary["check_mismatches"] == 0
+    assert summary["compiles_after_warmup"] == 0
+    assert summary["finished"] == summary["requests"] == 24
+    assert 0 <= summary["padding_waste"] < 1
+
+
+def test_sharded_prepare_matches_reference_on_every_rank():
+    """tests/dp_prepare_check.py: each rank's metadata equals the NumPy reference on that rank's rows
+    (idle ranks included), fields are sharded by rank, one executable per bucket, errors name the rank."""
+    result = run_with_four_devices(os.path.join(TESTS, "dp_prepare_check.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().startswith("ok ")
+
+
+def test_one_rank_mesh_matches_prepare_padded():
+    mesh = data_mesh(1)
+    stream = numpy_batches(CONFIG, seed=4)
+    for _ in range(10):
+        arrays = next(stream)
+        state = stack_ranks([BatchState.from_numpy(**arrays)], mesh)
+        step = prepare_data_parallel(state, CONFIG, mesh)
+        local = jax.tree.map(lambda leaf: leaf[0], step)
+        assert_step_matches_reference(local, arrays, CONFIG)
+        single = step_fields(prepare_padded(BatchState.from_numpy(**arrays), CONFIG, step.num_tokens_padded))
+        for name, value in step_fields(local).items():
+            np.testing.assert_array_equal(value, single[name], err_msg=name)
+
+
+def test_rows_must_match_ranks_times_max_num_reqs():
+    mesh = data_mesh(1)
+    state = stack_ranks([BatchState.from_numpy(**next(numpy_batches(CONFIG, seed=1)))], mesh)
+    wider = PrepConfig(max_num_reqs=10, max_model_len=48, max_num_batched_tokens=40, block_size=4)
+    with pytest.raises(ValueError, match=r"BatchState has 5 rows; 1 ranks of max_num_reqs=10 need 10"):
+        prepare_data_parallel(state, wider, mesh)
+
+
+def test_more_devices_than_jax_sees_names_the_flag():
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
+        data_mesh(64)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs several devices (XLA_FLAGS=" + FOUR_DEVICES + ")")
+def test_in_process_ranks_match_reference():
+    mesh = data_mesh(2)
+    stream = numpy_batches(CONFIG, seed=6)
+    ranks = [next(stream) for _ in range(2)]
+    step = prepare_data_parallel(stack_ranks([BatchState.from_numpy(**a) for a in ranks], mesh), CONFIG, mesh)
+    for rank, arrays in enumerate(ranks):
+        assert_step_matches_reference(jax.tree.map(lambda leaf: leaf[0], rank_slice(step, rank, 2)), arrays, CONFIG)
