@@ -1,6 +1,6 @@
 """jaxprep.prepare vs the NumPy reference, in one process: median µs per step and the ratio.
 
-    python benchmarks/bench_prepare.py [--repeats 200] [--markdown]
+    python benchmarks/bench_prepare.py [--repeats 100]
 
 The state is already on the device; jaxprep's time includes fetching every output back as host
 NumPy arrays (`jaxprep.host.prepare_to_host`: one packed buffer plus the block table; the
@@ -24,7 +24,7 @@ configure_runtime()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import machine_line, median_us  # noqa: E402
+from common import interleaved_us, load_line, machine_line  # noqa: E402
 from jaxprep import BatchState, PrepConfig, prepare_padded  # noqa: E402
 from jaxprep.host import prepare_to_host  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
@@ -82,9 +82,9 @@ def bench_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
     def reference_step():
         return prepare_reference(block_size=block_size, **arrays)
 
-    ours = median_us(jaxprep_step, repeats)
-    per_field = median_us(jaxprep_step_per_field, repeats)
-    ref = median_us(reference_step, repeats)
+    times = interleaved_us({"ours": jaxprep_step, "per_field": jaxprep_step_per_field, "ref": reference_step},
+                           repeats)
+    ours, per_field, ref = times["ours"], times["per_field"], times["ref"]
     return dict(name=name, jaxprep_us=ours, per_field_us=per_field, reference_us=ref, ratio=ours / ref,
                 compile_s=compile_s,
                 goal=GOALS.get(name, 1.0))
@@ -92,11 +92,10 @@ def bench_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--repeats", type=int, default=100, help="calls per round (best of 5 rounds)")
     args = parser.parse_args()
     rows = [bench_shape(*shape, repeats=args.repeats) for shape in SHAPES]
-    print(f"machine: {machine_line()}")
+    print(f"machine: {machine_line()}; {load_line()}")
     print("| shape | jaxprep µs (packed fetch) | jaxprep µs (12 fetches) | reference µs | ratio | goal | met "
           "| compile s (both) |")
     print("|---|---:|---:|---:|---:|---:|:-:|---:|")

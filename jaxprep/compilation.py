@@ -49,9 +49,9 @@ def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = Non
            cache_dir: str | os.PathLike | None = None, threads: int | None = None) -> float:
     """Compiles `prepare_inputs` for every bucket of the ladder; returns the seconds it took.
 
-    Each bucket is lowered from shapes alone (nothing is allocated or run) and the lowered
-    modules are compiled on ``threads`` threads (default: the CPU count); XLA compiles outside
-    the GIL, and an ahead-of-time compile fills the cache the jitted calls read.
+    Each bucket is lowered from shapes alone (nothing is allocated or run) and compiled on
+    ``threads`` threads (default: the CPU count) while the next one is lowered; XLA compiles
+    outside the GIL, and an ahead-of-time compile fills the cache the jitted calls read.
 
     ``state`` supplies the shapes (a `BatchState` or a pytree of ``jax.ShapeDtypeStruct``;
     default: those of `BatchState.empty(config)`); it is only read.
@@ -65,15 +65,20 @@ def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = Non
     if cache_dir is not None:
         use_compile_cache(cache_dir)
     shapes = jax.eval_shape(lambda: BatchState.empty(config)) if state is None else state
-    lowered = [prepare_padded.trace(shapes, config, bucket).lower() for bucket in buckets or config.token_buckets]
-    compile_all(lowered, threads)
+    compile_all((prepare_padded.trace(shapes, config, bucket).lower() for bucket in buckets or config.token_buckets),
+                threads)
     return time.perf_counter() - start
 
 
 def compile_all(lowered, threads: int | None = None) -> None:
-    """Compiles ``jax.stages.Lowered`` modules on ``threads`` threads (default: the CPU count)."""
+    """Compiles ``jax.stages.Lowered`` modules on ``threads`` threads (default: the CPU count).
+
+    ``lowered`` may be a generator: each module starts compiling as soon as it is lowered, so the
+    tracing and lowering of the next one (Python, under the GIL) overlaps the compiles.
+    """
     with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-        list(pool.map(lambda stage: stage.compile(), lowered))
+        for future in [pool.submit(stage.compile) for stage in lowered]:
+            future.result()
 
 
 def use_compile_cache(cache_dir: str | os.PathLike) -> None:

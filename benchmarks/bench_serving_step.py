@@ -1,0 +1,181 @@
+"""A whole serving step's input work, jaxprep against the NumPy reference, in one process.
+
+    PYTHONPATH=. python benchmarks/bench_serving_step.py [--repeats 200] [--steps 16]
+
+One step = apply the scheduler's per-step update to the batch tables, then prepare the step and
+have every output on the host:
+
+- update (small per-step arrays, as a scheduler sends them): every row's new num_computed_tokens
+  and num_scheduled_tokens, one block id written per row (the block of its last scheduled token),
+  and one sampled token id written per row (after its scheduled tokens);
+- jaxprep: one jitted call with the state donated (updated in place) takes the update as one packed
+  int32 array, applies it and runs `prepare_step`; the outputs come back packed (one buffer plus
+  the gathered block table, `jaxprep.host.unpack_host`);
+- reference: the same update applied in place to host NumPy tables, then
+  `jaxprep.reference.prepare_reference` (vLLM's host-side preparation).
+
+The shapes and batches are bench_prepare.py's. A sequence of `--steps` updates (rows restart as
+new requests when they would pass max_model_len) is replayed; before timing, every step's outputs
+are checked equal to the reference's. Compile time is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from jaxprep.cli import configure_runtime  # noqa: E402
+
+configure_runtime()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_prepare import GOALS, SHAPES, make_batch  # noqa: E402
+from common import interleaved_us, load_line, machine_line  # noqa: E402
+from jaxprep import BatchState, PrepConfig  # noqa: E402
+from jaxprep.host import _PACKED_FIELDS, _flat_fields, unpack_host  # noqa: E402
+from jaxprep.prepare import prepare_step  # noqa: E402
+from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
+
+
+def make_updates(config: PrepConfig, arrays: dict, steps: int, seed: int = 1) -> list[dict]:
+    """``steps`` updates: every row advances by what it ran, schedules the same count again, and
+    restarts at 0 (a new request in the row) when that would pass max_model_len."""
+    rng = np.random.default_rng(seed)
+    computed = arrays["num_computed_tokens"].astype(np.int64)
+    scheduled = arrays["num_scheduled_tokens"].astype(np.int64)
+    rows = np.arange(len(computed))
+    updates = []
+    for _ in range(steps):
+        computed = computed + scheduled
+        computed[computed + scheduled > config.max_model_len] = 0
+        ends = computed + scheduled
+        updates.append(dict(
+            num_computed_tokens=computed.astype(np.int32), num_scheduled_tokens=scheduled.astype(np.int32),
+            block_rows=rows.astype(np.int32), block_cols=((ends - 1) // config.block_size).astype(np.int32),
+            token_rows=rows.astype(np.int32), token_cols=np.minimum(ends, config.max_model_len - 1).astype(np.int32),
+            token_values=rng.integers(0, 32000, len(rows), dtype=np.int32)))
+    return updates
+
+
+def with_block_values(update: dict, block_table: np.ndarray) -> dict:
+    """The update's block ids: the ids the table already holds there (blocks are preallocated)."""
+    return dict(update, block_values=block_table[update["block_rows"], update["block_cols"]])
+
+
+EDIT_FIELDS = ("block_rows", "block_cols", "block_values", "token_rows", "token_cols", "token_values")
+
+
+def pack_edits(update: dict) -> np.ndarray:
+    """The table edits of an update as one [6 * rows] int32 array."""
+    return np.concatenate([update[name] for name in EDIT_FIELDS])
+
+
+def apply_update_numpy(tables: dict, update: dict) -> None:
+    """The reference's update: in place on the host tables."""
+    tables["num_computed_tokens"][:] = update["num_computed_tokens"]
+    tables["num_scheduled_tokens"][:] = update["num_scheduled_tokens"]
+    tables["block_table"][update["block_rows"], update["block_cols"]] = update["block_values"]
+    tables["token_ids"][update["token_rows"], update["token_cols"]] = update["token_values"]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnums=0)
+def update_and_prepare(state: BatchState, num_computed_tokens, num_scheduled_tokens, edits: jax.Array,
+                       config: PrepConfig, num_tokens_padded: int):
+    """Applies the update to the donated state and prepares the step; returns the new state, the
+    packed int32 outputs and the gathered block table."""
+    pieces = dict(zip(EDIT_FIELDS, jnp.split(edits, len(EDIT_FIELDS))))
+    # XLA:CPU's thunk executor hands kernels to its thread pool when more than 8 are ready at once,
+    # which costs 10-80 us on a 2-core host: a reduction in front of the edits keeps them from all
+    # being ready at the start (the edits still land before any read of the tables)
+    ready = jnp.max(num_scheduled_tokens) >= 0
+    pieces = {name: jnp.where(ready, value, -1) for name, value in pieces.items()}
+    block_table = state.block_table.at[pieces["block_rows"], pieces["block_cols"]].set(pieces["block_values"],
+                                                                                         mode="drop")
+    token_ids = state.token_ids.at[pieces["token_rows"], pieces["token_cols"]].set(pieces["token_values"],
+                                                                                     mode="drop")
+    state = dataclasses.replace(state, num_computed_tokens=num_computed_tokens,
+                                num_scheduled_tokens=num_scheduled_tokens, block_table=block_table,
+                                token_ids=token_ids)
+    step = prepare_step(state, config, num_tokens_padded)
+    fields = _flat_fields(step)
+    words = jnp.concatenate([jnp.ravel(fields[name]) for name, _ in _PACKED_FIELDS])
+    return state, words, step.attn_metadata.block_table
+
+
+def run_update(state, update: dict, config: PrepConfig, bucket: int):
+    """jaxprep's whole step: three small host arrays in, the new state and the host step out."""
+    state, words, table = update_and_prepare(state, update["num_computed_tokens"], update["num_scheduled_tokens"],
+                                             pack_edits(update), config, bucket)
+    return state, unpack_host(np.asarray(words), np.asarray(table), bucket)
+
+
+def check_against_reference(config, arrays, updates, bucket) -> None:
+    state = BatchState.from_numpy(**arrays)
+    tables = {name: value.copy() for name, value in arrays.items()}
+    for update in updates:
+        apply_update_numpy(tables, update)
+        state, ours = run_update(state, update, config, bucket)
+        ref = pad_reference(prepare_reference(block_size=config.block_size, **tables), bucket,
+                            config.num_reqs_padded(bucket))
+        meta = ours.attn_metadata
+        got = dict(input_ids=ours.input_ids, positions=ours.positions, slot_mapping=meta.slot_mapping,
+                   query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens, block_table=meta.block_table,
+                   logits_indices=ours.logits_indices, idx_mapping=ours.idx_mapping)
+        for name, value in got.items():
+            np.testing.assert_array_equal(value, ref[name], err_msg=name)
+
+
+def bench_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_only, repeats, steps):
+    config, arrays = make_batch(num_reqs, num_tokens, max_model_len, block_size, decode_only)
+    bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
+    updates = [with_block_values(u, arrays["block_table"]) for u in make_updates(config, arrays, steps)]
+    start = time.perf_counter()
+    check_against_reference(config, arrays, updates, bucket)  # compiles, then checks every step
+    compile_s = time.perf_counter() - start
+
+    state = [BatchState.from_numpy(**arrays)]
+    tables = {n: v.copy() for n, v in arrays.items()}
+    cursor = iter(range(10**9))
+
+    def jaxprep_step():
+        state[0], step = run_update(state[0], updates[next(cursor) % steps], config, bucket)
+        return step
+
+    def reference_step():
+        apply_update_numpy(tables, updates[next(cursor) % steps])
+        return prepare_reference(block_size=config.block_size, **tables)
+
+    times = interleaved_us({"ours": jaxprep_step, "ref": reference_step}, repeats)
+    ours, ref = times["ours"], times["ref"]
+    return dict(name=name, jaxprep_us=ours, reference_us=ref, ratio=ours / ref, compile_s=compile_s,
+                goal=GOALS.get(name, 1.0))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=100, help="calls per round (best of 5 rounds)")
+    parser.add_argument("--steps", type=int, default=16, help="distinct updates replayed in turn")
+    args = parser.parse_args()
+    rows = [bench_shape(*shape, repeats=args.repeats, steps=args.steps) for shape in SHAPES]
+    print(f"machine: {machine_line()}; {load_line()}")
+    print("| shape | jaxprep µs (update + prepare + fetch) | reference µs (update + prepare) | ratio | goal | met "
+          "| compile + check s |")
+    print("|---|---:|---:|---:|---:|:-:|---:|")
+    for r in rows:
+        met = "yes" if r["ratio"] <= r["goal"] else "no"
+        print(f"| {r['name']} | {r['jaxprep_us']:.0f} | {r['reference_us']:.0f} | {r['ratio']:.2f}x | ≤{r['goal']}x "
+              f"| {met} | {r['compile_s']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
