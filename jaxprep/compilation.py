@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 
@@ -59,15 +60,22 @@ def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = Non
     so a later process warms up from disk.
     """
     from jaxprep.prepare import prepare_padded
-    from jaxprep.state import BatchState
 
     start = time.perf_counter()
     if cache_dir is not None:
         use_compile_cache(cache_dir)
-    shapes = jax.eval_shape(lambda: BatchState.empty(config)) if state is None else state
+    shapes = _empty_state_shapes(config) if state is None else state
     compile_all((prepare_padded.trace(shapes, config, bucket).lower() for bucket in buckets or config.token_buckets),
                 threads)
     return time.perf_counter() - start
+
+
+@functools.lru_cache(maxsize=16)
+def _empty_state_shapes(config: PrepConfig):
+    """`BatchState.empty(config)` as ``jax.ShapeDtypeStruct`` leaves (traced once per config)."""
+    from jaxprep.state import BatchState
+
+    return jax.eval_shape(lambda: BatchState.empty(config))
 
 
 def compile_all(lowered, threads: int | None = None) -> None:
