@@ -1,6 +1,10 @@
 """jaxprep.prepare vs the NumPy reference, in one process: median µs per step and the ratio.
 
-    python benchmarks/bench_prepare.py [--repeats 100]
+    PYTHONPATH=. python benchmarks/bench_prepare.py [--repeats 100] [--rounds 7]
+
+Each cell is the best of ``--rounds`` medians of ``--repeats`` calls; a round times every shape
+and both sides in turn, so the rounds spread over the run and load from other processes hits
+every cell alike.
 
 The state is already on the device; jaxprep's time includes fetching every output back as host
 NumPy arrays (`jaxprep.host.prepare_to_host`: one packed buffer plus the block table; the
@@ -64,7 +68,8 @@ def make_batch(num_reqs: int, num_tokens: int, max_model_len: int, block_size: i
     return config, arrays
 
 
-def bench_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_only, repeats):
+def setup_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_only):
+    """Compiles the shape's executables; returns its row of results so far and the callables to time."""
     config, arrays = make_batch(num_reqs, num_tokens, max_model_len, block_size, decode_only)
     state = BatchState.from_numpy(**arrays)
     bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
@@ -82,19 +87,25 @@ def bench_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
     def reference_step():
         return prepare_reference(block_size=block_size, **arrays)
 
-    times = interleaved_us({"ours": jaxprep_step, "per_field": jaxprep_step_per_field, "ref": reference_step},
-                           repeats)
-    ours, per_field, ref = times["ours"], times["per_field"], times["ref"]
-    return dict(name=name, jaxprep_us=ours, per_field_us=per_field, reference_us=ref, ratio=ours / ref,
-                compile_s=compile_s,
-                goal=GOALS.get(name, 1.0))
+    row = dict(name=name, compile_s=compile_s, goal=GOALS.get(name, 1.0))
+    return row, {"ours": jaxprep_step, "per_field": jaxprep_step_per_field, "ref": reference_step}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=100, help="calls per round (best of 5 rounds)")
+    parser.add_argument("--repeats", type=int, default=100, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds over all shapes; each cell keeps its best")
     args = parser.parse_args()
-    rows = [bench_shape(*shape, repeats=args.repeats) for shape in SHAPES]
+    rows, fns = [], {}
+    for shape in SHAPES:
+        row, shape_fns = setup_shape(*shape)
+        rows.append(row)
+        fns.update({(row["name"], key): fn for key, fn in shape_fns.items()})
+    times = interleaved_us(fns, args.repeats, args.rounds)  # rounds sweep every shape: spread over the run
+    for r in rows:
+        r.update(jaxprep_us=times[r["name"], "ours"], per_field_us=times[r["name"], "per_field"],
+                 reference_us=times[r["name"], "ref"])
+        r["ratio"] = r["jaxprep_us"] / r["reference_us"]
     print(f"machine: {machine_line()}; {load_line()}")
     print("| shape | jaxprep µs (packed fetch) | jaxprep µs (12 fetches) | reference µs | ratio | goal | met "
           "| compile s (both) |")

@@ -1,6 +1,6 @@
 """A whole serving step's input work, jaxprep against the NumPy reference, in one process.
 
-    PYTHONPATH=. python benchmarks/bench_serving_step.py [--repeats 200] [--steps 16]
+    PYTHONPATH=. python benchmarks/bench_serving_step.py [--repeats 100] [--rounds 7] [--steps 16]
 
 One step = apply the scheduler's per-step update to the batch tables, then prepare the step and
 have every output on the host:
@@ -16,7 +16,8 @@ have every output on the host:
 
 The shapes and batches are bench_prepare.py's. A sequence of `--steps` updates (rows restart as
 new requests when they would pass max_model_len) is replayed; before timing, every step's outputs
-are checked equal to the reference's. Compile time is reported apart.
+are checked equal to the reference's. Compile time is reported apart. Timing as bench_prepare.py:
+best of ``--rounds`` medians, rounds sweeping every shape.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def check_against_reference(config, arrays, updates, bucket) -> None:
             np.testing.assert_array_equal(value, ref[name], err_msg=name)
 
 
-def bench_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_only, repeats, steps):
+def setup_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_only, steps):
+    """Compiles and checks the shape; returns its row of results so far and the callables to time."""
     config, arrays = make_batch(num_reqs, num_tokens, max_model_len, block_size, decode_only)
     bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
     updates = [with_block_values(u, arrays["block_table"]) for u in make_updates(config, arrays, steps)]
@@ -154,18 +156,24 @@ def bench_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
         apply_update_numpy(tables, updates[next(cursor) % steps])
         return prepare_reference(block_size=config.block_size, **tables)
 
-    times = interleaved_us({"ours": jaxprep_step, "ref": reference_step}, repeats)
-    ours, ref = times["ours"], times["ref"]
-    return dict(name=name, jaxprep_us=ours, reference_us=ref, ratio=ours / ref, compile_s=compile_s,
-                goal=GOALS.get(name, 1.0))
+    return dict(name=name, compile_s=compile_s, goal=GOALS.get(name, 1.0)), {"ours": jaxprep_step, "ref": reference_step}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=100, help="calls per round (best of 5 rounds)")
+    parser.add_argument("--repeats", type=int, default=100, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds over all shapes; each cell keeps its best")
     parser.add_argument("--steps", type=int, default=16, help="distinct updates replayed in turn")
     args = parser.parse_args()
-    rows = [bench_shape(*shape, repeats=args.repeats, steps=args.steps) for shape in SHAPES]
+    rows, fns = [], {}
+    for shape in SHAPES:
+        row, shape_fns = setup_shape(*shape, steps=args.steps)
+        rows.append(row)
+        fns.update({(row["name"], key): fn for key, fn in shape_fns.items()})
+    times = interleaved_us(fns, args.repeats, args.rounds)  # rounds sweep every shape: spread over the run
+    for r in rows:
+        r.update(jaxprep_us=times[r["name"], "ours"], reference_us=times[r["name"], "ref"])
+        r["ratio"] = r["jaxprep_us"] / r["reference_us"]
     print(f"machine: {machine_line()}; {load_line()}")
     print("| shape | jaxprep µs (update + prepare + fetch) | reference µs (update + prepare) | ratio | goal | met "
           "| compile + check s |")
