@@ -106,7 +106,7 @@ def plot_token_table(record: StepRecord, ax=None, annotate: bool | None = None):
             labels[row, position] = str(tokens[row, position])
     _grid(ax, image, f"step {record.number}: token table (full: scheduled now, grey: known, not yet)", "position",
           "row")
-    _annotate(ax, labels, states == SCHEDULED, fontsize=7)
+    _annotate(ax, labels, states == SCHEDULED, fontsize=9)
     return fig
 
 
@@ -129,7 +129,7 @@ def plot_block_table(record: StepRecord, ax=None):
             image[row, column] = _shade(request, written)
             labels[row, column] = str(block)
     _grid(ax, image, f"step {record.number}: block table (bold: new block)", "block-table column", "row")
-    _annotate(ax, labels, new)
+    _annotate(ax, labels, new, fontsize=10)
     return fig
 
 
@@ -148,7 +148,7 @@ def plot_kv_cache(record: StepRecord, ax=None, annotate: bool | None = None):
             if annotate:
                 labels[block, offset] = f"r{request} p{view.position[block, offset]}"
     _grid(ax, image, f"step {record.number}: KV cache", "offset in block", "block (0: null)")
-    _annotate(ax, labels, view.new, fontsize=7)
+    _annotate(ax, labels, view.new, fontsize=8)
     return fig
 
 
