@@ -58,11 +58,11 @@ def _axes(ax, size):
     return fig, fig.add_subplot()
 
 
-def _ticks(count: int, labels=None):
+def _ticks(count: int):
     """(positions, labels): every cell, or about 12 evenly spaced ones on a dense axis."""
     step = 1 if count <= MAX_CELLS_WITH_LINES else max(1, count // 12)
     positions = list(range(0, count, step))
-    return positions, [str(p) if labels is None else labels[p] for p in positions]
+    return positions, [str(p) for p in positions]
 
 
 def _grid(ax, image, title, xlabel, ylabel, xticks=None, yticks=None):

@@ -86,7 +86,7 @@ def walk(options: WalkthroughOptions | None = None, max_steps: int | None = None
     prep = options.prep_config()
     config = ServingConfig(prep=prep, max_new_reqs_per_step=prep.max_num_reqs, decode_steps=1)
     scheduler, batch = Scheduler(config), ServingBatch(config)
-    for i, (length, max_tokens) in enumerate(zip(options.prompt_lens, options.max_tokens)):
+    for i, max_tokens in enumerate(options.max_tokens):
         scheduler.add_request(Request(request_id=i, prompt_token_ids=options.prompt(i), max_tokens=max_tokens))
     requests_by_row, previous, number = {}, None, 0
     while scheduler.has_unfinished and (max_steps is None or number < max_steps):
@@ -99,11 +99,11 @@ def walk(options: WalkthroughOptions | None = None, max_steps: int | None = None
         record = _record(batch, requests_by_row, number)
         new_blocks = {requests_by_row[row].request_id: list(blocks) for row, blocks in out.new_block_ids.items()}
         new_blocks.update({requests_by_row[r["row"]].request_id: list(r["block_ids"]) for r in out.new_requests})
-        sampled = _sample_and_record(record, batch, options)
-        tokens = np.full((1, prep.max_num_reqs), -1, np.int32)
-        for request_id, token in sampled.items():
-            tokens[0, _row_of(requests_by_row, request_id)] = token
+        appended = _sample_and_record(record, batch, options)
+        tokens = np.full((1, prep.max_num_reqs), -1, np.int32)  # [iterations, rows] as the scheduler reads them
+        tokens[0, list(appended)] = list(appended.values())
         done = scheduler.update(out, tokens, config.eos_token_id)
+        sampled = {requests_by_row[row].request_id: token for row, token in appended.items()}
         previous = dataclasses.replace(record, sampled=sampled, new_blocks=new_blocks, freed=freed,
                                        finished=tuple(r.request_id for r in done))
         yield previous
@@ -127,7 +127,8 @@ def _record(batch: ServingBatch, requests_by_row: dict, number: int) -> StepReco
 
 def _sample_and_record(record: StepRecord, batch: ServingBatch, options: WalkthroughOptions) -> dict[int, int]:
     """The stand-in model's next token for every batch row; the device keeps only the rows that
-    reached the end of their known tokens (a chunked prefill's sample is discarded, SPEC §2.7)."""
+    reached the end of their known tokens (a chunked prefill's sample is discarded, SPEC §2.7).
+    Returns {state row: token appended}."""
     rows, seq_lens = record.batch_rows, record.unpadded("seq_lens")
     tokens = np.zeros((len(record.outputs["idx_mapping"]), 1), np.int32)
     for b, (row, seq_len) in enumerate(zip(rows, seq_lens)):
@@ -136,11 +137,7 @@ def _sample_and_record(record: StepRecord, batch: ServingBatch, options: Walkthr
     batch.record_sampled(record.outputs["idx_mapping"], tokens, np.ones(len(tokens), np.int32))
     after = batch.state.to_numpy()
     appended = np.flatnonzero(after["num_tokens"] > before)
-    return {int(record.request_ids[row]): int(after["token_ids"][row, before[row]]) for row in appended}
-
-
-def _row_of(requests_by_row: dict, request_id: int) -> int:
-    return next(row for row, request in requests_by_row.items() if request.request_id == request_id)
+    return {int(row): int(after["token_ids"][row, before[row]]) for row in appended}
 
 
 def run_walkthrough(options: WalkthroughOptions | None = None, max_steps: int | None = None) -> list[StepRecord]:
