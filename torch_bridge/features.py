@@ -17,6 +17,7 @@ everything else (block tables, spec-decode indices, ``request_distribution``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -60,24 +61,44 @@ class FeatureFields:
         return tuple(name for name in self.arrays if name.startswith("kv_groups.") and name.endswith(".block_table"))
 
 
+NO_FEATURES = FeatureFields({}, (), (), (), None)
+"""A step without features: the plain step's handoff skips flattening and rebuilding."""
+
+
 def feature_fields(step_inputs, slot_kind: str) -> FeatureFields:
     """The feature arrays of ``step_inputs`` (any absent or None feature adds nothing)."""
     tree = {name: getattr(step_inputs, name, None) for name in STEP_FEATURES}
     tree.update({name: getattr(step_inputs.attn_metadata, name, None) for name in METADATA_FEATURES})
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    arrays, spec, names = {}, [], []
-    for path, leaf in with_paths:
+    if all(value is None for value in tree.values()):
+        return NO_FEATURES
+    leaves, treedef = jax.tree.flatten(tree)
+    dtypes = tuple(leaf.dtype if isinstance(leaf, jax.Array) else None for leaf in leaves)
+    names, spec = _plan(treedef, dtypes, slot_kind)
+    arrays = {name: leaf for name, leaf in zip(names, leaves) if name is not None}
+    return FeatureFields(arrays, spec, names, tuple(leaves), treedef)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(treedef, dtypes: tuple, slot_kind: str) -> tuple[tuple[str | None, ...], FieldSpec]:
+    """Field name (None: not carried) of every leaf, and the spec of the carried ones; static per step shape.
+
+    The leaves' paths come from the tree rebuilt with placeholder leaves, once per tree structure.
+    """
+    placeholders = jax.tree.unflatten(treedef, range(treedef.num_leaves))
+    names, spec = [], []
+    for (path, _), dtype in zip(jax.tree_util.tree_flatten_with_path(placeholders)[0], dtypes, strict=True):
         name = field_name(path)
-        kind = _kind(name, leaf, slot_kind)
+        kind = _kind(name, dtype, slot_kind)
         names.append(None if kind is None else name)
         if kind is not None:
-            arrays[name] = leaf
             spec.append((name, kind))
-    return FeatureFields(arrays, tuple(spec), tuple(names), tuple(leaf for _, leaf in with_paths), treedef)
+    return tuple(names), tuple(spec)
 
 
 def torch_features(fields: FeatureFields, tensors: dict[str, torch.Tensor], device) -> dict[str, Any]:
-    """{feature name: value with torch leaves}, for `STEP_FEATURES` and `METADATA_FEATURES`."""
+    """{feature name: value with torch leaves}, for `STEP_FEATURES` and `METADATA_FEATURES` ({}: none)."""
+    if fields is NO_FEATURES:
+        return {}
     leaves = [convert_leaf(leaf, device) if name is None else tensors[name]
               for name, leaf in zip(fields.names, fields.leaves)]
     tree = jax.tree.unflatten(fields.treedef, leaves)
@@ -102,13 +123,11 @@ def field_name(path) -> str:
     return ".".join(parts)
 
 
-def _kind(name: str, leaf, slot_kind: str) -> str | None:
-    """The packing kind of one leaf, or None when the bridge cannot carry it in an int32 word."""
-    if not isinstance(leaf, jax.Array):
-        return None
-    if leaf.dtype == jnp.bool_:
+def _kind(name: str, dtype, slot_kind: str) -> str | None:
+    """The packing kind of a leaf of ``dtype`` (None: not a JAX array), or None when it is not int32 or bool."""
+    if dtype == jnp.bool_:
         return BOOL
-    if leaf.dtype != jnp.int32:
+    if dtype != jnp.int32:
         return None
     if name in INT64_FIELDS:
         return INT64

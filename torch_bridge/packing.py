@@ -19,10 +19,10 @@ same on both sides. An int64 field starts at an even word, so its int64 view is 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,11 @@ FieldSpec = tuple[tuple[str, str], ...]
 """(name, kind) pairs in buffer order: the static part of a layout."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Span:
-    """Where one field lies in the packed buffer: ``offset`` in int32 words."""
+class Span(NamedTuple):
+    """Where one field lies in the packed buffer: ``offset`` in int32 words.
+
+    A tuple, not a dataclass: layouts are cache keys, and a tuple hashes in C.
+    """
 
     name: str
     offset: int

@@ -98,9 +98,12 @@ def step_arrays(step_inputs) -> dict[str, jax.Array]:
 def bridge_inputs(step_inputs, pack_spec: PackSpec) -> tuple[dict[str, jax.Array], PackSpec, FeatureFields]:
     """Every array the bridge moves (`step_arrays` and the features'), the spec that carries them,
     and the features' structure. Group slot mappings take the kind of ``slot_mapping``."""
-    features = feature_fields(step_inputs, slot_kind=pack_spec.kind_of("slot_mapping"))
+    arrays = step_arrays(step_inputs)
+    features = feature_fields(step_inputs, slot_kind=pack_spec.slot_kind)
+    if not features.spec:
+        return arrays, pack_spec, features
     check_live(features.arrays)
-    return {**step_arrays(step_inputs), **features.arrays}, with_fields(pack_spec, features.spec), features
+    return {**arrays, **features.arrays}, with_fields(pack_spec, features.spec), features
 
 
 def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn_state=None,
@@ -129,7 +132,7 @@ def assemble(step_inputs, bridged: Bridged, features: FeatureFields, device, *, 
     attn_state = _feature(step_inputs, "attn_state", attn_state)
     attn_mask = _feature(step_inputs, "attn_mask", attn_mask)
     step_features = torch_features(features, tensors, device)
-    metadata_features = {name: step_features.pop(name) for name in METADATA_FEATURES}
+    metadata_features = {name: step_features.pop(name, None) for name in METADATA_FEATURES}
     metadata = metadata_cls(
         query_start_loc=tensors["query_start_loc"], query_start_loc_cpu=host["query_start_loc"],
         seq_lens=tensors["seq_lens"], seq_lens_cpu=host["seq_lens"],

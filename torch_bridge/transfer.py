@@ -35,8 +35,10 @@ class PackSpec:
     def spec(self) -> FieldSpec:
         return self.device_only + tuple((name, INT32) for name in self.scalars + self.host_mirrored)
 
-    def kind_of(self, name: str) -> str:
-        return dict(self.device_only)[name]
+    @functools.cached_property
+    def slot_kind(self) -> str:
+        """How ``slot_mapping`` is carried (the KV-cache groups' slot mappings follow it)."""
+        return dict(self.device_only)["slot_mapping"]
 
 
 @functools.lru_cache(maxsize=64)
