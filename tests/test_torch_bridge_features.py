@@ -239,3 +239,11 @@ def test_to_npu_carries_the_features_in_the_one_staged_copy(fake_npu, case):
             want = np.concatenate([want, np.zeros_like(want[:1])])
             want[num_reqs:] = 0
         np.testing.assert_array_equal(tensor.numpy(), want, err_msg=name)
+
+
+def test_a_donated_feature_array_is_named():
+    config, arrays, _ = prepared("kv_groups")
+    step = run_step(arrays, config, "jit")  # a step of its own: this test deletes one of its arrays
+    step.kv_groups[1].slot_mapping.delete()
+    with pytest.raises(ValueError, match="kv_groups.1.slot_mapping was deleted"):
+        torch_bridge.to_torch(step)

@@ -111,8 +111,9 @@ def torch_features(fields: FeatureFields, tensors: dict[str, torch.Tensor], devi
 
 
 def field_name(path) -> str:
-    """A leaf's path as a field name: # (DictKey('kv_groups'), SequenceKey(1), GetAttrKey('slot_mapping'))
-    -> "kv_groups.1.slot_mapping"
+    """A leaf's path in the feature tree as a field name.
+
+    # (DictKey('kv_groups'), SequenceKey(1), GetAttrKey('slot_mapping')) -> "kv_groups.1.slot_mapping"
     """
     parts = []
     for key in path:

@@ -36,7 +36,7 @@ from torch_bridge.transfer import PackSpec, bridge_packed
 FIA_PAD_SEQ_LEN = 1
 """``seq_lens`` of the dummy request and of padded rows on the NPU (jaxprep pads with 0 elsewhere)."""
 
-# slot_mapping is not wide here: Ascend's reshape_and_cache takes int32 slots
+# slot_mapping is int32 here: Ascend's reshape_and_cache takes int32 slots
 NPU_SPEC = PackSpec(
     device_only=(("positions", INT64), ("slot_mapping", INT32), ("input_ids", INT32),
                  ("logits_indices", INT32), ("idx_mapping", INT32), ("block_table_tensor", INT32)),
