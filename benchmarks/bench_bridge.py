@@ -1,6 +1,6 @@
 """Handoff cost of one prepared step from JAX to torch: one packed buffer vs one DLPack capsule per field.
 
-    PYTHONPATH=. python benchmarks/bench_bridge.py [--iters 2000] [--rounds 5]
+    PYTHONPATH=. python benchmarks/bench_bridge.py [--iters 2000] [--rounds 5] [--features]
 
 Both strategies build the same `TorchStepInputs` (int64 positions and slot_mapping, host ints and
 host mirrors) from an already prepared step. As in a serving loop, every timed call gets a step prepared just before it (outside the
@@ -10,11 +10,14 @@ The previous step's tensors are freed outside the clock. Sets PJRT_NPROC=1 and s
 (`jaxprep.cli.configure_runtime`) before JAX starts. Warms up first and reports the first call
 (compilation) apart; rounds alternate the strategies so drift hits both alike. Prints the median
 microseconds per step of each strategy and their ratio, with the machine and versions.
+``--features`` turns on `BENCH_FEATURES` (the feature inputs are `BatchState.empty`'s: the values
+do not change the work), so the run shows what the features' outputs add to a handoff.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import platform
@@ -34,12 +37,19 @@ import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
 from jaxprep.examples import sequential_block_table  # noqa: E402
+from jaxprep.state import OPTIONAL_FIELDS  # noqa: E402
 from torch_bridge.step import STRATEGIES  # noqa: E402
 
+BENCH_FEATURES = jaxprep.FeatureConfig(
+    num_speculative_tokens=2, discard_request_mask=True, mrope=True, prompt_embeds=True, request_distribution=True,
+    kv_groups=(jaxprep.KVCacheGroupSpec(16), jaxprep.KVCacheGroupSpec(32, kernel_block_size=16)))
+"""Every feature with array outputs but DCP: 17 more bridged fields (2 groups, 8 spec-decode, ...)."""
 
-def workload(num_decodes: int, prefill_chunk: int):
+
+def workload(num_decodes: int, prefill_chunk: int, features: jaxprep.FeatureConfig | None = None):
     """``num_decodes`` decodes of ~1k-token contexts plus one chunked prefill, on a 64-row state."""
-    config = jaxprep.PrepConfig(max_num_reqs=64, max_model_len=4096, max_num_batched_tokens=512, block_size=16)
+    config = jaxprep.PrepConfig(max_num_reqs=64, max_model_len=4096, max_num_batched_tokens=512, block_size=16,
+                                features=features or jaxprep.FeatureConfig())
     rng = np.random.default_rng(0)
     rows = config.max_num_reqs
     computed = np.zeros(rows, np.int32)
@@ -53,7 +63,9 @@ def workload(num_decodes: int, prefill_chunk: int):
         token_ids=rng.integers(1, 32000, (rows, config.max_model_len), dtype=np.int32),
         block_table=sequential_block_table(blocks, config.max_blocks_per_req),
         num_computed_tokens=computed, num_scheduled_tokens=scheduled)
-    return config, state
+    empty = jaxprep.BatchState.empty(config)
+    feature_inputs = {name: getattr(empty, name) for name in OPTIONAL_FIELDS if getattr(empty, name) is not None}
+    return config, dataclasses.replace(state, **feature_inputs)
 
 
 def time_calls(fn, make_input, iters: int) -> list[float]:
@@ -85,13 +97,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--decodes", type=int, default=48)
     parser.add_argument("--prefill-chunk", type=int, default=200)
+    parser.add_argument("--features", action="store_true", help="turn on BENCH_FEATURES")
     args = parser.parse_args()
-    config, state = workload(args.decodes, args.prefill_chunk)
+    config, state = workload(args.decodes, args.prefill_chunk, BENCH_FEATURES if args.features else None)
     step = jax.block_until_ready(jaxprep.prepare_inputs(state, config))
     print(f"machine: {describe_machine()}")
     print(f"step: {args.decodes} decodes + 1 prefill chunk of {args.prefill_chunk} -> "
           f"num_tokens_padded {step.num_tokens_padded}, num_reqs_padded {step.num_reqs_padded}, "
-          f"block table width {config.max_blocks_per_req}")
+          f"block table width {config.max_blocks_per_req}, features {'on' if args.features else 'off'}")
     bridges = {name: functools.partial(torch_bridge.to_torch, strategy=name) for name in STRATEGIES}
 
     def fresh_step():

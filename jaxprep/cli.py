@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "demo": "jaxprep.commands.demo",
     "simulate": "jaxprep.commands.simulate",
+    "walkthrough": "jaxprep.commands.walkthrough",
 }
 DEFAULT_COMMAND = "simulate"
 

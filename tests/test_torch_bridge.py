@@ -20,6 +20,8 @@ import torch_bridge  # noqa: E402
 from jaxprep.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
+from bridge_checks import assert_views_of  # noqa: E402
+
 STRATEGIES = ("packed", "per_field")
 EXAMPLES = {
     "A1": (example_a_config, example_a_step1),
@@ -97,18 +99,9 @@ def test_packed_fields_are_views_of_one_jax_buffer():
     step, _ = prepared("B")
     inputs = torch_bridge.to_torch(step, strategy="packed")
     (buffer,) = inputs.jax_buffers
-    start = buffer.unsafe_buffer_pointer()
-    end = start + buffer.size * buffer.dtype.itemsize
-    fields = torch_fields(inputs)
-    fields.update(qsl_cpu=inputs.attn_metadata.query_start_loc_cpu, seq_lens_cpu=inputs.attn_metadata.seq_lens_cpu)
-    ranges = []
-    for name, tensor in fields.items():  # the int64 fields too: no cast, no copy
-        first, last = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
-        assert start <= first and last <= end, name
-        if not name.endswith("_cpu"):
-            ranges.append((first, last))
-    ranges.sort()
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])), "fields overlap"
+    assert_views_of(buffer, torch_fields(inputs))  # the int64 fields too: no cast, no copy
+    meta = inputs.attn_metadata
+    assert_views_of(buffer, dict(qsl_cpu=meta.query_start_loc_cpu, seq_lens_cpu=meta.seq_lens_cpu), disjoint=False)
 
 
 @jax.tree_util.register_dataclass
@@ -127,16 +120,29 @@ def with_features(step, **features):
     return types.SimpleNamespace(**{name: getattr(step, name) for name in names}, **features)
 
 
-def test_spec_decode_arrays_are_converted_generically():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_spec_decode_arrays_are_converted_generically(strategy):
     step, _ = prepared("A2")
     spec = FakeSpecDecode(draft_token_ids=jnp.array([37, 38], jnp.int32),
                           cu_num_draft_tokens=jnp.array([0, 0, 2], jnp.int32), max_spec_len=2)
-    inputs = torch_bridge.to_torch(with_features(step, spec_decode=spec))
+    inputs = torch_bridge.to_torch(with_features(step, spec_decode=spec), strategy=strategy)
     assert isinstance(inputs.spec_decode, FakeSpecDecode) and inputs.spec_decode.max_spec_len == 2
     assert inputs.spec_decode.draft_token_ids.tolist() == [37, 38]
     assert inputs.spec_decode.cu_num_draft_tokens.dtype == torch.int32
-    assert inputs.spec_decode.draft_token_ids.data_ptr() == spec.draft_token_ids.unsafe_buffer_pointer()
+    shared = inputs.spec_decode.draft_token_ids.untyped_storage().data_ptr()
+    source = spec.draft_token_ids if strategy == "per_field" else inputs.jax_buffers[0]  # packed: in the buffer
+    assert shared == source.unsafe_buffer_pointer()
     assert torch_bridge.to_torch(step).spec_decode is None
+
+
+def test_leaves_that_are_not_int32_or_bool_are_converted_on_their_own():
+    step, _ = prepared("A2")
+    spec = FakeSpecDecode(draft_token_ids=jnp.array([0.5, 1.5], jnp.float32),
+                          cu_num_draft_tokens=jnp.array([0, 0, 2], jnp.int32), max_spec_len=2)
+    inputs = torch_bridge.to_torch(with_features(step, spec_decode=spec))
+    assert inputs.spec_decode.draft_token_ids.dtype == torch.float32
+    assert inputs.spec_decode.draft_token_ids.data_ptr() == spec.draft_token_ids.unsafe_buffer_pointer()
+    assert inputs.spec_decode.cu_num_draft_tokens.tolist() == [0, 0, 2]
 
 
 def test_attn_state_and_mask_pass_through_and_keyword_overrides():

@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from torch_bridge.packing import layout, num_packed_words, pack, unpack  # noqa: E402
+from torch_bridge.packing import BOOL, INT32, INT64, layout, num_packed_words, pack, unpack  # noqa: E402
+
+KINDS = (INT32, INT64, BOOL)
 
 
 def test_layout_aligns_wide_fields_to_even_words():
-    a, b, c = layout((("a", (3,), False), ("b", (2,), True), ("c", (2, 2), False)))
+    a, b, c = layout((("a", (3,), INT32), ("b", (2,), INT64), ("c", (2, 2), INT32)))
     assert (a.offset, a.num_words) == (0, 3)
     assert (b.offset, b.num_words) == (4, 4)  # one pad word after a
     assert (c.offset, c.num_words, c.shape) == (8, 4, (2, 2))
@@ -23,16 +25,32 @@ def test_layout_aligns_wide_fields_to_even_words():
 
 def test_wide_fields_are_int64_sign_extensions():
     arrays = {"odd": jnp.array([1, 2, 3], jnp.int32), "slots": jnp.array([9, -1, 2**31 - 1, -(2**31)], jnp.int32)}
-    spec = (("odd", False), ("slots", True))
+    spec = (("odd", INT32), ("slots", INT64))
     words = np.asarray(pack(arrays, spec))
     assert words[:3].tolist() == [1, 2, 3] and words[3] == 0
     assert words[4:12].tolist() == [9, 0, -1, -1, 2**31 - 1, 0, -(2**31), -1]
-    views = unpack(torch.from_dlpack(pack(arrays, spec)), layout((("odd", (3,), False), ("slots", (4,), True))))
+    views = unpack(torch.from_dlpack(pack(arrays, spec)), layout((("odd", (3,), INT32), ("slots", (4,), INT64))))
     assert views["slots"].dtype == torch.int64
     assert views["slots"].tolist() == [9, -1, 2**31 - 1, -(2**31)]
 
 
-field = st.tuples(st.lists(st.integers(0, 4), min_size=0, max_size=2), st.booleans())
+def test_bool_fields_are_bytes_four_to_a_word():
+    """[T, F, T, T, F] -> bytes 1,0,1,1 | 0,0,0,0 (two words); the view is bool without a copy."""
+    arrays = {"mask": jnp.array([True, False, True, True, False]), "after": jnp.array([7], jnp.int32)}
+    spec = (("mask", BOOL), ("after", INT32))
+    buffer = torch.from_dlpack(pack(arrays, spec))
+    assert buffer.view(torch.uint8)[:8].tolist() == [1, 0, 1, 1, 0, 0, 0, 0] and buffer[2] == 7
+    views = unpack(buffer, layout((("mask", (5,), BOOL), ("after", (1,), INT32))))
+    assert views["mask"].dtype == torch.bool and views["mask"].tolist() == [True, False, True, True, False]
+    assert views["mask"].data_ptr() == buffer.data_ptr()
+
+
+def test_unknown_kind_is_rejected():
+    with pytest.raises(ValueError, match="kind must be"):
+        layout((("a", (3,), "float32"),))
+
+
+field = st.tuples(st.lists(st.integers(0, 4), min_size=0, max_size=2), st.sampled_from(KINDS))
 
 
 @settings(max_examples=30, deadline=None)
@@ -40,20 +58,21 @@ field = st.tuples(st.lists(st.integers(0, 4), min_size=0, max_size=2), st.boolea
 def test_unpack_round_trips_matches_numpy(fields, seed, tail_from):
     rng = np.random.default_rng(seed)
     arrays, spec = {}, []
-    for index, (shape, wide) in enumerate(fields):
+    for index, (shape, kind) in enumerate(fields):
         name = f"f{index}"
-        arrays[name] = rng.integers(-(2**31), 2**31, size=tuple(shape), dtype=np.int64).astype(np.int32)
-        spec.append((name, wide))
+        values = rng.integers(-(2**31), 2**31, size=tuple(shape), dtype=np.int64).astype(np.int32)
+        arrays[name] = values % 2 == 0 if kind == BOOL else values
+        spec.append((name, kind))
     spec = tuple(spec)
-    spans = layout(tuple((name, arrays[name].shape, wide) for name, wide in spec))
+    spans = layout(tuple((name, arrays[name].shape, kind) for name, kind in spec))
     buffer = torch.from_dlpack(pack({k: jnp.asarray(v) for k, v in arrays.items()}, spec))
     assert buffer.numel() == num_packed_words(spans) and buffer.numel() % 2 == 0
     for name, view in unpack(buffer, spans).items():
-        assert view.dtype == (torch.int64 if dict(spec)[name] else torch.int32)
+        assert view.dtype == {INT32: torch.int32, INT64: torch.int64, BOOL: torch.bool}[dict(spec)[name]]
         assert view.shape == arrays[name].shape
-        np.testing.assert_array_equal(view.numpy(), arrays[name].astype(np.int64), err_msg=name)
-    # a copy of the buffer's tail, as on CUDA hosts: views of the narrow spans past a cut
-    tail = tuple(span for span in spans[tail_from:] if not span.wide)
+        np.testing.assert_array_equal(view.numpy(), arrays[name], err_msg=name)
+    # a copy of the buffer's tail, as on CUDA hosts: views of the int32 and bool spans past a cut
+    tail = tuple(span for span in spans[tail_from:] if span.kind != INT64)
     if tail:
         start = tail[0].offset
         for name, view in unpack(buffer[start:].clone(), tail, base=start).items():

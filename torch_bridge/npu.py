@@ -13,11 +13,15 @@ FIA's rules (PEERS §2.4), applied by `fia_layout` inside a jitted function:
   null block, so every row of the FIA batch is well formed;
 - FIA takes host lists: ``actual_seq_lengths_q`` (cumulative) and ``seq_lens_list`` (per request),
   one entry per request of the FIA batch (the real requests plus the dummy, if any).
+
+The optional features ride in the same buffer: each KV-cache group's block table gets the FIA
+rows too, and its slot mapping stays int32 like the step's; the other features are as on CPU/CUDA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,16 +29,17 @@ import jax.numpy as jnp
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._typing import Array
 from torch_bridge._torch import device_type, import_torch_npu
-from torch_bridge.step import HOST_MIRRORED, SCALARS, TorchAttentionMetadata, TorchStepInputs, assemble, step_arrays
+from torch_bridge.packing import INT32, INT64
+from torch_bridge.step import HOST_MIRRORED, SCALARS, TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs
 from torch_bridge.transfer import PackSpec, bridge_packed
 
 FIA_PAD_SEQ_LEN = 1
 """``seq_lens`` of the dummy request and of padded rows on the NPU (jaxprep pads with 0 elsewhere)."""
 
-# slot_mapping is not wide here: Ascend's reshape_and_cache takes int32 slots
+# slot_mapping is int32 here: Ascend's reshape_and_cache takes int32 slots
 NPU_SPEC = PackSpec(
-    device_only=(("positions", True), ("slot_mapping", False), ("input_ids", False),
-                 ("logits_indices", False), ("idx_mapping", False), ("block_table_tensor", False)),
+    device_only=(("positions", INT64), ("slot_mapping", INT32), ("input_ids", INT32),
+                 ("logits_indices", INT32), ("idx_mapping", INT32), ("block_table_tensor", INT32)),
     scalars=SCALARS, host_mirrored=HOST_MIRRORED)
 
 
@@ -51,11 +56,12 @@ class NpuAttentionMetadata(TorchAttentionMetadata):
     seq_lens_list: list[int]  # seq_lens[:fia_batch], FIA_PAD_SEQ_LEN for the dummy request
 
 
-@jax.jit
-def fia_layout(arrays: dict[str, Array]) -> dict[str, Array]:
-    """`step_arrays` with query_start_loc, seq_lens and block_table_tensor in FIA's layout.
+@functools.partial(jax.jit, static_argnames=("group_block_tables",))
+def fia_layout(arrays: dict[str, Array], group_block_tables: tuple[str, ...] = ()) -> dict[str, Array]:
+    """`step_arrays` with query_start_loc, seq_lens and the block tables in FIA's layout.
 
     Row ``num_reqs`` becomes the dummy request, holding the padded tokens; later rows are empty.
+    ``group_block_tables`` names the KV-cache groups' block tables, laid out like block_table_tensor.
     # T_pad 8, num_reqs 2 of 3 rows: qsl [0,3,5,5] -> [0,3,5,8,8]  (the dummy holds tokens 5..7)
     #   seq_lens [7,2,0] -> [7,2,1,1];  block_table rows [b0,b1,0] -> [b0,b1,0,0]
     """
@@ -66,10 +72,16 @@ def fia_layout(arrays: dict[str, Array]) -> dict[str, Array]:
                                 num_tokens_padded)
     rows = jnp.arange(arrays["seq_lens"].shape[0] + 1)
     seq_lens = jnp.where(rows < num_reqs, jnp.append(arrays["seq_lens"], FIA_PAD_SEQ_LEN), FIA_PAD_SEQ_LEN)
-    block_table = jnp.pad(arrays["block_table_tensor"], ((0, 1), (0, 0)))
-    block_table = jnp.where(rows[:, None] < num_reqs, block_table, NULL_BLOCK_ID)
+    block_tables = {name: _fia_block_table(arrays[name], rows < num_reqs)
+                    for name in ("block_table_tensor",) + group_block_tables}
     return {**arrays, "query_start_loc": query_start_loc.astype(jnp.int32), "seq_lens": seq_lens.astype(jnp.int32),
-            "block_table_tensor": block_table.astype(jnp.int32)}
+            **block_tables}
+
+
+def _fia_block_table(block_table: Array, is_real_row: Array) -> Array:
+    """One more row; rows of no real request hold the null block. [R_pad, W] -> [R_pad + 1, W]"""
+    padded = jnp.pad(block_table, ((0, 1), (0, 0)))
+    return jnp.where(is_real_row[:, None], padded, NULL_BLOCK_ID).astype(jnp.int32)
 
 
 def to_npu(step_inputs, device="npu", *, attn_state=None, attn_mask=None) -> TorchStepInputs:
@@ -82,10 +94,11 @@ def to_npu(step_inputs, device="npu", *, attn_state=None, attn_mask=None) -> Tor
     import_torch_npu()
     if device_type(device) != "npu":
         raise ValueError(f"to_npu needs an npu device, got {device!r}")
-    bridged = bridge_packed(fia_layout(step_arrays(step_inputs)), NPU_SPEC, device)
+    arrays, pack_spec, features = bridge_inputs(step_inputs, NPU_SPEC)
+    bridged = bridge_packed(fia_layout(arrays, features.group_block_tables), pack_spec, device)
     scalars, host = bridged.scalars, bridged.host
     fia_batch = scalars["num_reqs"] + int(scalars["num_actual_tokens"] < step_inputs.num_tokens_padded)
-    return assemble(step_inputs, bridged, device, attn_state=attn_state, attn_mask=attn_mask,
+    return assemble(step_inputs, bridged, features, device, attn_state=attn_state, attn_mask=attn_mask,
                     metadata_cls=NpuAttentionMetadata,
                     actual_seq_lengths_q=host["query_start_loc"][1:fia_batch + 1].tolist(),
                     seq_lens_list=host["seq_lens"][:fia_batch].tolist())

@@ -8,16 +8,21 @@ word pairs, so its int64 view needs no cast on the torch side (JAX runs with x64
     # positions [5, 7], slot_mapping [9, -1] -> words [5, 0, 7, 0, 9, 0, -1, -1]
     # words[0:4].view(int64) -> [5, 7];  words[4:8].view(int64) -> [9, -1]
 
-The layout is a pure function of (name, shape, wide) triples, so it is static per bucket and the
-same on both sides. A wide field starts at an even word, so its int64 view is 8-byte aligned.
+A boolean field (``discard_request_mask``) is written as bytes, four to a word, so its torch view
+is a byte view of its words, again without a copy:
+
+    # mask [T, F, T, T, F] -> bytes [1, 0, 1, 1 | 0, 0, 0, 0] -> 2 words;  view(uint8)[:5].view(bool)
+
+The layout is a pure function of (name, shape, kind) triples, so it is static per bucket and the
+same on both sides. An int64 field starts at an even word, so its int64 view is 8-byte aligned.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,31 +30,45 @@ import jax.numpy as jnp
 from jaxprep._typing import Array, Int32
 from torch_bridge._torch import torch
 
-FieldSpec = tuple[tuple[str, bool], ...]
-"""(name, wide) pairs in buffer order: the static part of a layout."""
+INT32, INT64, BOOL = "int32", "int64", "bool"
+"""Field kinds: the torch dtype a field is viewed as. Every field is int32 (or bool) on the JAX side."""
+
+FieldSpec = tuple[tuple[str, str], ...]
+"""(name, kind) pairs in buffer order: the static part of a layout."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Span:
-    """Where one field lies in the packed buffer: ``offset`` in int32 words."""
+class Span(NamedTuple):
+    """Where one field lies in the packed buffer: ``offset`` in int32 words.
+
+    A tuple, not a dataclass: layouts are cache keys, and a tuple hashes in C.
+    """
 
     name: str
     offset: int
     shape: tuple[int, ...]
-    wide: bool  # stored as int64 (two words per element)
+    kind: str  # INT32 (a word per element), INT64 (two words) or BOOL (a byte)
     num_words: int
 
 
-@functools.lru_cache(maxsize=512)
-def layout(fields: tuple[tuple[str, tuple[int, ...], bool], ...]) -> tuple[Span, ...]:
-    """Offsets of (name, shape, wide) fields laid end to end; a wide field starts at an even word.
+def num_words(kind: str, num_elements: int) -> int:
+    """Words a field of ``kind`` takes: # 5 elements -> INT32 5, INT64 10, BOOL 2"""
+    if kind == INT64:
+        return 2 * num_elements
+    return -(-num_elements // 4) if kind == BOOL else num_elements
 
-    # (a, (3,), False), (b, (2,), True) -> a at 0 (3 words), one pad word, b at 4 (4 words)
+
+@functools.lru_cache(maxsize=512)
+def layout(fields: tuple[tuple[str, tuple[int, ...], str], ...]) -> tuple[Span, ...]:
+    """Offsets of (name, shape, kind) fields laid end to end; an INT64 field starts at an even word.
+
+    # (a, (3,), INT32), (b, (2,), INT64) -> a at 0 (3 words), one pad word, b at 4 (4 words)
     """
     spans, offset = [], 0
-    for name, shape, wide in fields:
-        offset += offset % 2 if wide else 0
-        spans.append(Span(name, offset, tuple(shape), wide, math.prod(shape) * (2 if wide else 1)))
+    for name, shape, kind in fields:
+        if kind not in (INT32, INT64, BOOL):
+            raise ValueError(f"field {name}: kind must be {INT32!r}, {INT64!r} or {BOOL!r}, got {kind!r}")
+        offset += offset % 2 if kind == INT64 else 0
+        spans.append(Span(name, offset, tuple(shape), kind, num_words(kind, math.prod(shape))))
         offset += spans[-1].num_words
     return tuple(spans)
 
@@ -62,7 +81,7 @@ def num_packed_words(spans: tuple[Span, ...]) -> int:
 
 def layout_of(arrays: dict, spec: FieldSpec) -> tuple[Span, ...]:
     """The layout of ``arrays`` (name -> array or shape-carrying object) under ``spec``."""
-    return layout(tuple((name, tuple(arrays[name].shape), wide) for name, wide in spec))
+    return layout(tuple((name, tuple(arrays[name].shape), kind) for name, kind in spec))
 
 
 def widen(values: Int32[Array, "n"]) -> Int32[Array, "2*n"]:
@@ -75,15 +94,31 @@ def widen(values: Int32[Array, "n"]) -> Int32[Array, "2*n"]:
     return jnp.stack(pair, axis=-1).reshape(-1)
 
 
+def bytes_to_words(flags: Array) -> Int32[Array, "ceil(n/4)"]:
+    """Booleans as bytes (0 or 1), four to an int32 word, in memory order.
+
+    # [T, F, T, T, F] -> bytes [1, 0, 1, 1, 0, 0, 0, 0] -> words [0x01010001, 0] (little-endian)
+    """
+    flat = flags.reshape(-1).astype(jnp.uint8)
+    padded = jnp.pad(flat, (0, -flat.shape[0] % 4))
+    return jax.lax.bitcast_convert_type(padded.reshape(-1, 4), jnp.int32)
+
+
+def _encode(array: Array, kind: str) -> Int32[Array, "num_words"]:
+    if kind == BOOL:
+        return bytes_to_words(array)
+    flat = array.astype(jnp.int32).reshape(-1)
+    return widen(flat) if kind == INT64 else flat
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def pack(arrays: dict[str, Array], spec: FieldSpec) -> Int32[Array, "num_words"]:
-    """The int32 arrays named in ``spec`` concatenated in `layout` order (wide ones widened)."""
+    """The arrays named in ``spec`` concatenated in `layout` order, each encoded as its kind."""
     spans = layout_of(arrays, spec)
     parts, end = [], 0
     for span in spans:
         parts.append(jnp.zeros((span.offset - end,), jnp.int32))  # alignment padding, usually empty
-        flat = arrays[span.name].astype(jnp.int32).reshape(-1)
-        parts.append(widen(flat) if span.wide else flat)
+        parts.append(_encode(arrays[span.name], span.kind))
         end = span.offset + span.num_words
     parts.append(jnp.zeros((num_packed_words(spans) - end,), jnp.int32))
     return jnp.concatenate(parts)
@@ -93,14 +128,19 @@ def unpack(words: torch.Tensor, spans: tuple[Span, ...], base: int = 0) -> dict[
     """One view of the packed buffer per span, without copying.
 
     ``words`` is the packed buffer or a copy of its tail, starting at layout word ``base``.
-    One ``split_with_sizes`` call cuts every chunk (cheaper than a slice per field); wide
-    chunks are then viewed as int64 (their word offset is even) and 2-D ones reshaped.
+    One ``split_with_sizes`` call cuts every chunk (cheaper than a slice per field); INT64
+    chunks are then viewed as int64 (their word offset is even), BOOL chunks as their leading
+    bytes, and other than 1-D ones reshaped.
     """
     sizes, chunk_index = _split_plan(spans, base, words.shape[0])
     chunks = words.split_with_sizes(sizes)
     views = {}
     for span, index in zip(spans, chunk_index):
-        chunk = chunks[index].view(torch.int64) if span.wide else chunks[index]
+        chunk = chunks[index]
+        if span.kind == INT64:
+            chunk = chunk.view(torch.int64)
+        elif span.kind == BOOL:
+            chunk = chunk.view(torch.uint8)[:math.prod(span.shape)].view(torch.bool)
         views[span.name] = chunk if len(span.shape) == 1 else chunk.view(span.shape)
     return views
 

@@ -18,16 +18,18 @@ from typing import Any
 import jax
 
 from torch_bridge._torch import device_type, torch
-from torch_bridge.dlpack import jax_to_torch
-from torch_bridge.transfer import Bridged, PackSpec, bridge_packed, bridge_per_field, transfer
+from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
+from torch_bridge.packing import INT32, INT64
+from torch_bridge.transfer import (Bridged, PackSpec, bridge_packed, bridge_per_field, check_live, convert_leaf,
+                                   with_fields)
 
 SCALARS = ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len")
 HOST_MIRRORED = ("query_start_loc", "seq_lens")
 
-# positions and slot_mapping are int64 in vLLM's CUDA/CPU runners ("wide": int64 on the torch side)
+# positions and slot_mapping are int64 in vLLM's CUDA/CPU runners
 STEP_SPEC = PackSpec(
-    device_only=(("positions", True), ("slot_mapping", True), ("input_ids", False),
-                 ("logits_indices", False), ("idx_mapping", False), ("block_table_tensor", False)),
+    device_only=(("positions", INT64), ("slot_mapping", INT64), ("input_ids", INT32),
+                 ("logits_indices", INT32), ("idx_mapping", INT32), ("block_table_tensor", INT32)),
     scalars=SCALARS, host_mirrored=HOST_MIRRORED)
 
 STRATEGIES = {"packed": bridge_packed, "per_field": bridge_per_field}
@@ -52,11 +54,12 @@ class TorchAttentionMetadata:
     causal: bool = True
     attn_state: Any = None  # from jaxprep's attention-state function, passed through
     attn_mask: torch.Tensor | None = None  # likewise
+    dcp_local_seq_lens: torch.Tensor | None = None  # [num_reqs_padded] int32, DCP only; pad 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TorchStepInputs:
-    """Model inputs of one step on the torch side."""
+    """Model inputs of one step on the torch side; the optional features are None when off."""
 
     input_ids: torch.Tensor  # [num_tokens_padded] int32; pad 0
     positions: torch.Tensor  # [num_tokens_padded] int64; pad 0
@@ -64,8 +67,22 @@ class TorchStepInputs:
     idx_mapping: torch.Tensor  # [num_reqs_padded] int32; pad -1
     attn_metadata: TorchAttentionMetadata
     num_tokens_padded: int
-    spec_decode: Any = None  # the step's spec-decode pytree with torch leaves, when it has one
+    spec_decode: Any = None  # the step's SpecDecodeMetadata with int32 torch leaves
+    discard_request_mask: torch.Tensor | None = None  # [num_reqs_padded] bool; pad True
+    kv_groups: tuple[TorchGroupMetadata, ...] | None = None  # one per KV-cache group
+    mrope_positions: torch.Tensor | None = None  # [3, num_tokens_padded] int64; pad 0
+    prompt_embeds: Any = None  # the step's PromptEmbedsMetadata with torch leaves (bool, int32)
+    request_distribution: torch.Tensor | None = None  # [3] int32: decode_end, prefill_end, mixed_end
     jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
+
+    def group_attn_metadata(self, group: int) -> TorchAttentionMetadata:
+        """The attention metadata that layers of KV-cache group ``group`` read (vLLM builds one
+        ``CommonAttentionMetadata`` per group): the step's, with that group's block table and slots."""
+        if self.kv_groups is None:
+            raise ValueError("the step has no KV-cache groups (FeatureConfig.kv_groups is off)")
+        chosen = self.kv_groups[group]
+        return dataclasses.replace(self.attn_metadata, block_table_tensor=chosen.block_table_tensor,
+                                   slot_mapping=chosen.slot_mapping)
 
 
 def step_arrays(step_inputs) -> dict[str, jax.Array]:
@@ -74,11 +91,19 @@ def step_arrays(step_inputs) -> dict[str, jax.Array]:
     arrays = {name: getattr(step_inputs, name) for name in ("input_ids", "positions", "logits_indices", "idx_mapping")}
     arrays.update({name: getattr(meta, name) for name in ("query_start_loc", "seq_lens", "slot_mapping") + SCALARS})
     arrays["block_table_tensor"] = meta.block_table
-    for name, array in arrays.items():
-        if array.is_deleted():
-            raise ValueError(f"StepInputs field {name} was deleted (donated to a jitted update?) before "
-                             "it reached torch: never donate a step that is still to be bridged")
+    check_live(arrays)
     return arrays
+
+
+def bridge_inputs(step_inputs, pack_spec: PackSpec) -> tuple[dict[str, jax.Array], PackSpec, FeatureFields]:
+    """Every array the bridge moves (`step_arrays` and the features'), the spec that carries them,
+    and the features' structure. Group slot mappings take the kind of ``slot_mapping``."""
+    arrays = step_arrays(step_inputs)
+    features = feature_fields(step_inputs, slot_kind=pack_spec.slot_kind)
+    if not features.spec:
+        return arrays, pack_spec, features
+    check_live(features.arrays)
+    return {**arrays, **features.arrays}, with_fields(pack_spec, features.spec), features
 
 
 def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn_state=None,
@@ -95,37 +120,31 @@ def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn
         return to_npu(step_inputs, device, attn_state=attn_state, attn_mask=attn_mask)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    bridged = STRATEGIES[strategy](step_arrays(step_inputs), STEP_SPEC, device)
-    return assemble(step_inputs, bridged, device, attn_state=attn_state, attn_mask=attn_mask)
+    arrays, pack_spec, features = bridge_inputs(step_inputs, STEP_SPEC)
+    bridged = STRATEGIES[strategy](arrays, pack_spec, device)
+    return assemble(step_inputs, bridged, features, device, attn_state=attn_state, attn_mask=attn_mask)
 
 
-def assemble(step_inputs, bridged: Bridged, device, *, attn_state, attn_mask,
+def assemble(step_inputs, bridged: Bridged, features: FeatureFields, device, *, attn_state, attn_mask,
              metadata_cls=TorchAttentionMetadata, **metadata_extras) -> TorchStepInputs:
-    """Builds `TorchStepInputs` from bridged tensors, with the step's optional features converted."""
+    """Builds `TorchStepInputs` from bridged tensors, with the step's optional features rebuilt."""
     tensors, host = bridged.device, bridged.host
     attn_state = _feature(step_inputs, "attn_state", attn_state)
     attn_mask = _feature(step_inputs, "attn_mask", attn_mask)
-    spec_decode = getattr(step_inputs, "spec_decode", None)
+    step_features = torch_features(features, tensors, device)
+    metadata_features = {name: step_features.pop(name, None) for name in METADATA_FEATURES}
     metadata = metadata_cls(
         query_start_loc=tensors["query_start_loc"], query_start_loc_cpu=host["query_start_loc"],
         seq_lens=tensors["seq_lens"], seq_lens_cpu=host["seq_lens"],
         block_table_tensor=tensors["block_table_tensor"], slot_mapping=tensors["slot_mapping"],
         attn_state=int(attn_state) if isinstance(attn_state, jax.Array) else attn_state,
         attn_mask=None if attn_mask is None else convert_leaf(attn_mask, device),
-        **bridged.scalars, **metadata_extras)
+        **metadata_features, **bridged.scalars, **metadata_extras)
     return TorchStepInputs(
         input_ids=tensors["input_ids"], positions=tensors["positions"],
         logits_indices=tensors["logits_indices"], idx_mapping=tensors["idx_mapping"],
         attn_metadata=metadata, num_tokens_padded=step_inputs.num_tokens_padded,
-        spec_decode=None if spec_decode is None else jax.tree.map(lambda leaf: convert_leaf(leaf, device), spec_decode),
-        jax_buffers=bridged.jax_buffers)
-
-
-def convert_leaf(value, device):
-    """A JAX array as a (zero-copy) tensor on ``device``; a tensor moved there; anything else as is."""
-    if isinstance(value, jax.Array):
-        value = jax_to_torch(value)
-    return transfer(value, device) if isinstance(value, torch.Tensor) else value
+        jax_buffers=bridged.jax_buffers, **step_features)
 
 
 def _feature(step_inputs, name: str, given):

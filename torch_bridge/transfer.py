@@ -16,7 +16,7 @@ import numpy as np
 
 from torch_bridge._torch import device_type, torch
 from torch_bridge.dlpack import jax_to_torch
-from torch_bridge.packing import FieldSpec, Span, layout_of, pack, unpack
+from torch_bridge.packing import INT32, INT64, FieldSpec, Span, layout_of, pack, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +27,24 @@ class PackSpec:
     brings every host value.
     """
 
-    device_only: FieldSpec  # (name, wide): views on the target device only
+    device_only: FieldSpec  # (name, kind): views on the target device only
     scalars: tuple[str, ...]  # 0-d arrays, read back as Python ints
     host_mirrored: tuple[str, ...]  # views on the target device and on the host
 
     @property
     def spec(self) -> FieldSpec:
-        return self.device_only + tuple((name, False) for name in self.scalars + self.host_mirrored)
+        return self.device_only + tuple((name, INT32) for name in self.scalars + self.host_mirrored)
+
+    @functools.cached_property
+    def slot_kind(self) -> str:
+        """How ``slot_mapping`` is carried (the KV-cache groups' slot mappings follow it)."""
+        return dict(self.device_only)["slot_mapping"]
+
+
+@functools.lru_cache(maxsize=64)
+def with_fields(pack_spec: PackSpec, extra: FieldSpec) -> PackSpec:
+    """``pack_spec`` with ``extra`` device-only fields (a step's optional features) after its own."""
+    return dataclasses.replace(pack_spec, device_only=pack_spec.device_only + extra) if extra else pack_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +68,21 @@ def transfer(tensor: torch.Tensor, device) -> torch.Tensor:
     if tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def convert_leaf(value, device):
+    """A JAX array as a (zero-copy) tensor on ``device``; a tensor moved there; anything else as is."""
+    if isinstance(value, jax.Array):
+        value = jax_to_torch(value)
+    return transfer(value, device) if isinstance(value, torch.Tensor) else value
+
+
+def check_live(arrays: dict[str, jax.Array]) -> None:
+    """Raises if a step's array was donated (deleted) before it reached torch."""
+    for name, array in arrays.items():
+        if array.is_deleted():
+            raise ValueError(f"StepInputs field {name} was deleted (donated to a jitted update?) before "
+                             "it reached torch: never donate a step that is still to be bridged")
 
 
 def host_tensor(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -88,11 +114,11 @@ def bridge_packed(arrays: dict[str, jax.Array], pack_spec: PackSpec, device) -> 
 
 
 def bridge_per_field(arrays: dict[str, jax.Array], pack_spec: PackSpec, device) -> Bridged:
-    """One DLPack capsule per field; wide fields are cast to int64 by torch (a copy each)."""
-    fields = pack_spec.device_only + tuple((name, False) for name in pack_spec.host_mirrored)
+    """One DLPack capsule per field; INT64 fields are cast to int64 by torch (a copy each)."""
+    fields = pack_spec.device_only + tuple((name, INT32) for name in pack_spec.host_mirrored)
     source = {name: jax_to_torch(arrays[name], name) for name, _ in fields}
-    target = {name: transfer(source[name].to(torch.int64) if wide else source[name], device)
-              for name, wide in fields}
+    target = {name: transfer(source[name].to(torch.int64) if kind == INT64 else source[name], device)
+              for name, kind in fields}
     # a blocking read each (free on the CPU); the packed strategy reads them in one copy
     scalar_values = [np.asarray(arrays[name]) for name in pack_spec.scalars]
     return Bridged(device=target,
