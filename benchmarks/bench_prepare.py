@@ -8,8 +8,8 @@ every cell alike.
 
 The state is already on the device; jaxprep's time includes fetching every output back as host
 NumPy arrays (`jaxprep.host.prepare_to_host`: one packed buffer plus the block table; the
-per-field column fetches the 12 arrays of `prepare_padded` one by one). The reference is vLLM's host-side NumPy preparation (`jaxprep.reference`) on host
-arrays. Compile time is reported apart.
+per-field column fetches the 12 arrays of `prepare_padded` one by one). The reference is vLLM's
+host-side NumPy preparation (`jaxprep.reference`) on host arrays. Compile time is reported apart.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ configure_runtime()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import interleaved_us, load_line, machine_line  # noqa: E402
+from common import add_timing_arguments, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 from jaxprep import BatchState, PrepConfig, prepare_padded  # noqa: E402
 from jaxprep.host import prepare_to_host  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
@@ -93,27 +93,13 @@ def setup_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=100, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=7, help="rounds over all shapes; each cell keeps its best")
+    add_timing_arguments(parser)
     args = parser.parse_args()
-    rows, fns = [], {}
-    for shape in SHAPES:
-        row, shape_fns = setup_shape(*shape)
-        rows.append(row)
-        fns.update({(row["name"], key): fn for key, fn in shape_fns.items()})
-    times = interleaved_us(fns, args.repeats, args.rounds)  # rounds sweep every shape: spread over the run
-    for r in rows:
-        r.update(jaxprep_us=times[r["name"], "ours"], per_field_us=times[r["name"], "per_field"],
-                 reference_us=times[r["name"], "ref"])
-        r["ratio"] = r["jaxprep_us"] / r["reference_us"]
+    rows = time_rows([setup_shape(*shape) for shape in SHAPES], args.repeats, args.rounds)
     print(f"machine: {machine_line()}; {load_line()}")
-    print("| shape | jaxprep µs (packed fetch) | jaxprep µs (12 fetches) | reference µs | ratio | goal | met "
-          "| compile s (both) |")
-    print("|---|---:|---:|---:|---:|---:|:-:|---:|")
-    for r in rows:
-        met = "yes" if r["ratio"] <= r["goal"] else "no"
-        print(f"| {r['name']} | {r['jaxprep_us']:.0f} | {r['per_field_us']:.0f} | {r['reference_us']:.0f} | {r['ratio']:.2f}x "
-              f"| ≤{r['goal']}x | {met} | {r['compile_s']:.2f} |")
+    print_goal_table([("jaxprep µs (packed fetch)", "ours_us"), ("jaxprep µs (12 fetches)", "per_field_us"),
+                      ("reference µs", "ref_us")], rows,
+                     ("compile s (both)", "compile_s"))
     return 0
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_prepare import GOALS, SHAPES, make_batch  # noqa: E402
-from common import interleaved_us, load_line, machine_line  # noqa: E402
+from common import add_timing_arguments, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 from jaxprep import BatchState, PrepConfig  # noqa: E402
 from jaxprep.host import _PACKED_FIELDS, _flat_fields, unpack_host  # noqa: E402
 from jaxprep.prepare import prepare_step  # noqa: E402
@@ -156,32 +156,20 @@ def setup_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
         apply_update_numpy(tables, updates[next(cursor) % steps])
         return prepare_reference(block_size=config.block_size, **tables)
 
-    return dict(name=name, compile_s=compile_s, goal=GOALS.get(name, 1.0)), {"ours": jaxprep_step, "ref": reference_step}
+    row = dict(name=name, compile_s=compile_s, goal=GOALS.get(name, 1.0))
+    return row, {"ours": jaxprep_step, "ref": reference_step}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=100, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=7, help="rounds over all shapes; each cell keeps its best")
+    add_timing_arguments(parser)
     parser.add_argument("--steps", type=int, default=16, help="distinct updates replayed in turn")
     args = parser.parse_args()
-    rows, fns = [], {}
-    for shape in SHAPES:
-        row, shape_fns = setup_shape(*shape, steps=args.steps)
-        rows.append(row)
-        fns.update({(row["name"], key): fn for key, fn in shape_fns.items()})
-    times = interleaved_us(fns, args.repeats, args.rounds)  # rounds sweep every shape: spread over the run
-    for r in rows:
-        r.update(jaxprep_us=times[r["name"], "ours"], reference_us=times[r["name"], "ref"])
-        r["ratio"] = r["jaxprep_us"] / r["reference_us"]
+    rows = time_rows([setup_shape(*shape, steps=args.steps) for shape in SHAPES], args.repeats, args.rounds)
     print(f"machine: {machine_line()}; {load_line()}")
-    print("| shape | jaxprep µs (update + prepare + fetch) | reference µs (update + prepare) | ratio | goal | met "
-          "| compile + check s |")
-    print("|---|---:|---:|---:|---:|:-:|---:|")
-    for r in rows:
-        met = "yes" if r["ratio"] <= r["goal"] else "no"
-        print(f"| {r['name']} | {r['jaxprep_us']:.0f} | {r['reference_us']:.0f} | {r['ratio']:.2f}x | ≤{r['goal']}x "
-              f"| {met} | {r['compile_s']:.2f} |")
+    print_goal_table([("jaxprep µs (update + prepare + fetch)", "ours_us"),
+                      ("reference µs (update + prepare)", "ref_us")], rows,
+                     ("compile + check s", "compile_s"))
     return 0
 
 

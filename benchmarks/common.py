@@ -34,6 +34,39 @@ def interleaved_us(fns: dict, repeats: int, rounds: int = 5) -> dict:
     return best
 
 
+def add_timing_arguments(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=100, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds over all shapes; each cell keeps its best")
+
+
+def time_rows(setups, repeats: int, rounds: int) -> list[dict]:
+    """Times every shape's callables together; ``setups`` holds (row, {key: fn}) per shape.
+
+    Each row gains ``<key>_us`` for each of its callables and ``ratio`` = ours / ref. A round sweeps
+    every shape, so the rounds spread over the whole run (`interleaved_us`).
+    """
+    fns = {(row["name"], key): fn for row, shape_fns in setups for key, fn in shape_fns.items()}
+    times = interleaved_us(fns, repeats, rounds)
+    rows = []
+    for row, shape_fns in setups:
+        row = dict(row, **{f"{key}_us": times[row["name"], key] for key in shape_fns})
+        row["ratio"] = row["ours_us"] / row["ref_us"]
+        rows.append(row)
+    return rows
+
+
+def print_goal_table(columns: list[tuple[str, str]], rows: list[dict], extra: tuple[str, str]) -> None:
+    """A Markdown table: shape, one column per (title, row key) in µs, the ratio against its goal,
+    then ``extra`` = (title, row key) in seconds."""
+    titles = ["shape", *(title for title, _ in columns), "ratio", "goal", "met", extra[0]]
+    print("| " + " | ".join(titles) + " |")
+    print("|---|" + "---:|" * (len(columns) + 2) + ":-:|---:|")
+    for r in rows:
+        cells = [r["name"], *(f"{r[key]:.0f}" for _, key in columns), f"{r['ratio']:.2f}x", f"≤{r['goal']}x",
+                 "yes" if r["ratio"] <= r["goal"] else "no", f"{r[extra[1]]:.2f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
 def load_line() -> str:
     """The 1-minute load average (other processes share this machine's cores)."""
     return f"load average {os.getloadavg()[0]:.2f} (1 min)"

@@ -77,21 +77,6 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     return _scan_f32(rows).astype(jnp.int32).reshape(values.shape)
 
 
-def condense_rows(num_scheduled_tokens: Int32[Array, "max_num_reqs"],
-                  num_reqs_padded: int) -> Int32[Array, "num_reqs_padded"]:
-    """State row of each batch row: the rows with work, in row order.
-
-    Padding rows get ``max_num_reqs``, an out-of-range sentinel for gathers with mode='fill'.
-    # num_scheduled [0, 3, 0, 2, 5], num_reqs_padded 4 -> [1, 3, 4, 5]
-    """
-    max_num_reqs = num_scheduled_tokens.shape[0]
-    has_work = num_scheduled_tokens > 0
-    # has_work [F,T,F,T,T] -> batch_row [-,0,-,1,2]; rows without work scatter out of range
-    batch_row = jnp.where(has_work, prefix_sum(has_work.astype(jnp.int32), max_num_reqs) - 1, num_reqs_padded)
-    rows = jnp.full((num_reqs_padded,), max_num_reqs, jnp.int32)
-    return rows.at[batch_row].set(jnp.arange(max_num_reqs, dtype=jnp.int32), mode="drop")
-
-
 def take_rows(table: Array, rows: Int32[Array, "n"], fill_value: int) -> Array:
     """``table[rows]`` along axis 0 for rows in ``[0, len(table)]``; the sentinel ``len(table)``
     reads ``fill_value``.

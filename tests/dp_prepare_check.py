@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec  # noqa: E402
 from batches import numpy_batches  # noqa: E402
 from expect import assert_step_matches_reference, step_fields  # noqa: E402
 from jaxprep import BatchState, InvalidBatchError, PrepConfig, count_compiles  # noqa: E402
-from jaxprep.sharding import DATA_AXIS, data_mesh, dp_bucket, prepare_data_parallel, rank_slice, stack_ranks  # noqa: E402
+from jaxprep.sharding import (DATA_AXIS, data_mesh, dp_bucket, prepare_data_parallel, rank_slice,  # noqa: E402
+                              stack_ranks)
 
 CONFIGS = [
     PrepConfig(max_num_reqs=6, max_model_len=64, max_num_batched_tokens=80, block_size=4),
