@@ -88,11 +88,12 @@ def apply_update_numpy(tables: dict, update: dict) -> None:
     tables["token_ids"][update["token_rows"], update["token_cols"]] = update["token_values"]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnums=0)
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnums=(0, 1, 2))
 def update_and_prepare(state: BatchState, num_computed_tokens, num_scheduled_tokens, edits: jax.Array,
                        config: PrepConfig, num_tokens_padded: int):
     """Applies the update to the donated state and prepares the step; returns the new state, the
-    packed int32 outputs and the gathered block table."""
+    packed int32 outputs and the gathered block table. The new counters are donated too: they
+    become the state's buffers, no copy."""
     pieces = dict(zip(EDIT_FIELDS, jnp.split(edits, len(EDIT_FIELDS))))
     # XLA:CPU's thunk executor hands kernels to its thread pool when more than 8 are ready at once,
     # which costs 10-80 us on a 2-core host: a reduction in front of the edits keeps them from all

@@ -26,6 +26,7 @@ class Layout(NamedTuple):
     ends: Int32[Array, "num_reqs_padded"]  # query_start_loc[1:]; pad: num_actual_tokens
     is_real_req: Bool[Array, "num_reqs_padded"]
     num_reqs: Int32[Array, ""]  # rows in the batch
+    num_actual_tokens: Int32[Array, ""]  # scheduled tokens
     token_rows: Int32[Array, "num_tokens_padded"]  # state row of each token (tail: any valid row)
     token_shift: Int32[Array, "num_tokens_padded"]  # position - token index, per token (tail: any)
 
@@ -60,7 +61,8 @@ def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max
     token_rows = token_request_index(ends_state, num_tokens_padded)
     token_shift = (computed - (ends_state - scheduled))[token_rows]
     return Layout(rows=rows, scheduled=batch_scheduled, computed=batch_computed, ends=ends, is_real_req=is_real_req,
-                  num_reqs=jnp.minimum(counts[-1], num_reqs_padded), token_rows=token_rows, token_shift=token_shift)
+                  num_reqs=jnp.minimum(counts[-1], num_reqs_padded), num_actual_tokens=ends_state[-1],
+                  token_rows=token_rows, token_shift=token_shift)
 
 
 def _reordered_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int, features) -> Layout:
@@ -79,4 +81,5 @@ def _reordered_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_t
     token_owners = owners[token_request_index(ends, num_tokens_padded)]
     token_shift, token_rows = token_owners[:, 0], token_owners[:, 1]
     return Layout(rows=rows, scheduled=scheduled, computed=computed, ends=ends, is_real_req=is_real_req,
-                  num_reqs=jnp.sum(is_real_req, dtype=jnp.int32), token_rows=token_rows, token_shift=token_shift)
+                  num_reqs=jnp.sum(is_real_req, dtype=jnp.int32), num_actual_tokens=ends[-1],
+                  token_rows=token_rows, token_shift=token_shift)

@@ -93,3 +93,42 @@ def test_in_process_ranks_match_reference():
     step = prepare_data_parallel(stack_ranks([BatchState.from_numpy(**a) for a in ranks], mesh), CONFIG, mesh)
     for rank, arrays in enumerate(ranks):
         assert_step_matches_reference(jax.tree.map(lambda leaf: leaf[0], rank_slice(step, rank, 2)), arrays, CONFIG)
+
+
+def serving_config(**overrides):
+    from jaxprep.serving import ServingConfig
+
+    prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=8, block_size=2, num_blocks=24)
+    return ServingConfig(prep=prep, eos_token_id=1, decode_steps=4, max_new_reqs_per_step=1, **overrides)
+
+
+def test_one_rank_engine_serves_like_the_single_device_engine():
+    """With one rank the data-parallel loop is the plain loop: same tokens, step for step (chunked
+    prefill, preemption, multi-step decode, and adds beyond max_new_reqs_per_step all occur)."""
+    from jaxprep.serving import Engine, ModelConfig, check_against_dense, random_workload
+    from jaxprep.serving.dp_engine import DataParallelEngine
+
+    model = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)
+    config = serving_config()
+    engines = [Engine(config, model, seed=3), DataParallelEngine(config, model, data_mesh(1), seed=3)]
+    for engine in engines:  # requests are mutable: each engine gets its own copies
+        workload = random_workload(3, num_requests=12, vocab_size=64, prompt_len=(1, 20), max_tokens=(1, 10))
+        engine.submit(workload.requests, workload.arrival_steps)  # all arrive at step 0: extra adds
+    plain, sharded = ({r.request_id: list(r.output_token_ids) for r in engine.run()} for engine in engines)
+    assert plain == sharded and len(plain) == 12
+    assert engines[1].stats.dispatches == engines[0].stats.dispatches
+    assert engines[1].stats.preemptions > 0 and engines[1].stats.multi_step_dispatches > 0
+    assert check_against_dense(engines[1].params, model, engines[1].finished, config.max_model_len).passed
+
+
+def test_sharded_batch_rejects_an_update_naming_the_rank():
+    from jaxprep.serving import InvalidUpdateError, StepUpdates
+    from jaxprep.serving.sharded import ShardedServingBatch
+
+    config = serving_config()
+    batch = ShardedServingBatch(config, data_mesh(1))
+    before = batch.state
+    bad = StepUpdates.build(config, num_scheduled_tokens=[3, 0, 0, 0])  # row 0 holds no request
+    with pytest.raises(InvalidUpdateError, match=r"^rank 0: Schedule.num_scheduled_tokens at row 0 is 3"):
+        batch.apply_updates([bad])
+    assert batch.state is before  # nothing dispatched, nothing donated
