@@ -1,11 +1,12 @@
 """Per-step cost of each optional feature: a plain step against the same step with one feature on.
 
-    PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 300]
+    PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 100] [--rounds 5]
 
 Runs on one CPU thread (``PJRT_NPROC=1``) with synchronous dispatch, the way the CLI does. Every
 configuration is compiled first (compile time reported apart), then timed call by call with
-``block_until_ready`` inside the clock; the plain step is measured in the same process, and the
-table gives each feature's median, its extra microseconds over the plain median, and the ratio.
+``block_until_ready`` inside the clock, in rounds that sweep every configuration (each keeps its
+best median, so load from other processes hits all alike); the plain step is measured in the same
+process, and the table gives each feature's time, its extra microseconds over plain, and the ratio.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ configure_runtime()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import machine_line, median_us  # noqa: E402
+from common import interleaved_us, load_line, machine_line  # noqa: E402
 from jaxprep import (BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig,  # noqa: E402
                      prepare_inputs, validate)
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
@@ -104,14 +105,14 @@ def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
     return arrays
 
 
-def time_step(state, config, num_tokens: int, iters: int) -> tuple[float, float]:
-    """(compile seconds, median us per call with the outputs ready)."""
+def setup_step(state, config, num_tokens: int):
+    """(compile seconds, the call to time: one step with its outputs ready)."""
     def call():
         jax.block_until_ready(prepare_inputs(state, config, num_tokens))
 
     start = time.perf_counter()
     call()
-    return time.perf_counter() - start, median_us(call, iters, warmup=20)
+    return time.perf_counter() - start, call
 
 
 def main() -> None:
@@ -119,22 +120,26 @@ def main() -> None:
     parser.add_argument("--reqs", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--iters", type=int, default=100, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds over all features; each keeps its best median")
     args = parser.parse_args()
     base = PrepConfig(max_num_reqs=args.reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.tokens, block_size=BLOCK_SIZE)
-    print(f"# jaxprep feature costs: {args.reqs} requests, {args.tokens} tokens (bucket {args.tokens}), "
-          f"max_model_len {args.max_model_len}, median of {args.iters} calls each; PJRT_NPROC=1, sync dispatch")
-    print(f"# {machine_line()}")
-    print(f"{'feature':30s} {'compile s':>9s} {'median us':>10s} {'extra us':>9s} {'ratio':>6s}")
-    plain_median = None
+    compile_s, calls = {}, {}
     for name, features in FEATURES.items():
         config = dataclasses.replace(base, features=features)
         state = BatchState.from_numpy(**batch(config, args.reqs, args.tokens, np.random.default_rng(0)))
         validate(state, config)
-        compile_s, median = time_step(state, config, args.tokens, args.iters)
-        plain_median = plain_median or median
-        print(f"{name:30s} {compile_s:9.2f} {median:10.1f} {median - plain_median:+9.1f} {median / plain_median:6.2f}")
+        compile_s[name], calls[name] = setup_step(state, config, args.tokens)
+    medians = interleaved_us(calls, args.iters, args.rounds)
+    print(f"# jaxprep feature costs: {args.reqs} requests, {args.tokens} tokens (bucket {args.tokens}), "
+          f"max_model_len {args.max_model_len}, best of {args.rounds} medians of {args.iters} calls, rounds "
+          f"sweeping every feature; PJRT_NPROC=1, sync dispatch")
+    print(f"# {machine_line()}; {load_line()}")
+    print(f"{'feature':30s} {'compile s':>9s} {'median us':>10s} {'extra us':>9s} {'ratio':>6s}")
+    plain = medians["plain"]
+    for name, median in medians.items():
+        print(f"{name:30s} {compile_s[name]:9.2f} {median:10.1f} {median - plain:+9.1f} {median / plain:6.2f}")
 
 
 if __name__ == "__main__":
