@@ -43,7 +43,8 @@ def ladder(budget: int, rungs_per_octave: int, split_from: int) -> tuple[int, ..
 
 
 LADDERS = {
-    "default (x1, x1.5 from 32)": default_token_buckets,
+    "default (x1, x1.5 from 64)": default_token_buckets,
+    "x1, x1.5 from 32": lambda budget: ladder(budget, 2, 32),
     "powers of two": lambda budget: ladder(budget, 1, 10**9),
     "x1, x1.25, x1.5, x1.75 from 64 (before)": lambda budget: ladder(budget, 4, 64),
 }

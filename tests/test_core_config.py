@@ -15,19 +15,19 @@ def test_default_ladder_includes_and_never_exceeds_budget(budget):
 
 
 @pytest.mark.parametrize("budget", [512, 8192, 16384])
-def test_default_ladder_pads_at_most_half_above_32(budget):
+def test_default_ladder_pads_at_most_half_above_64(budget):
     ladder = default_token_buckets(budget)
-    for n in range(33, budget + 1, 7):
+    for n in range(65, budget + 1, 7):
         bucket = next(b for b in ladder if b >= n)
         assert bucket <= 1.5 * n, (n, bucket)
 
 
 def test_default_ladder_size_at_8192():
-    assert len(default_token_buckets(8192)) == 19
+    assert len(default_token_buckets(8192)) == 18
 
 
 def test_ladder_example():
-    assert default_token_buckets(300) == (8, 16, 32, 48, 64, 96, 128, 192, 256, 300)
+    assert default_token_buckets(300) == (8, 16, 32, 64, 96, 128, 192, 256, 300)
 
 
 def test_bucket_for_picks_the_smallest_bucket_holding_the_step():
