@@ -86,7 +86,9 @@ def prepare_data_parallel(state: BatchState, config: PrepConfig, mesh: Mesh, num
 
     ``state`` holds ``config.max_num_reqs`` rows per device of ``mesh`` (`stack_ranks`,
     `shard_rows`). ``num_tokens_padded=None`` reads the per-rank totals back and picks `dp_bucket`;
-    ``check`` validates every rank's rows on the host (`validate_ranks`).
+    ``check`` validates every rank's rows on the host (`validate_ranks`). Both read every rank's
+    counts, so on several hosts pass the agreed bucket and validate each host's rows yourself
+    (README, "Multi-host").
     """
     rows = state.num_scheduled_tokens.shape[0]
     if rows != config.max_num_reqs * mesh.size:
