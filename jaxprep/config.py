@@ -6,7 +6,7 @@ import bisect
 import dataclasses
 import math
 
-from jaxprep.features import FeatureConfig
+from jaxprep.features import FeatureConfig, check_positive_int
 
 MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
@@ -79,9 +79,7 @@ class PrepConfig:
 
     def __post_init__(self):
         for name in ("max_num_reqs", "max_model_len", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"PrepConfig.{name} must be a positive int, got {value!r}")
+            check_positive_int(f"PrepConfig.{name}", getattr(self, name))
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets", default_token_buckets(self.max_num_batched_tokens))
         else:

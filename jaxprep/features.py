@@ -46,10 +46,10 @@ class KVCacheGroupSpec:
     num_blocks: int | None = None
 
     def __post_init__(self):
-        _check_positive("KVCacheGroupSpec.block_size", self.block_size)
+        check_positive_int("KVCacheGroupSpec.block_size", self.block_size)
         for name in ("kernel_block_size", "sliding_window", "num_blocks"):
             if getattr(self, name) is not None:
-                _check_positive(f"KVCacheGroupSpec.{name}", getattr(self, name))
+                check_positive_int(f"KVCacheGroupSpec.{name}", getattr(self, name))
         if self.kernel_block_size is not None and self.block_size % self.kernel_block_size:
             raise ValueError(f"KVCacheGroupSpec.kernel_block_size={self.kernel_block_size} must divide "
                              f"block_size={self.block_size}")
@@ -73,8 +73,8 @@ class DCPConfig:
     interleave: int = 1
 
     def __post_init__(self):
-        _check_positive("DCPConfig.world_size", self.world_size)
-        _check_positive("DCPConfig.interleave", self.interleave)
+        check_positive_int("DCPConfig.world_size", self.world_size)
+        check_positive_int("DCPConfig.interleave", self.interleave)
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"DCPConfig.rank={self.rank!r} is outside the world [0, world_size={self.world_size})")
 
@@ -130,7 +130,7 @@ class FeatureConfig:
         _check_choice("attn_mask_dtype", self.attn_mask_dtype, ATTN_MASK_DTYPES)
         _check_choice("reorder", self.reorder, REORDER_MODES)
         if self.mask_kv_len is not None:
-            _check_positive("FeatureConfig.mask_kv_len", self.mask_kv_len)
+            check_positive_int("FeatureConfig.mask_kv_len", self.mask_kv_len)
         if self.speculative_method is not None and not self.spec_decode:
             raise ValueError(f"FeatureConfig.speculative_method={self.speculative_method!r} needs "
                              f"num_speculative_tokens > 0")
@@ -171,7 +171,8 @@ class FeatureConfig:
         return self.mask_kv_len or config.max_model_len
 
 
-def _check_positive(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is an int (not a bool) above 0."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 

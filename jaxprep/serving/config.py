@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxprep.config import PrepConfig, cdiv
+from jaxprep.features import check_positive_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,9 +39,7 @@ class ServingConfig:
             appends = cdiv(self.prep.max_num_batched_tokens, self.prep.block_size) + self.prep.max_num_reqs
             object.__setattr__(self, "max_block_appends_per_step", appends)
         for name in ("max_new_reqs_per_step", "max_block_appends_per_step", "decode_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ServingConfig.{name} must be a positive int, got {value!r}")
+            check_positive_int(f"ServingConfig.{name}", getattr(self, name))
         if self.num_speculative_tokens < 0:
             raise ValueError(f"ServingConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
