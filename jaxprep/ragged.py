@@ -41,16 +41,30 @@ def _upper_ones(n: int) -> np.ndarray:
     return np.triu(np.ones((n, n), np.float32))
 
 
+def _exact_matmul(a: Float32[Array, "m k"], b: np.ndarray) -> Float32[Array, "m n"]:
+    """``a @ b`` as a true float32 product (``Precision.HIGHEST``).
+
+    Only `_scan_f32` calls this, and only on XLA:CPU, which always multiplies float32 in float32
+    (HIGHEST costs nothing there). Written out anyway, so no lowering of jaxprep holds a float dot
+    at DEFAULT precision: on NVIDIA GPUs DEFAULT means TF32 (10 mantissa bits), on TPUs bfloat16
+    passes (7 bits), and a count like 3001 would round to 3000.
+    """
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _scan_f32(values: Float32[Array, "k n"]) -> Float32[Array, "k n"]:
     """Inclusive prefix sums along the last axis, as blocks of `SCAN_BLOCK` and one product.
 
+    Exact while every partial sum stays below `F32_EXACT_BOUND`: the inputs are integers, ``U``
+    holds 0 and 1, and float32 adds integers below 2**24 without rounding. XLA:CPU only (see
+    `on_cpu_else`).
     Each block's sum starts from the carry of the blocks before it, appended as one more column:
     [block | carry] @ [[U], [1 .. 1]] is the block's prefix sum plus its carry.
     # [1,0,1,1 | 0,1,0,0] in blocks of 4: totals [3, 1] -> carries [0, 3] -> [1,1,2,3 | 3,4,4,4]
     """
     k, n = values.shape
     if n <= SINGLE_PRODUCT_SCAN:
-        return values @ _upper_ones(n)
+        return _exact_matmul(values, _upper_ones(n))
     num_blocks = -(-n // SCAN_BLOCK)
     blocks = jnp.pad(values, ((0, 0), (0, num_blocks * SCAN_BLOCK - n))).reshape(k, num_blocks, SCAN_BLOCK)
     totals = jnp.sum(blocks, axis=2)
@@ -59,33 +73,56 @@ def _scan_f32(values: Float32[Array, "k n"]) -> Float32[Array, "k n"]:
     augmented = jnp.where(column < SCAN_BLOCK, jnp.pad(blocks, ((0, 0), (0, 0), (0, 1))), carries[:, :, None])
     augmented = augmented.reshape(k * num_blocks, SCAN_BLOCK + 1)
     with_carry = np.concatenate([_upper_ones(SCAN_BLOCK), np.ones((1, SCAN_BLOCK), np.float32)])
-    return (augmented @ with_carry).reshape(k, num_blocks * SCAN_BLOCK)[:, :n]
+    return _exact_matmul(augmented, with_carry).reshape(k, num_blocks * SCAN_BLOCK)[:, :n]
+
+
+def on_cpu_else(cpu, other, *args):
+    """``cpu(*args)`` when the executable runs on XLA:CPU, ``other(*args)`` on every other backend.
+
+    Resolved when lowering (`jax.lax.platform_dependent`): an executable for one platform holds
+    one branch only, and an export for several holds both behind a platform switch. The float
+    scans are kept for CPU alone, where they are exact and 3-5x faster than XLA:CPU's serial
+    cumsum; GPUs and TPUs get the integer scan, exact by construction and fast there.
+    """
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=other)
+
+
+def _int_prefix_sum(values: Int32[Array, "k n"]) -> Int32[Array, "k n"]:
+    return jnp.cumsum(values, axis=-1, dtype=jnp.int32)
+
+
+def _f32_prefix_sum(values: Int32[Array, "k n"]) -> Int32[Array, "k n"]:
+    return _scan_f32(values.astype(jnp.float32)).astype(jnp.int32)
 
 
 def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k n"]:
     """Inclusive cumulative sum in int32 along the last axis, of non-negative ``values`` whose
     total is at most ``max_total`` (static).
 
-    Below 2**24 it runs as float32 matrix products (`_scan_f32`), exact for such totals and, on
-    XLA:CPU, 3-5x faster than ``jnp.cumsum`` (a serial reduce-window, ~7 ns an entry) at no
-    extra compile time; larger totals fall back to ``jnp.cumsum``.
+    Integer ``cumsum`` on accelerators. On XLA:CPU, below 2**24, float32 matrix products
+    (`_scan_f32`), exact for such totals and 3-5x faster than XLA:CPU's ``cumsum`` (a serial
+    reduce-window, ~7 ns an entry) at no extra compile time.
     # [3, 2, 5] -> [3, 5, 10]
     """
+    rows = values.reshape(-1, values.shape[-1])
     if max_total >= F32_EXACT_BOUND:
-        return jnp.cumsum(values, axis=-1, dtype=jnp.int32)
-    rows = values.reshape(-1, values.shape[-1]).astype(jnp.float32)
-    return _scan_f32(rows).astype(jnp.int32).reshape(values.shape)
+        return _int_prefix_sum(rows).reshape(values.shape)
+    return on_cpu_else(_f32_prefix_sum, _int_prefix_sum, rows).reshape(values.shape)
 
 
 def take_rows(table: Array, rows: Int32[Array, "n"], fill_value: int) -> Array:
     """``table[rows]`` along axis 0 for rows in ``[0, len(table)]``; the sentinel ``len(table)``
-    reads ``fill_value``.
+    reads ``fill_value``, and so does any row outside ``[0, len(table))``.
 
-    (``jnp.take(mode="fill")`` also wraps negative rows, code the sentinel rows never need.)
+    The gather promises XLA in-bounds indices (no bounds masking of its own), so the index is
+    clipped into ``[0, len(table) - 1]`` first: an out-of-range row, from bad input on the
+    unchecked path included, reads a real row and is then replaced by ``fill_value``.
+    (``jnp.take(mode="fill")`` does the same with more code.)
+    # table rows [a, b, c], rows [2, 3, -1] -> [c, fill, fill]
     """
     last = table.shape[0] - 1
-    valid = (rows <= last).reshape(rows.shape + (1,) * (table.ndim - 1))
-    return jnp.where(valid, table.at[jnp.minimum(rows, last)].get(mode="promise_in_bounds"), fill_value)
+    valid = ((rows >= 0) & (rows <= last)).reshape(rows.shape + (1,) * (table.ndim - 1))
+    return jnp.where(valid, table.at[jnp.clip(rows, 0, last)].get(mode="promise_in_bounds"), fill_value)
 
 
 def token_request_index(request_ends: Int32[Array, "num_reqs_padded"],
@@ -93,15 +130,24 @@ def token_request_index(request_ends: Int32[Array, "num_reqs_padded"],
     """Batch row of every token: ``r`` with ``ends[r-1] <= t < ends[r]``, clipped to the last row.
 
     Counts, for each token, the request ends at or before it (a scatter and a scan, O(T + R)).
+    Ends at or past ``num_tokens_padded`` are dropped by the scatter, so no write leaves the array.
     # ends (= query_start_loc[1:]) [2, 7, 10, 10], 12 tokens -> [0,0,1,1,1,1,1,2,2,2,3,3]
     """
     num_reqs = request_ends.shape[0]
+
+    def integer_count(ends):
+        ends_per_token = jnp.zeros((1, num_tokens_padded), jnp.int32).at[0, ends].add(1, mode="drop")
+        return _int_prefix_sum(ends_per_token)[0]
+
+    def float_count(ends):  # counted in float32 from the start: the scan's input needs no conversion pass
+        ends_per_token = jnp.zeros((1, num_tokens_padded), jnp.float32).at[0, ends].add(1.0, mode="drop")
+        return _scan_f32(ends_per_token)[0].astype(jnp.int32)
+
     if num_reqs >= F32_EXACT_BOUND:
-        ends_per_token = jnp.zeros((num_tokens_padded,), jnp.int32).at[request_ends].add(1, mode="drop")
-        return jnp.minimum(jnp.cumsum(ends_per_token, dtype=jnp.int32), num_reqs - 1)
-    # counted in float32 from the start: the scan's input needs no conversion pass
-    ends_per_token = jnp.zeros((1, num_tokens_padded), jnp.float32).at[0, request_ends].add(1.0, mode="drop")
-    return jnp.minimum(_scan_f32(ends_per_token)[0].astype(jnp.int32), num_reqs - 1)
+        count = integer_count(request_ends)
+    else:
+        count = on_cpu_else(float_count, integer_count, request_ends)
+    return jnp.minimum(count, num_reqs - 1)
 
 
 def token_mask(num_actual_tokens: Int32[Array, ""], num_tokens_padded: int) -> Bool[Array, "num_tokens_padded"]:

@@ -18,6 +18,9 @@ import numpy as np
 from jaxprep.metadata import StepInputs
 from jaxprep.ragged import token_request_index
 
+MODEL_SCOPE = "model"
+"""Named scope of the model's own float products (exempt from the index-math precision test)."""
+
 MASKED = -1e30
 """Score of a masked key: exp(MASKED - max) is exactly 0, and a fully masked (padded) query stays finite."""
 
@@ -90,6 +93,7 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+@jax.named_scope(MODEL_SCOPE)
 def _qkv(layer_params, x: jax.Array, positions: jax.Array, model: ModelConfig):
     tokens = x.shape[0]
     qkv = _rms_norm(x) @ layer_params["wqkv"]
@@ -97,6 +101,7 @@ def _qkv(layer_params, x: jax.Array, positions: jax.Array, model: ModelConfig):
     return _rope(q, positions, model.rope_theta), _rope(k, positions, model.rope_theta), v
 
 
+@jax.named_scope(MODEL_SCOPE)
 def _mlp_and_residual(layer_params, x: jax.Array, attn: jax.Array) -> jax.Array:
     x = x + attn.reshape(x.shape) @ layer_params["wo"]
     return x + jax.nn.gelu(_rms_norm(x) @ layer_params["w_up"]) @ layer_params["w_down"]
@@ -107,6 +112,7 @@ def _layers(params) -> dict[str, jax.Array]:
     return {name: params[name] for name in ("wqkv", "wo", "w_up", "w_down")}
 
 
+@jax.named_scope(MODEL_SCOPE)
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention of q [T, H, Dh] over per-query keys k, v [T, S, H, Dh] where mask [T, S]."""
     scores = jnp.einsum("thd,tshd->ths", q, k) * (q.shape[-1] ** -0.5)
@@ -136,7 +142,8 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
     layer_ids = jnp.arange(model.num_layers, dtype=jnp.int32)
     carry = (params["embed"][inputs.input_ids], kv_cache.k, kv_cache.v)
     (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, carry, (layer_ids, _layers(params)))
-    logits = _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
+    with jax.named_scope(MODEL_SCOPE):
+        logits = _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
     return KVCache(k=k_cache, v=v_cache), logits
 
 
@@ -175,4 +182,5 @@ def dense_forward(params, token_ids: jax.Array, *, model: ModelConfig) -> jax.Ar
         return _mlp_and_residual(layer_params, x, _attend(q, keys, values, causal)), None
 
     x, _ = jax.lax.scan(layer_step, params["embed"][token_ids], _layers(params))
-    return _rms_norm(x) @ params["lm_head"]
+    with jax.named_scope(MODEL_SCOPE):
+        return _rms_norm(x) @ params["lm_head"]
