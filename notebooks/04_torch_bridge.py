@@ -94,13 +94,14 @@ assert step2.attn_metadata.query_start_loc.tolist() == [0, 1, 2, 5] and step2.at
 # %%
 HEADS, HEAD_SIZE = 2, 8
 config = records[0].config
+device = step2.positions.device  # where JAX's arrays live (cpu, or cuda on a GPU): everything stays there
 generator = torch.Generator().manual_seed(0)
-qkv = {request: [torch.randn(config.max_model_len, HEADS, HEAD_SIZE, generator=generator, dtype=torch.float64)
+qkv = {request: [torch.randn(config.max_model_len, HEADS, HEAD_SIZE, generator=generator, dtype=torch.float64).to(device)
                  for _ in range(3)] for request in range(3)}
 dense = {request: F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in tensors), is_causal=True).transpose(0, 1)
          for request, tensors in qkv.items()}
 cache_shape = (config.num_blocks, config.block_size, HEADS, HEAD_SIZE)
-key_cache, value_cache = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
+key_cache, value_cache = (torch.zeros(cache_shape, dtype=torch.float64, device=device) for _ in range(2))
 
 worst = 0.0
 for record in records:
@@ -108,7 +109,8 @@ for record in records:
     meta, n = inputs.attn_metadata, record.num_actual_tokens
     token_requests = np.repeat(record.request_ids[record.batch_rows], record.scheduled[record.batch_rows])
     positions = inputs.positions[:n].tolist()
-    query, key, value = (torch.zeros(inputs.num_tokens_padded, HEADS, HEAD_SIZE, dtype=torch.float64) for _ in range(3))
+    query, key, value = (torch.zeros(inputs.num_tokens_padded, HEADS, HEAD_SIZE, dtype=torch.float64, device=device)
+                         for _ in range(3))
     for t, (request, p) in enumerate(zip(token_requests, positions)):
         query[t], key[t], value[t] = (x[p] for x in qkv[int(request)])
     write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)

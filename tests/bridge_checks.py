@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import jax
+
+JAX_TORCH_DEVICE = "cuda" if jax.default_backend() == "gpu" else "cpu"
+"""torch device type of a tensor bridged from JAX's default device, without a copy."""
+
 
 def assert_views_of(buffer, tensors: dict, *, disjoint: bool = True) -> None:
     """Every tensor lies inside the JAX ``buffer``'s memory (no copy); with ``disjoint``, none overlap."""

@@ -4,7 +4,9 @@
   broadcasting slip fails a test instead of passing silently;
 - jaxprep is imported under jaxtyping's import hook with beartype, so every annotated function
   checks the shapes and dtypes written in its signature;
-- XLA's CPU client runs on one thread (as the CLI and benchmarks do): faster on small hosts.
+- XLA's CPU client runs on one thread (as the CLI and benchmarks do): faster on small hosts;
+- a test marked ``cpu_only(reason)`` is skipped, with its reason, when JAX runs on an accelerator
+  (the GPU runbook runs the whole suite there): nothing is silently run on another backend.
 """
 
 import os
@@ -12,6 +14,7 @@ import os
 os.environ.setdefault("PJRT_NPROC", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -22,3 +25,13 @@ from jaxtyping import install_import_hook  # noqa: E402
 with install_import_hook(["jaxprep", "torch_bridge"], "beartype.beartype"):
     import jaxprep  # noqa: E402,F401
     import jaxprep.reference  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"cpu_only: {marker.args[0]} (JAX runs on {backend} here)"))

@@ -37,6 +37,7 @@ def run_with_four_devices(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.cpu_only("forces 4 host-platform devices in a subprocess")
 def test_simulate_on_four_devices_checks_and_reports_devices():
     """`jaxprep simulate --devices 4 --check --json`: every rank's greedy tokens are the dense ones,
     nothing compiles after warm-up, and the summary says how many devices ran."""
@@ -50,6 +51,7 @@ def test_simulate_on_four_devices_checks_and_reports_devices():
     assert 0 <= summary["padding_waste"] < 1
 
 
+@pytest.mark.cpu_only("forces 4 host-platform devices in a subprocess")
 def test_sharded_prepare_matches_reference_on_every_rank():
     """tests/dp_prepare_check.py: each rank's metadata equals the NumPy reference on that rank's rows
     (idle ranks included), fields are sharded by rank, one executable per bucket, errors name the rank."""

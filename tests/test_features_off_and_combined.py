@@ -111,5 +111,5 @@ def test_torch_bridge_carries_feature_outputs():
     step = prepare_inputs(BatchState.from_numpy(**arrays), dataclasses.replace(example_a_config(), features=features))
     bridged = torch_bridge.to_torch(step)
     assert bridged.attn_metadata.attn_state == AttnState.ChunkedPrefill  # rung 3, no "mtp" method
-    np.testing.assert_array_equal(bridged.attn_metadata.attn_mask.numpy(), np.asarray(step.attn_mask))
+    np.testing.assert_array_equal(bridged.attn_metadata.attn_mask.cpu().numpy(), np.asarray(step.attn_mask))
     assert bridged.spec_decode.draft_token_ids[:2].tolist() == [307, 308]

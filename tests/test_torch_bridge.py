@@ -20,7 +20,7 @@ import torch_bridge  # noqa: E402
 from jaxprep.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
-from bridge_checks import assert_views_of  # noqa: E402
+from bridge_checks import JAX_TORCH_DEVICE, assert_views_of  # noqa: E402
 
 STRATEGIES = ("packed", "per_field")
 EXAMPLES = {
@@ -60,13 +60,13 @@ def test_to_torch_matches_reference(example, strategy):
     expected["block_table_tensor"] = expected.pop("block_table")
     for name, tensor in torch_fields(inputs).items():
         assert tensor.dtype == TORCH_DTYPES[name], name
-        assert tensor.device.type == "cpu"
-        np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
+        assert tensor.device.type == JAX_TORCH_DEVICE
+        np.testing.assert_array_equal(tensor.cpu().numpy(), expected[name], err_msg=name)
     meta = inputs.attn_metadata
     for name in ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len"):
         assert type(getattr(meta, name)) is int and getattr(meta, name) == expected[name], name
-    np.testing.assert_array_equal(meta.query_start_loc_cpu.numpy(), expected["query_start_loc"])
-    np.testing.assert_array_equal(meta.seq_lens_cpu.numpy(), expected["seq_lens"])
+    np.testing.assert_array_equal(meta.query_start_loc_cpu.cpu().numpy(), expected["query_start_loc"])
+    np.testing.assert_array_equal(meta.seq_lens_cpu.cpu().numpy(), expected["seq_lens"])
     assert meta.query_start_loc_cpu.device.type == "cpu" and meta.seq_lens_cpu.dtype == torch.int32
     assert inputs.num_tokens_padded == step.num_tokens_padded and meta.causal is True
 
@@ -151,7 +151,7 @@ def test_attn_state_and_mask_pass_through_and_keyword_overrides():
     inputs = torch_bridge.to_torch(with_features(step, attn_state=jnp.int32(3), attn_mask=mask))
     assert inputs.attn_metadata.attn_state == 3 and type(inputs.attn_metadata.attn_state) is int
     assert inputs.attn_metadata.attn_mask.dtype == torch.int8
-    np.testing.assert_array_equal(inputs.attn_metadata.attn_mask.numpy(), np.triu(np.ones((4, 4)), 1))
+    np.testing.assert_array_equal(inputs.attn_metadata.attn_mask.cpu().numpy(), np.triu(np.ones((4, 4)), 1))
     overridden = torch_bridge.to_torch(with_features(step, attn_state=jnp.int32(3)), attn_state=2)
     assert overridden.attn_metadata.attn_state == 2 and overridden.attn_metadata.attn_mask is None
 

@@ -112,7 +112,7 @@ def test_every_feature_field_matches_the_step(case, strategy):
     for name, (tensor, array) in paired_fields(inputs, step).items():
         assert tensor.dtype == expected_dtype(name), name
         assert tuple(tensor.shape) == array.shape, name
-        np.testing.assert_array_equal(tensor.numpy(), np.asarray(array), err_msg=name)
+        np.testing.assert_array_equal(tensor.cpu().numpy(), np.asarray(array), err_msg=name)
     for got, spec in zip(inputs.kv_groups or (), config.features.kv_groups, strict=True):
         assert (got.block_size, got.kernel_block_size) == (spec.block_size, spec.kernel_block_size or spec.block_size)
         assert type(got.block_size) is int and type(got.kernel_block_size) is int
@@ -133,14 +133,14 @@ def test_kv_groups_match_reference():
     tables = (arrays["block_table"], *arrays["extra_block_tables"])
     for g, (spec, table, group) in enumerate(zip(GROUPS, tables, inputs.kv_groups, strict=True)):
         ref = reference(arrays, spec.block_size, table)
-        np.testing.assert_array_equal(group.slot_mapping.numpy(), pad(ref["slot_mapping"], step.num_tokens_padded, -1),
+        np.testing.assert_array_equal(group.slot_mapping.cpu().numpy(), pad(ref["slot_mapping"], step.num_tokens_padded, -1),
                                       err_msg=f"group {g}")
         kernel = ref["block_table"]
         if spec.sliding_window:
             kernel = sliding_window_reference(kernel, arrays["num_computed_tokens"][rows], spec.sliding_window,
                                               spec.block_size)
         kernel = kernel_block_table_reference(kernel, spec.blocks_per_kernel_block)
-        np.testing.assert_array_equal(group.block_table_tensor.numpy(), pad(kernel, step.num_reqs_padded, 0),
+        np.testing.assert_array_equal(group.block_table_tensor.cpu().numpy(), pad(kernel, step.num_reqs_padded, 0),
                                       err_msg=f"group {g}")
 
 
@@ -149,13 +149,13 @@ def test_dcp_local_seq_lens_and_group_slots_match_reference():
     inputs = torch_bridge.to_torch(step, strategy="per_field")
     ref = reference(arrays, BASE.block_size)
     local = dcp_local_seq_lens_reference(ref["seq_lens"], BASE.block_size, DCP.world_size, DCP.rank, DCP.interleave)
-    np.testing.assert_array_equal(inputs.attn_metadata.dcp_local_seq_lens.numpy(), pad(local, step.num_reqs_padded, 0))
+    np.testing.assert_array_equal(inputs.attn_metadata.dcp_local_seq_lens.cpu().numpy(), pad(local, step.num_reqs_padded, 0))
     tables = (arrays["block_table"], *arrays["extra_block_tables"])
     for spec, table, group in zip(GROUPS[:2], tables, inputs.kv_groups, strict=True):
         slots = dcp_slot_mapping_reference(ref["positions"], ref["token_rows"], table, spec.block_size,
                                            DCP.world_size, DCP.rank, DCP.interleave)
-        np.testing.assert_array_equal(group.slot_mapping.numpy(), pad(slots, step.num_tokens_padded, -1))
-    np.testing.assert_array_equal(inputs.attn_metadata.slot_mapping.numpy(), inputs.kv_groups[0].slot_mapping.numpy())
+        np.testing.assert_array_equal(group.slot_mapping.cpu().numpy(), pad(slots, step.num_tokens_padded, -1))
+    np.testing.assert_array_equal(inputs.attn_metadata.slot_mapping.cpu().numpy(), inputs.kv_groups[0].slot_mapping.cpu().numpy())
 
 
 def test_sampling_features_match_reference():
@@ -167,14 +167,14 @@ def test_sampling_features_match_reference():
     scheduled, drafts = arrays["num_scheduled_tokens"][rows], arrays["num_draft_tokens"][rows]
     discard = discard_request_mask_reference(arrays["num_computed_tokens"][rows], scheduled,
                                              arrays["num_prompt_tokens"][rows])
-    np.testing.assert_array_equal(inputs.discard_request_mask.numpy(), pad(discard, step.num_reqs_padded, True))
-    np.testing.assert_array_equal(inputs.request_distribution.numpy(), request_distribution_reference(scheduled, drafts))
+    np.testing.assert_array_equal(inputs.discard_request_mask.cpu().numpy(), pad(discard, step.num_reqs_padded, True))
+    np.testing.assert_array_equal(inputs.request_distribution.cpu().numpy(), request_distribution_reference(scheduled, drafts))
     for name, want in spec_decode_reference(scheduled, drafts, ref["input_ids"]).items():
         got = getattr(inputs.spec_decode, name)
         if name == "max_spec_len":
             assert got.shape == () and int(got) == want
         else:
-            np.testing.assert_array_equal(got[:len(want)].numpy(), want, err_msg=name)
+            np.testing.assert_array_equal(got[:len(want)].cpu().numpy(), want, err_msg=name)
     assert int(inputs.spec_decode.num_logits) == num_reqs + int(drafts.sum())  # the properties read torch leaves
 
 
@@ -186,14 +186,14 @@ def test_mrope_and_prompt_embeds_match_reference():
     want = mrope_reference(arrays["mrope_positions"][rows], arrays["mrope_position_delta"][rows],
                            arrays["num_prompt_tokens"][rows], arrays["num_computed_tokens"][rows],
                            arrays["num_scheduled_tokens"][rows])
-    mrope = inputs.mrope_positions.numpy()
+    mrope = inputs.mrope_positions.cpu().numpy()
     assert mrope.shape == (3, step.num_tokens_padded)
     np.testing.assert_array_equal(mrope[:, :num_tokens], want)
     assert (mrope[:, num_tokens:] == 0).all()
     flags, indices = prompt_embeds_reference(arrays["is_token_ids"], arrays["prompt_embeds_start"], ref["token_rows"],
                                              ref["positions"])
-    np.testing.assert_array_equal(inputs.prompt_embeds.is_token_ids.numpy(), pad(flags, step.num_tokens_padded, True))
-    np.testing.assert_array_equal(inputs.prompt_embeds.embeds_indices.numpy(), pad(indices, step.num_tokens_padded, 0))
+    np.testing.assert_array_equal(inputs.prompt_embeds.is_token_ids.cpu().numpy(), pad(flags, step.num_tokens_padded, True))
+    np.testing.assert_array_equal(inputs.prompt_embeds.embeds_indices.cpu().numpy(), pad(indices, step.num_tokens_padded, 0))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -225,6 +225,7 @@ def test_group_attn_metadata_is_the_steps_with_the_groups_tables():
 
 
 @pytest.mark.parametrize("case", ["dcp", "mrope_prompt_embeds", "spec_decode"])
+@pytest.mark.cpu_only("the Ascend path stages from JAX on the host CPU")
 def test_to_npu_carries_the_features_in_the_one_staged_copy(fake_npu, case):
     """Group slot mappings int32 like the step's; group block tables in FIA's layout (a null dummy row)."""
     _, _, step = prepared(case)
@@ -238,7 +239,7 @@ def test_to_npu_carries_the_features_in_the_one_staged_copy(fake_npu, case):
         if name.endswith("block_table_tensor"):  # FIA: one more row; rows of no real request are null
             want = np.concatenate([want, np.zeros_like(want[:1])])
             want[num_reqs:] = 0
-        np.testing.assert_array_equal(tensor.numpy(), want, err_msg=name)
+        np.testing.assert_array_equal(tensor.cpu().numpy(), want, err_msg=name)
 
 
 def test_a_donated_feature_array_is_named():

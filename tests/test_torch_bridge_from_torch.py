@@ -33,7 +33,7 @@ def test_copy_is_explicit(make):
     tensor = make()
     array = torch_bridge.from_torch(tensor)
     assert array.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(array), tensor.numpy())
+    np.testing.assert_array_equal(np.asarray(array), tensor.cpu().numpy())
     assert array.unsafe_buffer_pointer() != tensor.data_ptr()
     with pytest.raises(BufferError, match="cannot be shared with JAX without a copy"):
         torch_bridge.from_torch(tensor, copy=False)

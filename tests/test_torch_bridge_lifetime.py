@@ -54,8 +54,8 @@ def assert_unchanged(inputs) -> None:
               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_table": meta.block_table_tensor,
               "idx_mapping": inputs.idx_mapping, "logits_indices": inputs.logits_indices}
     for name, tensor in actual.items():
-        np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
-    np.testing.assert_array_equal(meta.seq_lens_cpu.numpy(), expected["seq_lens"])
+        np.testing.assert_array_equal(tensor.cpu().numpy(), expected[name], err_msg=name)
+    np.testing.assert_array_equal(meta.seq_lens_cpu.cpu().numpy(), expected["seq_lens"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

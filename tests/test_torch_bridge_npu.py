@@ -23,6 +23,8 @@ from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
 from fake_npu import fake_npu  # noqa: E402, F401  (the fixture)
 
+pytestmark = pytest.mark.cpu_only("the Ascend path stages from JAX on the host CPU; the fake NPU copies host tensors")
+
 
 def prepare(config, arrays):
     step = jaxprep.prepare_inputs(jaxprep.BatchState.from_numpy(**arrays), config)
@@ -62,17 +64,17 @@ def test_to_npu_matches_fia_reference(fake_npu, case):
     expected = fia_expected(padded, len(padded["input_ids"]))
     assert isinstance(meta, torch_bridge.NpuAttentionMetadata)
     for name in ("query_start_loc", "seq_lens", "block_table_tensor"):
-        np.testing.assert_array_equal(getattr(meta, name).numpy(), expected[name], err_msg=name)
+        np.testing.assert_array_equal(getattr(meta, name).cpu().numpy(), expected[name], err_msg=name)
         assert getattr(meta, name).dtype == torch.int32, name
     assert meta.actual_seq_lengths_q == expected["actual_seq_lengths_q"]
     assert meta.actual_seq_lengths_q[-1] == len(padded["input_ids"])
     assert meta.seq_lens_list == expected["seq_lens_list"]
     assert meta.slot_mapping.dtype == torch.int32 and inputs.positions.dtype == torch.int64
     assert inputs.input_ids.dtype == torch.int32
-    np.testing.assert_array_equal(meta.slot_mapping.numpy(), padded["slot_mapping"])
-    np.testing.assert_array_equal(inputs.positions.numpy(), padded["positions"])
-    np.testing.assert_array_equal(inputs.input_ids.numpy(), padded["input_ids"])
-    np.testing.assert_array_equal(meta.query_start_loc_cpu.numpy(), expected["query_start_loc"])
+    np.testing.assert_array_equal(meta.slot_mapping.cpu().numpy(), padded["slot_mapping"])
+    np.testing.assert_array_equal(inputs.positions.cpu().numpy(), padded["positions"])
+    np.testing.assert_array_equal(inputs.input_ids.cpu().numpy(), padded["input_ids"])
+    np.testing.assert_array_equal(meta.query_start_loc_cpu.cpu().numpy(), expected["query_start_loc"])
     assert (meta.num_reqs, meta.num_actual_tokens) == (padded["num_reqs"], padded["num_actual_tokens"])
 
 

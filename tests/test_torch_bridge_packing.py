@@ -70,10 +70,10 @@ def test_unpack_round_trips_matches_numpy(fields, seed, tail_from):
     for name, view in unpack(buffer, spans).items():
         assert view.dtype == {INT32: torch.int32, INT64: torch.int64, BOOL: torch.bool}[dict(spec)[name]]
         assert view.shape == arrays[name].shape
-        np.testing.assert_array_equal(view.numpy(), arrays[name], err_msg=name)
+        np.testing.assert_array_equal(view.cpu().numpy(), arrays[name], err_msg=name)
     # a copy of the buffer's tail, as on CUDA hosts: views of the int32 and bool spans past a cut
     tail = tuple(span for span in spans[tail_from:] if span.kind != INT64)
     if tail:
         start = tail[0].offset
         for name, view in unpack(buffer[start:].clone(), tail, base=start).items():
-            np.testing.assert_array_equal(view.numpy(), arrays[name], err_msg=name)
+            np.testing.assert_array_equal(view.cpu().numpy(), arrays[name], err_msg=name)

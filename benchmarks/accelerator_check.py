@@ -1,0 +1,200 @@
+"""The GPU runbook: install over the machine's own jax/torch, run every test with JAX on the GPU,
+run the CUDA torch_bridge tests, run the GPU benchmark, and print one table.
+
+    benchmarks/accelerator_check.sh [--wheels DIR] [--workers N] [--repeats N] [--log-dir DIR]
+    benchmarks/accelerator_check.sh --dry-run    # on a machine without a GPU: the CPU path
+
+Meant for a lent machine with an NVIDIA GPU and no internet (jax with its CUDA plugin and a CUDA
+torch already installed): the project is installed with ``pip --no-deps --no-build-isolation``,
+so nothing already there is replaced; test-only packages the machine lacks come as wheels from
+``--wheels`` (installed into a private target directory, put first on PYTHONPATH).
+
+Tests that need JAX on the CPU (forced host devices, the host-staged Ascend path) are marked
+``cpu_only`` and show up as skipped with their reason; nothing is run on another backend.
+
+``--dry-run`` checks the runbook itself where there is no GPU: it parses its arguments, runs one
+small test file and the benchmark with a few repeats on the CPU backend, and prints the table
+(the test suite runs it so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_BRIDGE_TESTS = ["tests/test_torch_bridge_cuda.py", "tests/test_torch_bridge.py", "tests/test_torch_bridge_lifetime.py",
+                     "tests/test_torch_bridge_from_torch.py"]
+DRY_RUN_TESTS = ["tests/test_core_worked_examples.py"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU path: one test file, a short benchmark")
+    parser.add_argument("--wheels", help="directory of wheels for test packages the machine lacks")
+    parser.add_argument("--workers", type=int, default=6, help="pytest-xdist workers for the suite (0: none)")
+    parser.add_argument("--repeats", type=int, default=200, help="benchmark calls per round")
+    parser.add_argument("--log-dir", help="write each step's full output here")
+    parser.add_argument("--skip-install", action="store_true", help="the project is importable already")
+    args = parser.parse_args(argv)
+    if args.workers < 0 or args.repeats < 1:
+        parser.error(f"--workers must be >= 0 and --repeats >= 1, got {args.workers} and {args.repeats}")
+    if args.wheels and not os.path.isdir(args.wheels):
+        parser.error(f"--wheels {args.wheels}: no such directory")
+    return args
+
+
+class Runner:
+    """Runs each step as a subprocess in the repository root, keeping its output and time."""
+
+    def __init__(self, env: dict, log_dir: str | None):
+        self.env, self.log_dir, self.rows = env, log_dir, []
+
+    def run(self, name: str, command: list[str], timeout: int = 1800) -> tuple[int, str]:
+        print(f"[runbook] {name}: {' '.join(command)}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+            code, output = result.returncode, result.stdout + result.stderr
+        except subprocess.TimeoutExpired as error:
+            code, output = 124, f"timed out after {timeout} s\n{error.stdout or ''}{error.stderr or ''}"
+        seconds = time.perf_counter() - start
+        if self.log_dir:
+            with open(os.path.join(self.log_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}.log"), "w") as log:
+                log.write(output)
+        print(f"[runbook] {name}: exit {code} in {seconds:.0f} s", file=sys.stderr, flush=True)
+        return code, output
+
+    def add(self, check: str, result: str, detail: str) -> None:
+        self.rows.append((check, result, detail))
+
+
+def base_env(args) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if args.dry_run:
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def install(runner: Runner, args) -> bool:
+    if args.wheels:
+        target = os.path.join(ROOT, ".runbook_site")
+        wheels = sorted(os.path.join(args.wheels, f) for f in os.listdir(args.wheels) if f.endswith(".whl"))
+        code, output = runner.run("install wheels", [sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                                                     "--no-deps", "--upgrade", "--target", target, *wheels])
+        runner.env["PYTHONPATH"] = os.pathsep.join(p for p in (target, runner.env.get("PYTHONPATH")) if p)
+        runner.add("install test wheels", "ok" if code == 0 else "FAILED", f"{len(wheels)} wheels from --wheels")
+        if code:
+            return False
+    if args.skip_install or args.dry_run:
+        runner.add("install jaxprep", "skipped", "--skip-install" if args.skip_install else "dry run: not installed")
+        return True
+    code, output = runner.run("install", [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                                          "--no-build-isolation", "-e", "."])
+    runner.add("install jaxprep (--no-deps)", "ok" if code == 0 else "FAILED", last_line(output) or "editable install")
+    return code == 0
+
+
+def versions(runner: Runner) -> str:
+    code, output = runner.run("versions", [sys.executable, "-c", (
+        "import jax, numpy; print('jax', jax.__version__, 'numpy', numpy.__version__, 'backend', jax.default_backend(),"
+        " 'device', jax.devices()[0].device_kind, end=' ')\n"
+        "try:\n import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())\n"
+        "except ImportError: print('torch missing')")])
+    return output.strip().splitlines()[-1] if code == 0 and output.strip() else "unknown"
+
+
+def pytest_summary(output: str) -> str:
+    """The final ``N passed, M skipped ...`` line of a pytest run."""
+    lines = [line.strip("= ") for line in output.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", line)]
+    return lines[-1] if lines else last_line(output)
+
+
+def skip_reasons(output: str) -> str:
+    reasons = re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", output, flags=re.MULTILINE)
+    counts: dict[str, int] = {}
+    for count, reason in reasons:
+        counts[reason] = counts.get(reason, 0) + int(count)
+    return "; ".join(f"{n}x {reason}" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def run_tests(runner: Runner, args) -> None:
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not bigmem"]
+    if args.dry_run:
+        code, output = runner.run("tests (dry run)", pytest + DRY_RUN_TESTS)
+        runner.add("tests (dry run, CPU)", "ok" if code == 0 else "FAILED", pytest_summary(output))
+        return
+    workers = ["-n", str(args.workers)] if args.workers and has_xdist(runner) else []
+    code, output = runner.run("test suite", pytest + workers)
+    runner.add("test suite, JAX on the GPU", "ok" if code == 0 else "FAILED", pytest_summary(output))
+    reasons = skip_reasons(output)
+    if reasons:
+        runner.add("skipped tests", "reported", reasons)
+    failed = re.findall(r"^FAILED (\S+)", output, flags=re.MULTILINE)
+    if failed:
+        runner.add("failed tests", "FAILED", ", ".join(failed[:20]) + (" ..." if len(failed) > 20 else ""))
+    code, output = runner.run("CUDA bridge tests", pytest + ["-k", "cuda"] + CUDA_BRIDGE_TESTS)
+    summary = pytest_summary(output)
+    ran = code == 0 and " passed" in summary and "skipped" not in summary  # every CUDA test ran and passed
+    runner.add("CUDA torch_bridge tests (-k cuda)", "ok" if ran else "FAILED", summary)
+
+
+def has_xdist(runner: Runner) -> bool:
+    return runner.run("xdist?", [sys.executable, "-c", "import xdist"])[0] == 0
+
+
+def run_benchmark(runner: Runner, args) -> None:
+    repeats = ["--repeats", "5", "--profile-steps", "3"] if args.dry_run else ["--repeats", str(args.repeats)]
+    code, output = runner.run("benchmark", [sys.executable, "benchmarks/bench_gpu.py", *repeats])
+    if code:
+        runner.add("bench_gpu", "FAILED", last_line(output))
+        return
+    header = None
+    for line in output.splitlines():
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if header is None:
+            header = cells
+            continue
+        detail = "; ".join(f"{name}: {value}" for name, value in zip(header[1:], cells[1:]))
+        missed = "missed" in line
+        runner.add(f"bench_gpu: {cells[0]}", "goal missed" if missed else "ok", detail)
+    machine = [line for line in output.splitlines() if line.startswith(("machine:", "measured:"))]
+    runner.add("bench_gpu machine", "-", " / ".join(machine))
+
+
+def last_line(output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def print_table(rows, header: str) -> None:
+    print(header)
+    print("| check | result | detail |")
+    print("|---|---|---|")
+    for check, result, detail in rows:
+        print(f"| {check} | {result} | {detail.replace('|', '/')} |")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+    runner = Runner(base_env(args), args.log_dir)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if install(runner, args):
+        run_tests(runner, args)
+        run_benchmark(runner, args)
+    header = (f"runbook {'dry run ' if args.dry_run else ''}{time.strftime('%Y-%m-%d')}, commit "
+              f"{commit.stdout.strip() or 'unknown'}: {versions(runner)}")
+    print_table(runner.rows, header)
+    return 1 if any(result == "FAILED" for _, result, _ in runner.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
