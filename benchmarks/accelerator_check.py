@@ -123,7 +123,7 @@ def skip_reasons(output: str) -> str:
 
 
 def run_tests(runner: Runner, args) -> None:
-    pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not bigmem"]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "not bigmem"]
     if args.dry_run:
         code, output = runner.run("tests (dry run)", pytest + DRY_RUN_TESTS)
         runner.add("tests (dry run, CPU)", "ok" if code == 0 else "FAILED", pytest_summary(output))
@@ -186,12 +186,13 @@ def main(argv=None) -> int:
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
     runner = Runner(base_env(args), args.log_dir)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = os.environ.get("JAXPREP_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     if install(runner, args):
         run_tests(runner, args)
         run_benchmark(runner, args)
     header = (f"runbook {'dry run ' if args.dry_run else ''}{time.strftime('%Y-%m-%d')}, commit "
-              f"{commit.stdout.strip() or 'unknown'}: {versions(runner)}")
+              f"{commit or 'unknown'}: {versions(runner)}")
     print_table(runner.rows, header)
     return 1 if any(result == "FAILED" for _, result, _ in runner.rows) else 0
 

@@ -76,9 +76,10 @@ def machine_line() -> str:
     import jax
     import numpy as np
 
+    commit = os.environ.get("JAXPREP_COMMIT")  # set where the checkout's .git is not the one measured
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          check=False).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
     cpu = platform.processor() or platform.machine()

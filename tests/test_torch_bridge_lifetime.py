@@ -17,7 +17,11 @@ import torch_bridge  # noqa: E402
 from jaxprep.examples import example_b, example_b_config  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
+from bridge_checks import JAX_TORCH_DEVICE  # noqa: E402
+
 STRATEGIES = ("packed", "per_field")
+HELD_BUFFER_DONATION = "Donation requested for buffer with external reference"
+"""PJRT's error on a GPU when a donated argument's buffer is still held by torch (the CPU copies instead)."""
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -72,6 +76,11 @@ def test_tensors_survive_donating_the_state_they_came_from(strategy):
 def test_a_shared_buffer_is_never_reused_by_a_donated_update(strategy):
     _, step, inputs = bridged_step(strategy)
     shared = {tensor.data_ptr() for tensor in (inputs.input_ids, inputs.attn_metadata.block_table_tensor)}
+    if strategy == "per_field" and JAX_TORCH_DEVICE != "cpu":  # the step's own buffers are held: refused
+        with pytest.raises(jax.errors.JaxRuntimeError, match=HELD_BUFFER_DONATION):
+            scramble_step(step)
+        assert_unchanged(inputs)
+        return
     scrambled = jax.block_until_ready(scramble_step(step))
     outputs = {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(scrambled)}
     assert not shared & outputs, "a donated update wrote into memory torch still reads"
@@ -80,9 +89,14 @@ def test_a_shared_buffer_is_never_reused_by_a_donated_update(strategy):
 
 
 def test_per_field_external_reference_blocks_donation():
-    """While torch holds a field, PJRT keeps its buffer: the donated argument is not consumed."""
+    """While torch holds a field, PJRT keeps its buffer: the donated argument is not consumed
+    (the CPU client copies it; a GPU client refuses the call)."""
     _, step, inputs = bridged_step("per_field")
-    scramble_step(step)
+    if JAX_TORCH_DEVICE == "cpu":
+        scramble_step(step)
+    else:
+        with pytest.raises(jax.errors.JaxRuntimeError, match=HELD_BUFFER_DONATION):
+            scramble_step(step)
     assert not step.input_ids.is_deleted()
     assert inputs.input_ids.data_ptr() == step.input_ids.unsafe_buffer_pointer()
     assert_unchanged(inputs)

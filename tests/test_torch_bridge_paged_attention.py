@@ -21,6 +21,8 @@ import torch_bridge  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
 from torch_bridge.paged_attention import paged_attention, write_kv_cache  # noqa: E402
 
+from bridge_checks import JAX_TORCH_DEVICE  # noqa: E402
+
 CONFIG = jaxprep.PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=4,
                             num_blocks=48)
 PROMPT_LENS = (23, 9, 14)
@@ -68,7 +70,7 @@ def run_workload(strategy: str):
     block_table = np.zeros((CONFIG.max_num_reqs, CONFIG.max_blocks_per_req), np.int32)
     token_ids = rng.integers(1, 1000, (CONFIG.max_num_reqs, CONFIG.max_model_len), dtype=np.int32)
     cache_shape = (CONFIG.num_blocks, CONFIG.block_size, NUM_KV_HEADS, HEAD_SIZE)
-    key_cache, value_cache = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
+    key_cache, value_cache = (torch.zeros(cache_shape, dtype=torch.float64, device=JAX_TORCH_DEVICE) for _ in range(2))
     schedules = []
     while any(r.num_computed < r.total_len for r in requests):
         scheduled = schedule(requests, CONFIG.max_num_batched_tokens)
@@ -93,8 +95,8 @@ def check_step(inputs, requests, scheduled, qkv, expected, key_cache, value_cach
     """Runs one step's paged attention and compares every real token with the dense oracle."""
     num_tokens_padded = inputs.num_tokens_padded
     # padded tokens carry garbage: they must neither be written nor disturb real outputs
-    query = torch.full((num_tokens_padded, NUM_HEADS, HEAD_SIZE), 1e6, dtype=torch.float64)
-    key = torch.full((num_tokens_padded, NUM_KV_HEADS, HEAD_SIZE), 1e6, dtype=torch.float64)
+    query = torch.full((num_tokens_padded, NUM_HEADS, HEAD_SIZE), 1e6, dtype=torch.float64, device=JAX_TORCH_DEVICE)
+    key = torch.full((num_tokens_padded, NUM_KV_HEADS, HEAD_SIZE), 1e6, dtype=torch.float64, device=JAX_TORCH_DEVICE)
     value = key.clone()
     token, owners = 0, []  # the batch: rows with work, in row order (our own bookkeeping, not the bridge's)
     for r in requests:
@@ -105,7 +107,7 @@ def check_step(inputs, requests, scheduled, qkv, expected, key_cache, value_cach
     write_kv_cache(key, value, key_cache, value_cache, inputs.attn_metadata.slot_mapping)
     output = paged_attention(query, key_cache, value_cache, inputs.attn_metadata)
     for token, (row, position) in enumerate(owners):
-        torch.testing.assert_close(output[token], expected[row][position], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(output[token].cpu(), expected[row][position], rtol=1e-9, atol=1e-9)
     assert output[len(owners):].eq(0).all()
 
 

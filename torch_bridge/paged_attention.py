@@ -62,8 +62,8 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     num_queries, num_keys = query.shape[0], keys.shape[0]
     group = query.shape[1] // keys.shape[1]  # grouped-query attention: kv head h serves query heads h*g..
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    query_positions = num_keys - num_queries + torch.arange(num_queries)
-    visible = torch.arange(num_keys)[None, :] <= query_positions[:, None]  # [S, L]
+    query_positions = num_keys - num_queries + torch.arange(num_queries, device=query.device)
+    visible = torch.arange(num_keys, device=query.device)[None, :] <= query_positions[:, None]  # [S, L]
     scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
     weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", weights, values)
