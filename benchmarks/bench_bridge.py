@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
-from jaxprep.examples import sequential_block_table  # noqa: E402
+from jaxprep.walkthrough.examples import sequential_block_table  # noqa: E402
 from jaxprep.state import OPTIONAL_FIELDS  # noqa: E402
 from torch_bridge.step import STRATEGIES  # noqa: E402
 

@@ -16,10 +16,10 @@ from jaxprep.state import BatchState
 from jaxprep.validate import InvalidBatchError, validate
 # optional features (FeatureConfig switches)
 from jaxprep.features import AttnState, DCPConfig, FeatureConfig, KVCacheGroupSpec
-from jaxprep.kv_groups import KVGroupMetadata
-from jaxprep.mrope import qwen2vl_prompt_positions
-from jaxprep.prompt_embeds import PromptEmbedsMetadata
-from jaxprep.spec_decode import SpecDecodeMetadata
+from jaxprep.features.kv_groups import KVGroupMetadata
+from jaxprep.features.mrope import qwen2vl_prompt_positions
+from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
+from jaxprep.features.spec_decode import SpecDecodeMetadata
 
 __all__ = [
     "AttentionMetadata", "BatchState", "CompileCount", "InvalidBatchError", "NULL_BLOCK_ID", "PAD_INPUT_ID",

@@ -3,6 +3,9 @@
 They are written once here and tested as a contract (tests/test_padding_contract.py).
 """
 
+INT32_MAX = 2**31 - 1
+"""Largest int32: the bound of slot ids, pool rows and every other index jaxprep computes."""
+
 PAD_SLOT_ID = -1
 """Slot of a padded token: it writes no KV (vLLM's ``PAD_SLOT_ID``)."""
 

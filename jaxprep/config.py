@@ -6,7 +6,9 @@ import bisect
 import dataclasses
 import math
 
-from jaxprep.features import FeatureConfig, check_positive_int
+from jaxprep._checks import cdiv, check_positive_int
+from jaxprep._constants import INT32_MAX
+from jaxprep.features import FeatureConfig
 
 MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
@@ -15,12 +17,6 @@ STEPS_PER_OCTAVE = 2
 50% (100% below 64 tokens, where a step costs little either way) and by 9-10% on average on
 `jaxprep simulate` traces, with 18 rungs for an 8192-token budget (4 rungs per octave pad 5-10%
 but need 32 compiles; powers of two alone pad 19% once steps spread over a 2048-token budget)."""
-
-INT32_MAX = 2**31 - 1
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def block_table_width(max_model_len: int, block_size: int) -> int:

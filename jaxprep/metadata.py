@@ -15,9 +15,9 @@ import jax
 from jaxprep._typing import Bool, Int32, StepArray
 
 if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
-    from jaxprep.kv_groups import KVGroupMetadata
-    from jaxprep.prompt_embeds import PromptEmbedsMetadata
-    from jaxprep.spec_decode import SpecDecodeMetadata
+    from jaxprep.features.kv_groups import KVGroupMetadata
+    from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
+    from jaxprep.features.spec_decode import SpecDecodeMetadata
 
 
 @jax.tree_util.register_dataclass
@@ -57,7 +57,7 @@ class StepInputs:
     mrope_positions: Int32[StepArray, "3 num_tokens_padded"] | None = None  # §2.11; pad: 0
     prompt_embeds: PromptEmbedsMetadata | None = None  # §2.10
     attn_state: Int32[StepArray, ""] | None = None  # jaxprep.AttnState value (PEERS §2.2)
-    attn_mask: StepArray | None = None  # PEERS §2.3, see jaxprep.masks
+    attn_mask: StepArray | None = None  # PEERS §2.3, see jaxprep.features.masks
     request_distribution: Int32[StepArray, "3"] | None = None  # [decode_end, prefill_end, mixed_end]
 
     @property

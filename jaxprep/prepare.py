@@ -14,13 +14,13 @@ import numpy as np
 from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION,
                                 PAD_STATE_ROW)
 from jaxprep.config import PrepConfig
-from jaxprep.feature_step import StepLayout, with_features
-from jaxprep.masks import compressed_causal_mask
+from jaxprep.features.dispatch import StepLayout, with_features
+from jaxprep.features.masks import compressed_causal_mask
 from jaxprep.metadata import AttentionMetadata, StepInputs
-from jaxprep.layout import batch_layout
+from jaxprep._layout import batch_layout
 from jaxprep._typing import Array, Int32
-from jaxprep.ragged import stack, take_rows, token_mask
-from jaxprep.ragged import slot_mapping as _slot_mapping
+from jaxprep._ragged import stack, take_rows, token_mask
+from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep.state import BatchState
 from jaxprep.validate import validate
 

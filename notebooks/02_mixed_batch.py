@@ -26,7 +26,7 @@
 # | 4 | 0 | 30 | first chunk of a longer prompt: the budget has 200 - 170 = 30 tokens left |
 #
 # Blocks are handed out in order from 1, `cdiv(computed + scheduled, 16)` per request. Token ids are
-# random here (`jaxprep.examples.example_b`). The step is prepared by `jaxprep.prepare_inputs` and
+# random here (`jaxprep.walkthrough.examples.example_b`). The step is prepared by `jaxprep.prepare_inputs` and
 # checked against the NumPy reference; the cells assert SPEC.md's numbers.
 
 # %%
@@ -35,8 +35,8 @@ import dataclasses
 import numpy as np
 
 import jaxprep
-from jaxprep import plotting
-from jaxprep.examples import example_b, example_b_config
+from jaxprep.walkthrough import plotting
+from jaxprep.walkthrough.examples import example_b, example_b_config
 from jaxprep.walkthrough import format_step, kv_cache_view, prepare_record
 
 config = example_b_config()

@@ -26,7 +26,7 @@ import numpy as np
 
 import jaxprep
 from jaxprep.config import block_table_width
-from jaxprep.examples import example_a_config, example_a_step1, example_a_step2, sequential_block_table
+from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, sequential_block_table
 from jaxprep.walkthrough import format_step, prepare_record
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import jaxprep
 import torch_bridge
-from jaxprep import plotting
+from jaxprep.walkthrough import plotting
 from jaxprep.walkthrough import kv_cache_view, run_walkthrough
 from torch_bridge.paged_attention import paged_attention, write_kv_cache
 

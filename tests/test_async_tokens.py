@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, PrepConfig, prepare_padded, validate
-from jaxprep.async_tokens import prev_batch_rows_from_step
+from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.reference import prepare_reference
-from jaxprep.reference_spec import async_input_ids_reference
+from jaxprep.reference.requests import async_input_ids_reference
 
 from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step
 

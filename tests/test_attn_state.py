@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import AttnState, FeatureConfig, PrepConfig
-from jaxprep.reference_spec import attn_state_reference
+from jaxprep.reference.requests import attn_state_reference
 
 from feature_batches import RUN_MODES, batch_rows, feature_batches, run_step
 

@@ -28,7 +28,7 @@ import pytest
 
 import jaxprep
 from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_padded
-from jaxprep import ragged
+from jaxprep import _ragged as ragged
 from jaxprep.host import prepare_packed
 from jaxprep.serving import KVCache, ModelConfig, ServingConfig, ServingState, init_params
 from jaxprep.serving import sharded, step, transitions, workload
@@ -103,7 +103,7 @@ def _bridge_cases():
     pytest.importorskip("torch")
     from torch_bridge.npu import NPU_SPEC, fia_layout
     from torch_bridge.packing import pack
-    from torch_bridge.step import bridge_inputs
+    from torch_bridge.inputs import bridge_inputs
 
     config = dataclasses.replace(SMALL, features=ALL_FEATURES)
     arrays, pack_spec, features = bridge_inputs(prepare_padded(BatchState.empty(config), config, 32), NPU_SPEC)

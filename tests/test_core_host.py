@@ -7,7 +7,7 @@ import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
 from jaxprep.host import packed_offsets, prepare_to_host
-from jaxprep.ragged import F32_EXACT_BOUND, prefix_sum
+from jaxprep._ragged import F32_EXACT_BOUND, prefix_sum
 
 from batches import numpy_batches
 from expect import assert_step_matches_reference, step_fields

@@ -5,7 +5,7 @@ import pytest
 
 import jaxprep
 from jaxprep import BatchState, prepare_padded
-from jaxprep.examples import example_b, example_b_config
+from jaxprep.walkthrough.examples import example_b, example_b_config
 
 
 def test_padding_constants_have_vllm_values():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxprep import BatchState, InvalidBatchError, PrepConfig, prepare_inputs, validate
-from jaxprep.examples import example_a_config, example_a_step2
+from jaxprep.walkthrough.examples import example_a_config, example_a_step2
 
 CONFIG = example_a_config()  # B=2, M=12, budget 10, 3 rows
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxprep import BatchState, prepare_inputs, prepare_padded
-from jaxprep.examples import (example_a_config, example_a_step1, example_a_step2, example_b, example_b_config)
+from jaxprep.walkthrough.examples import (example_a_config, example_a_step1, example_a_step2, example_b, example_b_config)
 from jaxprep.reference import prepare_reference
 
 

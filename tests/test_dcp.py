@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import BatchState, DCPConfig, FeatureConfig, InvalidBatchError, KVCacheGroupSpec, PrepConfig, validate
-from jaxprep.reference_kv import dcp_local_seq_lens_reference, dcp_slot_mapping_reference
+from jaxprep.reference.kv_cache import dcp_local_seq_lens_reference, dcp_slot_mapping_reference
 
 from feature_batches import RUN_MODES, batch_rows, block_table, feature_batches, pad, run_step
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jaxprep import (BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, count_compiles,
                      prepare_padded)
 from jaxprep.config import block_table_width
-from jaxprep.examples import example_a_config, example_a_step2
+from jaxprep.walkthrough.examples import example_a_config, example_a_step2
 from jaxprep.state import OPTIONAL_FIELDS
 
 from feature_batches import block_table, feature_batches, run_step

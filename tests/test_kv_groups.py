@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, KVCacheGroupSpec, PrepConfig, validate
 from jaxprep.config import block_table_width
-from jaxprep.examples import example_a_config, example_a_step2
+from jaxprep.walkthrough.examples import example_a_config, example_a_step2
 from jaxprep.reference import prepare_reference
-from jaxprep.reference_kv import kernel_block_table_reference, sliding_window_reference
+from jaxprep.reference.kv_cache import kernel_block_table_reference, sliding_window_reference
 
 from feature_batches import RUN_MODES, batch_rows, block_table, feature_batches, pad, run_step
 

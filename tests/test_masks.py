@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, PrepConfig, prepare_padded, validate
-from jaxprep.examples import example_a_config, example_a_step2
-from jaxprep.masks import BF16_MASK_VALUE, COMPRESSED_MASK_SIZE
-from jaxprep.reference_kv import row_mask_reference
+from jaxprep.walkthrough.examples import example_a_config, example_a_step2
+from jaxprep.features.masks import BF16_MASK_VALUE, COMPRESSED_MASK_SIZE
+from jaxprep.reference.tokens import row_mask_reference
 
 from feature_batches import RUN_MODES, feature_batches, run_step
 

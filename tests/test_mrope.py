@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, PrepConfig, qwen2vl_prompt_positions, validate
-from jaxprep.reference_kv import mrope_reference, qwen2vl_positions_reference
+from jaxprep.reference.tokens import mrope_reference, qwen2vl_positions_reference
 
 from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step
 

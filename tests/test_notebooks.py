@@ -65,7 +65,7 @@ def test_docs_figure_script_draws_a_png(tmp_path):
 def test_plotting_names_the_extra_without_matplotlib(monkeypatch):
     import sys
 
-    from jaxprep import plotting
+    from jaxprep.walkthrough import plotting
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"jaxprep\[notebooks\]"):
@@ -74,7 +74,7 @@ def test_plotting_names_the_extra_without_matplotlib(monkeypatch):
 
 def test_plot_step_draws_four_panels():
     pytest.importorskip("matplotlib")
-    from jaxprep import plotting
+    from jaxprep.walkthrough import plotting
     from jaxprep.walkthrough import run_walkthrough
 
     figure = plotting.plot_step(run_walkthrough(max_steps=1)[0])

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, PrepConfig, validate
 from jaxprep.reference import prepare_reference
-from jaxprep.reference_kv import prompt_embeds_reference
+from jaxprep.reference.tokens import prompt_embeds_reference
 
 from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step
 

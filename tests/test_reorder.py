@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import FeatureConfig, PrepConfig
-from jaxprep.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config
+from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config
 from jaxprep.reference import pad_reference
-from jaxprep.reference_spec import (batch_order_reference, prepare_reference_ordered,
+from jaxprep.reference.requests import (batch_order_reference, prepare_reference_ordered,
                                     request_distribution_reference)
 
 from feature_batches import RUN_MODES, feature_batches, run_step

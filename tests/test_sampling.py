@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, PrepConfig, validate
-from jaxprep.examples import example_a_config, example_a_step1
-from jaxprep.reference_spec import discard_request_mask_reference
+from jaxprep.walkthrough.examples import example_a_config, example_a_step1
+from jaxprep.reference.requests import discard_request_mask_reference
 
 from feature_batches import RUN_MODES, batch_rows, feature_batches, pad, run_step
 

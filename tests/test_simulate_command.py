@@ -22,7 +22,7 @@ def run_jaxprep(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_simulate_is_the_default_command():
-    assert cli.COMMANDS["simulate"] == "jaxprep.commands.simulate"
+    assert cli.COMMANDS["simulate"] == "jaxprep.cli.simulate"
     assert cli.DEFAULT_COMMAND == "simulate"
 
 

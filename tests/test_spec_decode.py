@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import BatchState, FeatureConfig, InvalidBatchError, PrepConfig, validate
-from jaxprep.examples import example_a_config, example_a_step2, sequential_block_table
+from jaxprep.walkthrough.examples import example_a_config, example_a_step2, sequential_block_table
 from jaxprep.reference import prepare_reference
-from jaxprep.reference_spec import spec_decode_reference
-from jaxprep.spec_decode import padded_sizes
+from jaxprep.reference.requests import spec_decode_reference
+from jaxprep.features.spec_decode import padded_sizes
 
 from feature_batches import RUN_MODES, feature_batches, pad, run_step
 

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
-from jaxprep.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config  # noqa: E402
+from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
 from bridge_checks import JAX_TORCH_DEVICE, assert_views_of  # noqa: E402

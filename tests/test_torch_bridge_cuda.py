@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
-from jaxprep.examples import example_b, example_b_config  # noqa: E402
+from jaxprep.walkthrough.examples import example_b, example_b_config  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",

@@ -18,11 +18,11 @@ import torch_bridge  # noqa: E402
 from jaxprep import DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig  # noqa: E402
 from jaxprep.config import block_table_width  # noqa: E402
 from jaxprep.reference import prepare_reference  # noqa: E402
-from jaxprep.reference_kv import (dcp_local_seq_lens_reference, dcp_slot_mapping_reference,  # noqa: E402
-                                  kernel_block_table_reference, mrope_reference, prompt_embeds_reference,
-                                  sliding_window_reference)
-from jaxprep.reference_spec import (discard_request_mask_reference, request_distribution_reference,  # noqa: E402
-                                    spec_decode_reference)
+from jaxprep.reference.kv_cache import (dcp_local_seq_lens_reference, dcp_slot_mapping_reference,  # noqa: E402
+                                        kernel_block_table_reference, sliding_window_reference)
+from jaxprep.reference.requests import (discard_request_mask_reference, request_distribution_reference,  # noqa: E402
+                                        spec_decode_reference)
+from jaxprep.reference.tokens import mrope_reference, prompt_embeds_reference  # noqa: E402
 
 from bridge_checks import assert_views_of  # noqa: E402
 from fake_npu import fake_npu  # noqa: E402, F401  (the fixture)

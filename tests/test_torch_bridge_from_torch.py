@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
-from jaxprep.examples import example_a_step1  # noqa: E402
+from jaxprep.walkthrough.examples import example_a_step1  # noqa: E402
 
 
 def test_aligned_int32_is_shared_not_copied():

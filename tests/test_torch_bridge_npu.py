@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
-from jaxprep.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config  # noqa: E402
-from jaxprep.examples import sequential_block_table  # noqa: E402
+from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config  # noqa: E402
+from jaxprep.walkthrough.examples import sequential_block_table  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
 from fake_npu import fake_npu  # noqa: E402, F401  (the fixture)

@@ -84,7 +84,7 @@ def test_bad_options_are_rejected(kwargs, message):
 
 
 def test_command_is_registered_and_simulate_stays_default():
-    assert cli.COMMANDS["walkthrough"] == "jaxprep.commands.walkthrough"
+    assert cli.COMMANDS["walkthrough"] == "jaxprep.cli.walkthrough"
     assert cli.DEFAULT_COMMAND == "simulate"
 
 

@@ -12,9 +12,10 @@ Needs the ``torch`` extra (``pip install jaxprep[torch]``); the NPU path needs `
 
 from torch_bridge._torch import torch  # noqa: F401  (fails first, with the extra to install)
 from torch_bridge.dlpack import from_torch, jax_to_torch
-from torch_bridge.npu import FIA_PAD_SEQ_LEN, NpuAttentionMetadata, fia_layout, to_npu
 from torch_bridge.features import TorchGroupMetadata
-from torch_bridge.step import TorchAttentionMetadata, TorchStepInputs, step_arrays, to_torch
+from torch_bridge.inputs import TorchAttentionMetadata, TorchStepInputs, step_arrays
+from torch_bridge.npu import FIA_PAD_SEQ_LEN, NpuAttentionMetadata, fia_layout, to_npu
+from torch_bridge.step import to_torch
 
 __all__ = [
     "FIA_PAD_SEQ_LEN", "NpuAttentionMetadata", "TorchAttentionMetadata", "TorchGroupMetadata", "TorchStepInputs",

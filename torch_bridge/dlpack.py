@@ -26,7 +26,7 @@ def jax_to_torch(array: jax.Array, name: str = "array") -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory. The tensor keeps the buffer alive.
 
     While torch holds it, PJRT sees an external reference and will not reuse the buffer for a
-    donated argument (see `torch_bridge.step`, *Lifetime*).
+    donated argument (see `torch_bridge.inputs`, *Lifetime*).
     """
     if array.is_deleted():
         raise ValueError(f"{name} was deleted (donated to a jitted update?) before it reached torch")

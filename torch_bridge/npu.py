@@ -30,7 +30,7 @@ from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._typing import Array
 from torch_bridge._torch import device_type, import_torch_npu
 from torch_bridge.packing import INT32, INT64
-from torch_bridge.step import HOST_MIRRORED, SCALARS, TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs
+from torch_bridge.inputs import HOST_MIRRORED, SCALARS, TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs
 from torch_bridge.transfer import PackSpec, bridge_packed
 
 FIA_PAD_SEQ_LEN = 1

@@ -1,30 +1,16 @@
 """`to_torch`: a prepared `jaxprep.StepInputs` as torch tensors under vLLM's names and dtypes.
 
-Lifetime: every tensor shares memory with a JAX array through DLPack and holds a reference to it
-(so does `TorchStepInputs.jax_buffers`). A step's arrays are outputs of `prepare_inputs`: they
-never alias the `BatchState` they came from, so updating and donating that state leaves the
-tensors as they were. While torch holds a tensor, PJRT sees an external reference on its buffer
-and will not hand the buffer to a donated argument: on the CPU it copies instead, on CUDA the call
-fails ("Donation requested for buffer with external reference"). With the default packed strategy
-the shared buffer is internal to the bridge, so no caller can donate it at all. Do not donate a
-step's arrays while torch still reads them.
+The tensors share memory with the step's JAX arrays (see `torch_bridge.inputs`, *Lifetime*);
+``device="npu"`` goes through `torch_bridge.npu.to_npu`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-import jax
-
-from torch_bridge._torch import device_type, torch
-from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
+from torch_bridge._torch import device_type
+from torch_bridge.inputs import HOST_MIRRORED, SCALARS, TorchStepInputs, assemble, bridge_inputs
+from torch_bridge.npu import to_npu
 from torch_bridge.packing import INT32, INT64
-from torch_bridge.transfer import (Bridged, PackSpec, bridge_packed, bridge_per_field, check_live, convert_leaf,
-                                   with_fields)
-
-SCALARS = ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len")
-HOST_MIRRORED = ("query_start_loc", "seq_lens")
+from torch_bridge.transfer import PackSpec, bridge_packed, bridge_per_field
 
 # positions and slot_mapping are int64 in vLLM's CUDA/CPU runners
 STEP_SPEC = PackSpec(
@@ -37,75 +23,6 @@ DEFAULT_STRATEGY = "packed"
 """The faster one on a 2-core CPU host (benchmarks/bench_bridge.py): see README, torch_bridge."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TorchAttentionMetadata:
-    """vLLM's ``CommonAttentionMetadata`` fields, as torch tensors and Python ints."""
-
-    query_start_loc: torch.Tensor  # [num_reqs_padded + 1] int32; pad repeats num_actual_tokens
-    query_start_loc_cpu: torch.Tensor  # host mirror of query_start_loc
-    seq_lens: torch.Tensor  # [num_reqs_padded] int32; pad 0
-    seq_lens_cpu: torch.Tensor  # host mirror of seq_lens
-    num_reqs: int  # requests in the batch, unpadded
-    num_actual_tokens: int  # scheduled tokens, unpadded
-    max_query_len: int
-    max_seq_len: int
-    block_table_tensor: torch.Tensor  # [num_reqs_padded, max_blocks_per_req] int32; pad rows 0
-    slot_mapping: torch.Tensor  # [num_tokens_padded] int64 (int32 on the NPU); pad -1
-    causal: bool = True
-    attn_state: Any = None  # from jaxprep's attention-state function, passed through
-    attn_mask: torch.Tensor | None = None  # likewise
-    dcp_local_seq_lens: torch.Tensor | None = None  # [num_reqs_padded] int32, DCP only; pad 0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TorchStepInputs:
-    """Model inputs of one step on the torch side; the optional features are None when off."""
-
-    input_ids: torch.Tensor  # [num_tokens_padded] int32; pad 0
-    positions: torch.Tensor  # [num_tokens_padded] int64; pad 0
-    logits_indices: torch.Tensor  # [num_reqs_padded] int32; pad 0
-    idx_mapping: torch.Tensor  # [num_reqs_padded] int32; pad -1
-    attn_metadata: TorchAttentionMetadata
-    num_tokens_padded: int
-    spec_decode: Any = None  # the step's SpecDecodeMetadata with int32 torch leaves
-    discard_request_mask: torch.Tensor | None = None  # [num_reqs_padded] bool; pad True
-    kv_groups: tuple[TorchGroupMetadata, ...] | None = None  # one per KV-cache group
-    mrope_positions: torch.Tensor | None = None  # [3, num_tokens_padded] int64; pad 0
-    prompt_embeds: Any = None  # the step's PromptEmbedsMetadata with torch leaves (bool, int32)
-    request_distribution: torch.Tensor | None = None  # [3] int32: decode_end, prefill_end, mixed_end
-    jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
-
-    def group_attn_metadata(self, group: int) -> TorchAttentionMetadata:
-        """The attention metadata that layers of KV-cache group ``group`` read (vLLM builds one
-        ``CommonAttentionMetadata`` per group): the step's, with that group's block table and slots."""
-        if self.kv_groups is None:
-            raise ValueError("the step has no KV-cache groups (FeatureConfig.kv_groups is off)")
-        chosen = self.kv_groups[group]
-        return dataclasses.replace(self.attn_metadata, block_table_tensor=chosen.block_table_tensor,
-                                   slot_mapping=chosen.slot_mapping)
-
-
-def step_arrays(step_inputs) -> dict[str, jax.Array]:
-    """The step's arrays under vLLM's names (``block_table`` becomes ``block_table_tensor``)."""
-    meta = step_inputs.attn_metadata
-    arrays = {name: getattr(step_inputs, name) for name in ("input_ids", "positions", "logits_indices", "idx_mapping")}
-    arrays.update({name: getattr(meta, name) for name in ("query_start_loc", "seq_lens", "slot_mapping") + SCALARS})
-    arrays["block_table_tensor"] = meta.block_table
-    check_live(arrays)
-    return arrays
-
-
-def bridge_inputs(step_inputs, pack_spec: PackSpec) -> tuple[dict[str, jax.Array], PackSpec, FeatureFields]:
-    """Every array the bridge moves (`step_arrays` and the features'), the spec that carries them,
-    and the features' structure. Group slot mappings take the kind of ``slot_mapping``."""
-    arrays = step_arrays(step_inputs)
-    features = feature_fields(step_inputs, slot_kind=pack_spec.slot_kind)
-    if not features.spec:
-        return arrays, pack_spec, features
-    check_live(features.arrays)
-    return {**arrays, **features.arrays}, with_fields(pack_spec, features.spec), features
-
-
 def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn_state=None,
              attn_mask=None) -> TorchStepInputs:
     """The step as torch tensors on ``device`` (default: where its JAX arrays live).
@@ -115,41 +32,9 @@ def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn
     override the step's own attributes of those names, if it has any.
     """
     if device_type(device) == "npu":
-        from torch_bridge.npu import to_npu
-
         return to_npu(step_inputs, device, attn_state=attn_state, attn_mask=attn_mask)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
     arrays, pack_spec, features = bridge_inputs(step_inputs, STEP_SPEC)
     bridged = STRATEGIES[strategy](arrays, pack_spec, device)
     return assemble(step_inputs, bridged, features, device, attn_state=attn_state, attn_mask=attn_mask)
-
-
-def assemble(step_inputs, bridged: Bridged, features: FeatureFields, device, *, attn_state, attn_mask,
-             metadata_cls=TorchAttentionMetadata, **metadata_extras) -> TorchStepInputs:
-    """Builds `TorchStepInputs` from bridged tensors, with the step's optional features rebuilt."""
-    tensors, host = bridged.device, bridged.host
-    attn_state = _feature(step_inputs, "attn_state", attn_state)
-    attn_mask = _feature(step_inputs, "attn_mask", attn_mask)
-    step_features = torch_features(features, tensors, device)
-    metadata_features = {name: step_features.pop(name, None) for name in METADATA_FEATURES}
-    metadata = metadata_cls(
-        query_start_loc=tensors["query_start_loc"], query_start_loc_cpu=host["query_start_loc"],
-        seq_lens=tensors["seq_lens"], seq_lens_cpu=host["seq_lens"],
-        block_table_tensor=tensors["block_table_tensor"], slot_mapping=tensors["slot_mapping"],
-        attn_state=int(attn_state) if isinstance(attn_state, jax.Array) else attn_state,
-        attn_mask=None if attn_mask is None else convert_leaf(attn_mask, device),
-        **metadata_features, **bridged.scalars, **metadata_extras)
-    return TorchStepInputs(
-        input_ids=tensors["input_ids"], positions=tensors["positions"],
-        logits_indices=tensors["logits_indices"], idx_mapping=tensors["idx_mapping"],
-        attn_metadata=metadata, num_tokens_padded=step_inputs.num_tokens_padded,
-        jax_buffers=bridged.jax_buffers, **step_features)
-
-
-def _feature(step_inputs, name: str, given):
-    """An explicit argument wins over the step's own attribute (or its attn_metadata's)."""
-    if given is not None:
-        return given
-    found = getattr(step_inputs, name, None)
-    return getattr(step_inputs.attn_metadata, name, None) if found is None else found

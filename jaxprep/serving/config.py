@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxprep.config import PrepConfig, cdiv
-from jaxprep.features import check_positive_int
+from jaxprep._checks import check_positive_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep.metadata import StepInputs
-from jaxprep.ragged import token_request_index
+from jaxprep._ragged import token_request_index
 
 MODEL_SCOPE = "model"
 """Named scope of the model's own float products (exempt from the index-math precision test)."""

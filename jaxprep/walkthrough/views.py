@@ -1,6 +1,6 @@
 """What a step looks like as small arrays: token-table cells, KV-cache slots, the attention pattern.
 
-Shared by the terminal tables (`jaxprep.walkthrough.text`) and the pictures (`jaxprep.plotting`).
+Shared by the terminal tables (`jaxprep.walkthrough.text`) and the pictures (`jaxprep.walkthrough.plotting`).
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxprep._typing import Array, Bool, Int32
 
+from jaxprep._checks import check_row_bound
+
 COMPRESSED_MASK_SIZE = 2048
 """Side of the compressed causal mask that FIA ``sparse_mode=3`` maps real positions onto."""
 
@@ -71,3 +73,10 @@ def attn_mask(positions: Int32[Array, "num_tokens_padded"], form: str, columns: 
     if form == "rows_additive":
         return row_mask_additive(positions, columns, dtype_name)
     return None
+
+
+def check_row_mask_columns(computed, scheduled, columns: int) -> None:
+    """Host check: every row with work fits the row mask's ``columns`` (``mask_kv_len``)."""
+    seq_lens = np.where(scheduled > 0, computed + scheduled, 0)
+    check_row_bound(seq_lens > columns, "num_computed_tokens + num_scheduled_tokens", seq_lens,
+                    f"the row mask's FeatureConfig.mask_kv_len={columns} columns")

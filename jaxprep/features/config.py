@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jaxprep._checks import check_positive_int
+
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
 REORDER_MODES = (None, "decode_first", "v2")
@@ -169,12 +171,6 @@ class FeatureConfig:
     def mask_columns(self, config) -> int:
         """Columns of a row mask: ``mask_kv_len`` or ``max_model_len``."""
         return self.mask_kv_len or config.max_model_len
-
-
-def check_positive_int(name: str, value) -> None:
-    """Raises ValueError naming ``name`` unless ``value`` is an int (not a bool) above 0."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_choice(name: str, value, choices) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxprep._typing import Array, Bool, Int32
 
-from jaxprep.features import AttnState, FeatureConfig
+from jaxprep.features.config import AttnState, FeatureConfig
 
 
 def attn_state(computed: Int32[Array, "num_reqs_padded"], scheduled: Int32[Array, "num_reqs_padded"],

@@ -1,4 +1,4 @@
-"""The ``jaxprep`` console script: one subcommand per module of `jaxprep.commands`.
+"""The ``jaxprep`` console script: one subcommand per module of this package.
 
 Performance switches that are process-wide (XLA's CPU thread count, async dispatch) are set here,
 for the command-line process only, never by the library on import.
@@ -13,9 +13,9 @@ import sys
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int
 COMMANDS = {
-    "demo": "jaxprep.commands.demo",
-    "simulate": "jaxprep.commands.simulate",
-    "walkthrough": "jaxprep.commands.walkthrough",
+    "demo": "jaxprep.cli.demo",
+    "simulate": "jaxprep.cli.simulate",
+    "walkthrough": "jaxprep.cli.walkthrough",
 }
 DEFAULT_COMMAND = "simulate"
 

@@ -13,10 +13,12 @@ For a request sampled last step at batch row ``prev`` and now at batch row ``b``
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jaxprep._typing import Array, Bool, Int32
 
+from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import NO_PREV_ROW, PAD_INPUT_ID, PAD_STATE_ROW
-from jaxprep.ragged import take_rows
+from jaxprep._ragged import take_rows
 
 
 def write_prev_tokens(input_ids: Int32[Array, "num_tokens_padded"], rows: Int32[Array, "num_reqs_padded"],
@@ -62,3 +64,12 @@ def prev_batch_rows_from_step(idx_mapping: Int32[Array, "num_reqs_padded"],
     target = jnp.where(sampled, idx_mapping, max_num_reqs)
     batch_rows = jnp.arange(idx_mapping.shape[0], dtype=jnp.int32)
     return jnp.full((max_num_reqs,), NO_PREV_ROW, jnp.int32).at[target].set(batch_rows, mode="drop")
+
+
+def check_prev_batch_rows(prev, in_batch, max_num_reqs: int) -> None:
+    """Host check of `BatchState.prev_batch_rows`: in range, and no last-step row claimed twice."""
+    check_row_bound((prev < NO_PREV_ROW) | (prev >= max_num_reqs), "prev_batch_rows", prev,
+                    f"[{NO_PREV_ROW}, max_num_reqs={max_num_reqs})", relation="is outside")
+    used = prev[in_batch & (prev >= 0)]
+    if len(np.unique(used)) != len(used):
+        raise InvalidBatchError(f"prev_batch_rows maps two scheduled rows to one last-step batch row: {used.tolist()}")

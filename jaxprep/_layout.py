@@ -13,8 +13,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxprep._typing import Array, Bool, Int32
 
-from jaxprep.ragged import prefix_sum, stack, take_rows, token_request_index
-from jaxprep.reorder import reordered_rows
+from jaxprep._ragged import prefix_sum, stack, take_rows, token_request_index
+from jaxprep.features.reorder import reordered_rows
 
 
 class Layout(NamedTuple):

@@ -16,10 +16,12 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxprep._typing import Array, Int32, StepArray
 
-from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep.features import KVCacheGroupSpec
+from jaxprep._checks import InvalidBatchError, cdiv, check_blocks
+from jaxprep._constants import INT32_MAX, NULL_BLOCK_ID
+from jaxprep.features.config import KVCacheGroupSpec
 
 
 @jax.tree_util.register_dataclass
@@ -65,3 +67,28 @@ def group_block_table(gathered: Int32[Array, "num_reqs_padded W"], computed: Int
     if spec.sliding_window is not None:
         gathered = sliding_window_null(gathered, computed, spec.sliding_window, spec.block_size)
     return kernel_block_table(gathered, spec.blocks_per_kernel_block)
+
+
+def check_extra_table_shapes(tables: tuple, config) -> None:
+    """Host check of `BatchState.extra_block_tables`: one table per group 1..G-1, each wide enough."""
+    groups = config.features.kv_groups
+    if groups and len(tables) != len(groups) - 1:
+        raise InvalidBatchError(f"BatchState.extra_block_tables has {len(tables)} tables, FeatureConfig.kv_groups "
+                                f"needs {len(groups) - 1} (groups 1..{len(groups) - 1})")
+    for g, table in enumerate(tables, start=1):
+        min_width = cdiv(config.max_model_len, groups[g].block_size) if groups else 1
+        if table.ndim != 2 or table.shape[0] != config.max_num_reqs or table.shape[1] < min_width:
+            raise InvalidBatchError(f"BatchState.extra_block_tables[{g - 1}] (group {g}) has shape {table.shape}, "
+                                    f"config expects ({config.max_num_reqs}, W) with W >= {min_width}")
+        if table.dtype != np.int32:
+            raise InvalidBatchError(f"BatchState.extra_block_tables[{g - 1}] has dtype {table.dtype}, expected int32")
+
+
+def check_group_blocks(host: dict, computed, scheduled, config) -> None:
+    """The block checks of `jaxprep.validate` on the tables of KV groups 1..G-1, with their block sizes."""
+    groups = config.features.kv_groups
+    for g, table in enumerate(host.get("extra_block_tables", ()) if groups else (), start=1):
+        spec = groups[g]
+        max_block_id = spec.num_blocks - 1 if spec.num_blocks is not None else INT32_MAX // spec.block_size - 1
+        check_blocks(table, computed, scheduled, spec.block_size, max_block_id,
+                     dcp_world=config.features.dcp_world_size, name=f"extra_block_tables[{g - 1}]")

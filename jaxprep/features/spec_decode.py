@@ -15,10 +15,12 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxprep._typing import Array, Bool, Int32, StepArray
 
+from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
-from jaxprep.ragged import token_request_index
+from jaxprep._ragged import token_request_index
 
 
 @jax.tree_util.register_dataclass
@@ -102,3 +104,23 @@ def spec_decode_metadata(num_draft_tokens: Int32[Array, "num_reqs_padded"],
         draft_token_ids=draft_token_ids,
         max_spec_len=jnp.max(drafts),
     )
+
+
+def check_drafts(drafts, computed, scheduled, config) -> None:
+    """Host check of `BatchState.num_draft_tokens`: ``0 <= D <= K``, ``S >= D + 1`` and the drafts
+    inside the token table, on every row with work."""
+    k = config.features.num_speculative_tokens
+    in_batch = scheduled > 0
+    check_row_bound(drafts < 0, "num_draft_tokens", drafts, "0 (counts are non-negative)", relation="is below")
+    check_row_bound(in_batch & (drafts > k), "num_draft_tokens", drafts, f"num_speculative_tokens={k}")
+    short = in_batch & (scheduled < drafts + 1)
+    if short.any():
+        row = int(np.flatnonzero(short)[0])
+        raise InvalidBatchError(f"num_scheduled_tokens at row {row} is {int(scheduled[row])}, below num_draft_tokens "
+                                f"+ 1 = {int(drafts[row]) + 1}: a row schedules its drafts and at least one token "
+                                f"before them")
+    past = in_batch & (drafts > 0) & (computed + scheduled > config.max_model_len)
+    if past.any():
+        row = int(np.flatnonzero(past)[0])
+        raise InvalidBatchError(f"the drafts of row {row} reach position {int(computed[row] + scheduled[row]) - 1}, "
+                                f"past the token table (max_model_len={config.max_model_len})")

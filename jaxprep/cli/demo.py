@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxprep import BatchState, prepare_inputs
-    from jaxprep.examples import example_a_config, example_a_step1, example_a_step2
+    from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2
 
     config = example_a_config()
     print(f"config: {config}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxprep._typing import Array, Bool, Int32
 
-from jaxprep.features import FeatureConfig
+from jaxprep.features.config import FeatureConfig
 
 _NOT_IN_BATCH = 3
 """Primary sort key of rows without work: after every real request."""

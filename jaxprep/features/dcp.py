@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._constants import PAD_SEQ_LEN, PAD_SLOT_ID
-from jaxprep.features import DCPConfig
+from jaxprep.features.config import DCPConfig
 
 
 def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: Int32[Array, "num_tokens_padded"],

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxprep._typing import Array, Bool, Int32
 
-from jaxprep._constants import PAD_POSITION
-from jaxprep.features import MROPE_NUM_DIMS
+from jaxprep._checks import InvalidBatchError
+from jaxprep._constants import MROPE_MISSING_POSITION, PAD_POSITION
+from jaxprep.features.config import MROPE_NUM_DIMS
 
 
 def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len"],
@@ -80,3 +81,15 @@ def _feature_positions(segment, spatial_merge_size: int, tokens_per_second: floa
                                          np.arange(w // spatial_merge_size), indexing="ij")
     temporal = np.array([math.floor(i * time_scale) for i in grid_t.ravel()], np.int64)
     return np.stack([temporal, grid_h.ravel(), grid_w.ravel()])
+
+
+def check_prompt_positions(table: np.ndarray, prompt, computed, scheduled) -> None:
+    """Host check: the prompt columns a step reads (``[C, min(C + S, P))``) are filled on every row."""
+    columns = np.arange(table.shape[2])
+    read = ((scheduled > 0)[:, None] & (columns[None, :] >= computed[:, None])
+            & (columns[None, :] < np.minimum(computed + scheduled, prompt)[:, None]))
+    missing = read & (table == MROPE_MISSING_POSITION).any(axis=1)
+    if missing.any():
+        row, column = (int(i[0]) for i in np.nonzero(missing))
+        raise InvalidBatchError(f"mrope_positions[{row}, :, {column}] is missing ({MROPE_MISSING_POSITION}), but row "
+                                f"{row} schedules prompt position {column}: fill its prompt positions (text-only: arange)")

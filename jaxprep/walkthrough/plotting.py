@@ -29,7 +29,7 @@ def _matplotlib():
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise ImportError("jaxprep.plotting needs matplotlib: pip install 'jaxprep[notebooks]'") from error
+        raise ImportError("jaxprep.walkthrough.plotting needs matplotlib: pip install 'jaxprep[notebooks]'") from error
     return matplotlib, Figure
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep.features import AttnState
-from jaxprep.reference import prepare_reference
+from jaxprep.reference.core import prepare_reference
 
 
 def batched_arange(counts) -> np.ndarray:

@@ -1,0 +1,60 @@
+"""Host-side helpers shared by the configs, `jaxprep.validate` and the features' input checks.
+
+A private module with no jaxprep imports but `_constants`, so the core validation and every
+feature module can import it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxprep._constants import NULL_BLOCK_ID
+
+
+class InvalidBatchError(ValueError):
+    """A batch state, or a step request, breaks a bound of the configuration."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_positive_int(name: str, value) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is an int (not a bool) above 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_row_bound(bad: np.ndarray, name: str, values: np.ndarray, bound: str, relation: str = "exceeds"):
+    """Raises `InvalidBatchError` naming the first row where ``bad`` holds, its value and the bound."""
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise InvalidBatchError(f"{name} at row {row} is {int(values[row])}, which {relation} {bound}")
+
+
+def check_blocks(block_table: np.ndarray, computed: np.ndarray, scheduled: np.ndarray, block_size: int,
+                 max_block_id: int, *, dcp_world: int = 1, name: str = "block_table") -> None:
+    """Columns that hold scheduled tokens must be allocated; columns a request uses must be in range.
+
+    With DCP a column is a virtual block of ``block_size * dcp_world`` tokens (SPEC §2.13).
+    """
+    tokens_per_column = block_size * dcp_world
+    columns = np.arange(block_table.shape[1])
+    seq_lens = computed + scheduled
+    in_batch = scheduled > 0
+    num_used_blocks = -(-seq_lens // tokens_per_column)
+    used = in_batch[:, None] & (columns[None, :] < num_used_blocks[:, None])
+    first_new = computed // tokens_per_column
+    scheduled_cols = used & (columns[None, :] >= first_new[:, None])
+    null = scheduled_cols & (block_table == NULL_BLOCK_ID)
+    if null.any():
+        row, col = (int(i[0]) for i in np.nonzero(null))
+        raise InvalidBatchError(
+            f"{name}[{row}, {col}] is the null block {NULL_BLOCK_ID}, but row {row} schedules tokens "
+            f"{int(computed[row])}..{int(seq_lens[row]) - 1} in blocks {int(first_new[row])}.."
+            f"{cdiv(int(seq_lens[row]), tokens_per_column) - 1}: allocate its blocks first")
+    out_of_range = used & ((block_table < 0) | (block_table > max_block_id))
+    if out_of_range.any():
+        row, col = (int(i[0]) for i in np.nonzero(out_of_range))
+        raise InvalidBatchError(f"{name}[{row}, {col}] = {int(block_table[row, col])} is outside the block ids "
+                                f"[{NULL_BLOCK_ID}, max_block_id={max_block_id}]")

@@ -1,1 +1,0 @@
-"""Subcommands of the ``jaxprep`` console script (registered in `jaxprep.cli.COMMANDS`)."""

@@ -1,0 +1,88 @@
+"""Host-side checks of the feature inputs of a `BatchState` (called by `jaxprep.validate`).
+
+Each feature that ``config.features`` turns on needs its `BatchState` fields; every field that
+is set must have its shape and dtype (checked here). Values are checked against the bounds vLLM
+asserts or leaves to its scheduler (SPEC §6) by each feature's own module: drafts fit the scheduled
+tokens and the token table (`spec_decode`), M-RoPE prompt positions are filled for the tokens read
+(`mrope`), last-step rows are in range (`async_tokens`), ...
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxprep._checks import InvalidBatchError, check_row_bound
+from jaxprep.features import async_tokens, kv_groups, masks, mrope, prompt_embeds, spec_decode
+from jaxprep.features.config import MROPE_NUM_DIMS
+
+
+def required_fields(features) -> dict[str, str]:
+    """Field -> the switch that needs it, for every feature that is on."""
+    needs = {}
+    if features.spec_decode:
+        needs["num_draft_tokens"] = f"num_speculative_tokens={features.num_speculative_tokens}"
+    for switch in ("discard_request_mask", "mrope"):
+        if getattr(features, switch):
+            needs["num_prompt_tokens"] = switch
+    if len(features.kv_groups) > 1:
+        needs["extra_block_tables"] = f"kv_groups (G={len(features.kv_groups)})"
+    if features.mrope:
+        needs.update(mrope_positions="mrope", mrope_position_delta="mrope")
+    if features.prompt_embeds:
+        needs.update(is_token_ids="prompt_embeds", prompt_embeds_start="prompt_embeds")
+    if features.async_tokens:
+        needs.update(prev_sampled_token_ids="async_tokens", prev_batch_rows="async_tokens")
+        if features.spec_decode:
+            needs["prev_draft_token_ids"] = "async_tokens with spec decode"
+    return needs
+
+
+def check_feature_shapes(host: dict, config) -> None:
+    """Every required field is set; every set field has its shape and dtype."""
+    features = config.features
+    for name, switch in required_fields(features).items():
+        if name not in host:
+            raise InvalidBatchError(f"BatchState.{name} is missing: FeatureConfig.{switch} needs it")
+    rows, width = config.max_num_reqs, config.max_model_len
+    expected = {name: (rows,) for name in ("num_draft_tokens", "num_prompt_tokens", "mrope_position_delta",
+                                           "prompt_embeds_start", "prev_sampled_token_ids", "prev_batch_rows")}
+    expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width))
+    if "prev_draft_token_ids" in host:
+        draft_width = features.num_speculative_tokens if features.spec_decode else host["prev_draft_token_ids"].shape[1]
+        expected["prev_draft_token_ids"] = (rows, draft_width)
+    for name, shape in expected.items():
+        if name in host and host[name].shape != shape:
+            raise InvalidBatchError(f"BatchState.{name} has shape {host[name].shape}, config expects {shape}")
+        dtype = np.bool_ if name == "is_token_ids" else np.int32
+        if name in host and host[name].dtype != dtype:
+            raise InvalidBatchError(f"BatchState.{name} has dtype {host[name].dtype}, expected {np.dtype(dtype)}")
+    if "extra_block_tables" in host:
+        kv_groups.check_extra_table_shapes(host["extra_block_tables"], config)
+
+
+def check_group_blocks(host: dict, computed, scheduled, config) -> None:
+    """The block checks of `jaxprep.validate` on the tables of KV groups 1..G-1 (`kv_groups`)."""
+    kv_groups.check_group_blocks(host, computed, scheduled, config)
+
+
+def check_feature_values(host: dict, core: dict, config) -> None:
+    """Value checks of the features that are on; ``core`` holds the four core tables."""
+    features = config.features
+    computed = core["num_computed_tokens"].astype(np.int64)
+    scheduled = core["num_scheduled_tokens"].astype(np.int64)
+    in_batch = scheduled > 0
+    if features.spec_decode:
+        spec_decode.check_drafts(host["num_draft_tokens"].astype(np.int64), computed, scheduled, config)
+    if "num_prompt_tokens" in required_fields(features):
+        prompt = host["num_prompt_tokens"].astype(np.int64)
+        check_row_bound((prompt < 0) | (prompt > config.max_model_len), "num_prompt_tokens", prompt,
+                        f"[0, max_model_len={config.max_model_len}]", relation="is outside")
+    if features.mrope:
+        mrope.check_prompt_positions(host["mrope_positions"], host["num_prompt_tokens"].astype(np.int64), computed,
+                                     scheduled)
+    if features.prompt_embeds:
+        prompt_embeds.check_pool_start(host["prompt_embeds_start"].astype(np.int64), in_batch, config.max_model_len)
+    if features.async_tokens:
+        async_tokens.check_prev_batch_rows(host["prev_batch_rows"].astype(np.int64), in_batch, config.max_num_reqs)
+    if features.attn_mask in ("rows_bool", "rows_additive"):
+        masks.check_row_mask_columns(computed, scheduled, features.mask_columns(config))
