@@ -85,7 +85,7 @@ def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
     features, rows, width = config.features, config.max_num_reqs, config.max_model_len
     seq_lens = arrays["num_computed_tokens"] + arrays["num_scheduled_tokens"]
     decodes = (arrays["num_computed_tokens"] > 0).astype(np.int32)
-    arrays["num_prompt_tokens"] = np.where(decodes, 1, seq_lens + 100).astype(np.int32)
+    arrays["prefill_len"] = np.where(decodes, 1, seq_lens + 100).astype(np.int32)
     if features.spec_decode:
         arrays["num_draft_tokens"] = (decodes * K).astype(np.int32)
     if len(features.kv_groups) > 1:

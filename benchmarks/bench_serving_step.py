@@ -9,7 +9,7 @@ have every output on the host:
   and num_scheduled_tokens, one block id written per row (the block of its last scheduled token),
   and one sampled token id written per row (after its scheduled tokens);
 - jaxprep: one jitted call with the state donated (updated in place) takes the update as one packed
-  int32 array, applies it and runs `prepare_step`; the outputs come back packed (one buffer plus
+  int32 array, applies it and runs `prepare_body`; the outputs come back packed (one buffer plus
   the gathered block table, `jaxprep.host.unpack_host`);
 - reference: the same update applied in place to host NumPy tables, then
   `jaxprep.reference.prepare_reference` (vLLM's host-side preparation).
@@ -43,7 +43,7 @@ from bench_prepare import GOALS, SHAPES, make_batch  # noqa: E402
 from common import add_timing_arguments, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 from jaxprep import BatchState, PrepConfig  # noqa: E402
 from jaxprep.host import _PACKED_FIELDS, _flat_fields, unpack_host  # noqa: E402
-from jaxprep.prepare import prepare_step  # noqa: E402
+from jaxprep.prepare import prepare_body  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
 
@@ -107,7 +107,7 @@ def update_and_prepare(state: BatchState, num_computed_tokens, num_scheduled_tok
     state = dataclasses.replace(state, num_computed_tokens=num_computed_tokens,
                                 num_scheduled_tokens=num_scheduled_tokens, block_table=block_table,
                                 token_ids=token_ids)
-    step = prepare_step(state, config, num_tokens_padded)
+    step = prepare_body(state, config, num_tokens_padded)
     fields = _flat_fields(step)
     words = jnp.concatenate([jnp.ravel(fields[name]) for name, _ in _PACKED_FIELDS])
     return state, words, step.attn_metadata.block_table

@@ -1,4 +1,4 @@
-"""Where every batch row and every token of a step comes from: the index part of `prepare_step`.
+"""Where every batch row and every token of a step comes from: the index part of `prepare_body`.
 
 Two layouts give the same answer. Without `FeatureConfig.reorder` the batch is the rows with
 work in state-row order, so token ranges follow state rows: one scan over the state rows gives

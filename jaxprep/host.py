@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import AttentionMetadata, StepInputs
-from jaxprep.prepare import prepare_step
+from jaxprep.prepare import prepare_body
 from jaxprep.state import BatchState
 
 # packed fields in buffer order: (name, length as a function of (tokens, requests) padded)
@@ -61,8 +61,8 @@ def _flat_fields(step: StepInputs) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
 def prepare_packed(state: BatchState, config: PrepConfig, num_tokens_padded: int):
-    """`prepare_step` with its int32 fields packed: returns (packed words, gathered block table)."""
-    step = prepare_step(state, config, num_tokens_padded)
+    """`prepare_body` with its int32 fields packed: returns (packed words, gathered block table)."""
+    step = prepare_body(state, config, num_tokens_padded)
     fields = _flat_fields(step)
     words = jnp.concatenate([jnp.ravel(fields[name]) for name, _ in _PACKED_FIELDS])
     return words, step.attn_metadata.block_table

@@ -52,7 +52,7 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
     return step
 
 
-def prepare_step(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
+def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
     """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further."""
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     layout = batch_layout(state, num_reqs_padded, num_tokens_padded, config.max_num_batched_tokens, config.features)
@@ -106,6 +106,6 @@ def _maxima(state: BatchState) -> Int32[Array, "2"]:
     return jnp.max(stack([scheduled, seq_lens]), axis=1)  # one reduction for both
 
 
-prepare_padded = jax.jit(prepare_step, static_argnames=("config", "num_tokens_padded"))
+prepare_padded = jax.jit(prepare_body, static_argnames=("config", "num_tokens_padded"))
 prepare_padded.__doc__ = """The compiled core of `prepare_inputs`: one executable per (config, num_tokens_padded)."""
 

@@ -6,7 +6,7 @@ Each rank is a vLLM data-parallel rank (PEERS §1.2-§1.4): it owns a contiguous
 holds rows of the slice and ``query_start_loc`` starts at 0 on every rank. All ranks pad to one
 bucket, the one holding the busiest rank's tokens (vLLM's ``coordinate_batch_across_dp``).
 
-One jitted call prepares every rank: ``shard_map`` runs `prepare_step` on each device's rows.
+One jitted call prepares every rank: ``shard_map`` runs `prepare_body` on each device's rows.
 Every array of the returned `StepInputs` gains a leading rank axis ``[num_ranks, ...]`` sharded
 over the mesh; ``x.reshape(-1)`` of a token field is tpu-inference's flat layout, rank r's tokens
 at ``[r * T_pad, (r + 1) * T_pad)``, and of ``query_start_loc`` its ``max_num_reqs + dp_size`` array.
@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import StepInputs
-from jaxprep.prepare import prepare_step
+from jaxprep.prepare import prepare_body
 from jaxprep.state import BatchState
 from jaxprep.validate import InvalidBatchError, validate
 
@@ -120,10 +120,10 @@ def validate_ranks(state: BatchState, config: PrepConfig, num_ranks: int, num_to
 
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded", "mesh"))
 def prepare_sharded(state: BatchState, config: PrepConfig, num_tokens_padded: int, mesh: Mesh) -> StepInputs:
-    """The compiled core of `prepare_data_parallel`: `prepare_step` on each device's rows."""
+    """The compiled core of `prepare_data_parallel`: `prepare_body` on each device's rows."""
 
     def per_rank(rows: BatchState) -> StepInputs:
-        step = prepare_step(rows, config, num_tokens_padded)
+        step = prepare_body(rows, config, num_tokens_padded)
         return jax.tree.map(lambda leaf: leaf[None], step)  # a leading rank axis, scalars included
 
     spec = PartitionSpec(DATA_AXIS)

@@ -36,8 +36,9 @@ class BatchState:
     num_scheduled_tokens: Int32[Array, "max_num_reqs"]  # tokens to run this step; 0 = not in the batch
     # spec decode (§2.8): the last num_draft_tokens scheduled tokens of a row are drafts
     num_draft_tokens: Int32[Array, "max_num_reqs"] | None = None
-    # prompt length (prompt + resumed outputs: vLLM V2 prefill_len); sampling (§2.7) and M-RoPE (§2.11)
-    num_prompt_tokens: Int32[Array, "max_num_reqs"] | None = None
+    # prefill length: the prompt plus the outputs a resumed request recomputes (vLLM V2 prefill_len,
+    # >= the prompt length); read by the discard mask (§2.7) and M-RoPE (§2.11)
+    prefill_len: Int32[Array, "max_num_reqs"] | None = None
     # KV-cache groups 1..G-1 (§2.12); group 0 is block_table
     extra_block_tables: tuple[Int32[Array, "max_num_reqs _"], ...] | None = None
     # M-RoPE (§2.11): prompt positions per request (-1 = missing) and the completion delta
@@ -56,7 +57,7 @@ class BatchState:
         """All-zero tables: no tokens, null blocks, nothing computed or scheduled.
 
         The inputs of every feature that ``config.features`` turns on are filled too: no drafts,
-        prompt length 0, null blocks, M-RoPE positions missing (-1), all token ids, no last step.
+        prefill length 0, null blocks, M-RoPE positions missing (-1), all token ids, no last step.
         """
         rows = config.max_num_reqs
         return cls(
@@ -104,7 +105,7 @@ class BatchState:
 
 
 _OPTIONAL_NDIM = {
-    "num_draft_tokens": 1, "num_prompt_tokens": 1, "mrope_positions": 3, "mrope_position_delta": 1,
+    "num_draft_tokens": 1, "prefill_len": 1, "mrope_positions": 3, "mrope_position_delta": 1,
     "prompt_embeds_start": 1, "prev_sampled_token_ids": 1, "prev_draft_token_ids": 2, "prev_batch_rows": 1,
 }
 OPTIONAL_FIELDS = (*_OPTIONAL_NDIM, "extra_block_tables", "is_token_ids")
@@ -135,7 +136,7 @@ def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
     if features.spec_decode:
         out["num_draft_tokens"] = zeros
     if features.discard_request_mask or features.mrope:
-        out["num_prompt_tokens"] = zeros
+        out["prefill_len"] = zeros
     if len(features.kv_groups) > 1:
         out["extra_block_tables"] = tuple(
             np.full((rows, block_table_width(width, g.block_size)), NULL_BLOCK_ID, INT32)

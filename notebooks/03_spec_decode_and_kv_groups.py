@@ -114,7 +114,7 @@ assert draft_spec["draft_token_ids"] == [37, 38]
 mask_config = dataclasses.replace(example_a_config(), features=jaxprep.FeatureConfig(discard_request_mask=True))
 masks = {}
 for prompts in ([3, 2, 5], [3, 2, 8]):
-    state = jaxprep.BatchState.from_numpy(**example_a_step1(), num_prompt_tokens=np.array(prompts, np.int32))
+    state = jaxprep.BatchState.from_numpy(**example_a_step1(), prefill_len=np.array(prompts, np.int32))
     masks[tuple(prompts)] = np.asarray(jaxprep.prepare_inputs(state, mask_config).discard_request_mask).tolist()
 print(masks)
 assert masks == {(3, 2, 5): [False, False, False], (3, 2, 8): [False, False, True]}

@@ -32,7 +32,7 @@ def run_step(arrays: dict, config, mode: str, num_tokens_padded: int | None = No
 
 
 def build_feature_batch(config, draw, *, max_drafts: int = 0) -> dict[str, np.ndarray]:
-    """Core tables plus ``num_draft_tokens`` (if ``max_drafts``) and ``num_prompt_tokens``."""
+    """Core tables plus ``num_draft_tokens`` (if ``max_drafts``) and ``prefill_len``."""
     rows, max_len = config.max_num_reqs, config.max_model_len
     computed, scheduled, drafts = (np.zeros(rows, np.int32) for _ in range(3))
     remaining = config.max_num_batched_tokens
@@ -55,7 +55,7 @@ def build_feature_batch(config, draw, *, max_drafts: int = 0) -> dict[str, np.nd
                   block_table=block_table(config.max_num_reqs, config.max_blocks_per_req, seq_lens,
                                           config.block_size, draw(0, 2**31 - 1)),
                   num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                  num_prompt_tokens=np.array([draw(0, max_len) for _ in range(rows)], np.int32))
+                  prefill_len=np.array([draw(0, max_len) for _ in range(rows)], np.int32))
     if max_drafts:
         arrays["num_draft_tokens"] = drafts
     return arrays

@@ -108,7 +108,7 @@ def test_two_steps_stay_on_the_device():
     state1 = BatchState.from_numpy(
         token_ids=token_ids, block_table=np.arange(1, 4 * 64 + 1, dtype=np.int32).reshape(4, 64),
         num_computed_tokens=np.zeros(4, np.int32), num_scheduled_tokens=np.array([3, 0, 5, 0], np.int32),
-        num_prompt_tokens=np.array([3, 0, 9, 0], np.int32), prev_sampled_token_ids=np.zeros(4, np.int32),
+        prefill_len=np.array([3, 0, 9, 0], np.int32), prev_sampled_token_ids=np.zeros(4, np.int32),
         prev_batch_rows=np.full(4, -1, np.int32))
     token_ids[0, 3] = -1  # the host's placeholder for request 0's sampled token
     state2_host = dataclasses.replace(

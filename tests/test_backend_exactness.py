@@ -78,13 +78,13 @@ def _cases():
         ("host.prepare_packed", prepare_packed, (BatchState.empty(LARGE), LARGE, 4096), {}),
         ("serving.serve_step", step.serve_step, (state, kv_cache, params, packed),
          dict(config=serving, model=MODEL, num_tokens_padded=32)),
-        ("serving.prepare_step", step.prepare_step, (state, packed), dict(config=serving, num_tokens_padded=32)),
-        ("serving.apply_updates_jit", transitions.apply_updates_jit, (state, updates), {}),
-        ("serving.finish_jit", transitions.finish_jit, (state, updates.finish), {}),
-        ("serving.add_jit", transitions.add_jit, (state, updates.add), {}),
-        ("serving.append_jit", transitions.append_jit, (state, updates.append), {}),
-        ("serving.schedule_jit", transitions.schedule_jit, (state, updates.schedule), {}),
-        ("serving.record_sampled_jit", transitions.record_sampled_jit,
+        ("serving.update_and_prepare", step.update_and_prepare, (state, packed), dict(config=serving, num_tokens_padded=32)),
+        ("serving.apply_updates", transitions.apply_updates, (state, updates), {}),
+        ("serving.finish", transitions.finish, (state, updates.finish), {}),
+        ("serving.add", transitions.add, (state, updates.add), {}),
+        ("serving.append", transitions.append, (state, updates.append), {}),
+        ("serving.schedule", transitions.schedule, (state, updates.schedule), {}),
+        ("serving.record_sampled", transitions.record_sampled,
          (state, np.zeros(5, np.int32), np.zeros((5, 1), np.int32), np.zeros(5, np.int32)), {}),
         ("serving.dense_logits", workload._dense_logits, (params, np.zeros(16, np.int32)), dict(model=MODEL)),
         ("sharding.prepare_sharded", prepare_sharded, (BatchState.empty(SMALL), SMALL, 16, mesh), {}),
@@ -92,7 +92,7 @@ def _cases():
          dict(config=serving, model=MODEL, num_tokens_padded=32, mesh=mesh)),
         ("sharded.apply_updates_sharded", sharded.apply_updates_sharded, (state, packed[None]),
          dict(config=serving, mesh=mesh)),
-        ("sharded.prepare_step_sharded", sharded.prepare_step_sharded, (state, packed[None]),
+        ("sharded.update_and_prepare_sharded", sharded.update_and_prepare_sharded, (state, packed[None]),
          dict(config=serving, num_tokens_padded=32, mesh=mesh)),
     ]
     return cases + _bridge_cases()
@@ -132,12 +132,12 @@ def _jitted_functions() -> set[str]:
 
 COVERED = {
     "jaxprep.prepare.prepare_padded", "jaxprep.host.prepare_packed", "jaxprep.serving.step.serve_step",
-    "jaxprep.serving.step.prepare_step", "jaxprep.serving.transitions.apply_updates_jit",
-    "jaxprep.serving.transitions.finish_jit", "jaxprep.serving.transitions.add_jit",
-    "jaxprep.serving.transitions.append_jit", "jaxprep.serving.transitions.schedule_jit",
-    "jaxprep.serving.transitions.record_sampled_jit", "jaxprep.serving.workload._dense_logits",
+    "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.transitions.apply_updates",
+    "jaxprep.serving.transitions.finish", "jaxprep.serving.transitions.add",
+    "jaxprep.serving.transitions.append", "jaxprep.serving.transitions.schedule",
+    "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.workload._dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
-    "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.prepare_step_sharded",
+    "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
     "torch_bridge.packing.pack", "torch_bridge.npu.fia_layout",
 }
 

@@ -81,7 +81,7 @@ def test_all_features_at_once_match_each_feature_alone(data):
     arrays = data.draw(feature_batches(config, max_drafts=2))
     seq_lens = arrays["num_computed_tokens"] + arrays["num_scheduled_tokens"]
     arrays["extra_block_tables"] = [block_table(5, block_table_width(40, 8), seq_lens, 8, 2)]
-    prompts = arrays["num_prompt_tokens"]
+    prompts = arrays["prefill_len"]
     table = np.full((5, 3, 40), -1, np.int32)
     for row, length in enumerate(prompts):
         table[row, :, :length] = np.arange(length)

@@ -58,7 +58,7 @@ def worked_request(computed: int, scheduled: int) -> dict:
     return dict(token_ids=np.ones((1, 16), np.int32), block_table=np.ones((1, 64), np.int32),
                 num_computed_tokens=np.array([computed], np.int32),
                 num_scheduled_tokens=np.array([scheduled], np.int32),
-                num_prompt_tokens=np.array([9], np.int32), mrope_positions=table,
+                prefill_len=np.array([9], np.int32), mrope_positions=table,
                 mrope_position_delta=np.array([delta], np.int32))
 
 
@@ -88,7 +88,7 @@ def with_prompts(arrays: dict, data, config) -> dict:
         prompt_lens[row] = min(positions.shape[1], width)
         table[row, :, : prompt_lens[row]] = positions[:, : prompt_lens[row]]
         deltas[row] = delta
-    return dict(arrays, mrope_positions=table, mrope_position_delta=deltas, num_prompt_tokens=prompt_lens)
+    return dict(arrays, mrope_positions=table, mrope_position_delta=deltas, prefill_len=prompt_lens)
 
 
 @pytest.mark.parametrize("mode", RUN_MODES)
@@ -99,7 +99,7 @@ def test_mrope_positions_match_reference(mode, data):
     step = run_step(arrays, CONFIG, mode)
     rows = batch_rows(arrays)
     want = mrope_reference(arrays["mrope_positions"][rows], arrays["mrope_position_delta"][rows],
-                           arrays["num_prompt_tokens"][rows], arrays["num_computed_tokens"][rows],
+                           arrays["prefill_len"][rows], arrays["num_computed_tokens"][rows],
                            arrays["num_scheduled_tokens"][rows])
     np.testing.assert_array_equal(step.mrope_positions, pad(want.T, step.num_tokens_padded, 0).T)
 
@@ -113,7 +113,7 @@ def test_text_only_rows_equal_the_1d_positions(data):
     for row, length in enumerate(prompts):
         table[row, :, :length] = qwen2vl_prompt_positions([length])[0]
     arrays.update(mrope_positions=table, mrope_position_delta=np.zeros(5, np.int32),
-                  num_prompt_tokens=np.array(prompts, np.int32))
+                  prefill_len=np.array(prompts, np.int32))
     step = run_step(arrays, CONFIG, "jit")
     np.testing.assert_array_equal(step.mrope_positions, np.tile(np.asarray(step.positions), (3, 1)))
 
@@ -128,7 +128,7 @@ def test_missing_mrope_positions_are_rejected():
                                                 "schedules prompt position 4"):
         validate(BatchState.from_numpy(**unfilled), config)
     validate(BatchState.from_numpy(**worked_request(9, 1)), config)  # decodes read no prompt column
-    for field in ("mrope_positions", "mrope_position_delta", "num_prompt_tokens"):
+    for field in ("mrope_positions", "mrope_position_delta", "prefill_len"):
         with pytest.raises(InvalidBatchError, match=f"{field} is missing: FeatureConfig.mrope needs it"):
             validate(BatchState.from_numpy(**dict(worked_request(0, 9), **{field: None})), config)
     state = dataclasses.replace(BatchState.from_numpy(**worked_request(0, 9)),

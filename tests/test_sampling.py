@@ -22,7 +22,7 @@ CONFIG = PrepConfig(max_num_reqs=6, max_model_len=40, max_num_batched_tokens=32,
 def test_worked_example_a_step1(mode, prompts, expected):
     """SPEC §4: prompts 3, 2, 5 are whole prefills; a prompt of 8 makes request 2 a chunk (§4 caveat 5)."""
     config = dataclasses.replace(example_a_config(), features=FEATURES)
-    arrays = dict(example_a_step1(), num_prompt_tokens=np.array(prompts, np.int32))
+    arrays = dict(example_a_step1(), prefill_len=np.array(prompts, np.int32))
     step = run_step(arrays, config, mode)
     assert np.asarray(step.discard_request_mask).tolist() == expected + [True] * (step.num_reqs_padded - 3)
 
@@ -35,21 +35,21 @@ def test_discard_mask_matches_reference(mode, data):
     step = run_step(arrays, CONFIG, mode)
     rows = batch_rows(arrays)
     want = discard_request_mask_reference(arrays["num_computed_tokens"][rows], arrays["num_scheduled_tokens"][rows],
-                                          arrays["num_prompt_tokens"][rows])
+                                          arrays["prefill_len"][rows])
     got = np.asarray(step.discard_request_mask)
     assert got.dtype == np.bool_
     np.testing.assert_array_equal(got, pad(want, step.num_reqs_padded, True))
 
 
 @pytest.mark.parametrize("prompts, message", [
-    (None, "num_prompt_tokens is missing: FeatureConfig.discard_request_mask needs it"),
-    ([5, -1, 0, 0, 0, 0], "num_prompt_tokens at row 1 is -1, which is outside \\[0, max_model_len=40\\]"),
-    ([5, 41, 0, 0, 0, 0], "num_prompt_tokens at row 1 is 41"),
+    (None, "prefill_len is missing: FeatureConfig.discard_request_mask needs it"),
+    ([5, -1, 0, 0, 0, 0], "prefill_len at row 1 is -1, which is outside \\[0, max_model_len=40\\]"),
+    ([5, 41, 0, 0, 0, 0], "prefill_len at row 1 is 41"),
 ])
 def test_bad_prompt_lengths_are_rejected(prompts, message):
     arrays = dict(token_ids=np.ones((6, 40), np.int32), block_table=np.ones((6, 16), np.int32),
                   num_computed_tokens=np.zeros(6, np.int32),
                   num_scheduled_tokens=np.array([4, 0, 0, 0, 0, 0], np.int32),
-                  num_prompt_tokens=None if prompts is None else np.array(prompts, np.int32))
+                  prefill_len=None if prompts is None else np.array(prompts, np.int32))
     with pytest.raises(InvalidBatchError, match=message):
         validate(BatchState.from_numpy(**arrays), CONFIG)

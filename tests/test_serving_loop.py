@@ -118,13 +118,13 @@ def dense_greedy(params, prompt, num_tokens, max_model_len):
     return tokens[len(prompt):]
 
 
-def decode_once_then_multi(config, *, max_num_tokens, num_blocks, prompt=(5, 6, 7)):
+def decode_once_then_multi(config, *, stop_len, num_blocks, prompt=(5, 6, 7)):
     """Prefill ``prompt`` in one step, then one multi-step dispatch of up to K decode iterations.
     Returns the tokens of both dispatches (iterations x row 0, -1 dropped) and the batch."""
     params = init_params(MODEL, seed=0)
     kv_cache = KVCache.zeros(MODEL, config.num_blocks, config.block_size)
     batch = ServingBatch(config)
-    add = [dict(row=0, token_ids=prompt, max_num_tokens=max_num_tokens, block_ids=list(range(1, num_blocks + 1)))]
+    add = [dict(row=0, token_ids=prompt, stop_len=stop_len, block_ids=list(range(1, num_blocks + 1)))]
     first = StepUpdates.build(config, add=add, num_scheduled_tokens=[len(prompt), 0])
     kv_cache, tokens0 = batch.serve(kv_cache, params, first, model=MODEL, num_tokens_padded=8)
     multi = StepUpdates.build(config, num_scheduled_tokens=[1, 0], decode_steps=config.decode_steps)
@@ -140,14 +140,14 @@ def small_config(eos=-1):
 
 
 def test_multi_step_stops_at_max_tokens():
-    params, tokens, batch = decode_once_then_multi(small_config(), max_num_tokens=7, num_blocks=4)
-    assert tokens == dense_greedy(params, (5, 6, 7), 4, 32)  # 3 prompt tokens + 4 = max_num_tokens
+    params, tokens, batch = decode_once_then_multi(small_config(), stop_len=7, num_blocks=4)
+    assert tokens == dense_greedy(params, (5, 6, 7), 4, 32)  # 3 prompt tokens + 4 = stop_len
     assert batch.rows.num_tokens[0] == 7 and int(batch.state.num_tokens[0]) == 7
 
 
 def test_multi_step_stops_at_block_capacity():
     """2 blocks of 4 hold positions 0..7: decoding stops once position 7 is computed (token 9 sampled)."""
-    params, tokens, batch = decode_once_then_multi(small_config(), max_num_tokens=32, num_blocks=2)
+    params, tokens, batch = decode_once_then_multi(small_config(), stop_len=32, num_blocks=2)
     assert tokens == dense_greedy(params, (5, 6, 7), 6, 32)
     assert int(batch.state.batch.num_computed_tokens[0]) == 8 == batch.rows.num_computed_tokens[0]
 
@@ -156,7 +156,7 @@ def test_multi_step_stops_at_eos():
     params = init_params(MODEL, seed=0)
     greedy = dense_greedy(params, (5, 6, 7), 8, 32)
     stop = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])  # first new token after 2 decodes
-    _, tokens, _ = decode_once_then_multi(small_config(eos=greedy[stop]), max_num_tokens=32, num_blocks=8)
+    _, tokens, _ = decode_once_then_multi(small_config(eos=greedy[stop]), stop_len=32, num_blocks=8)
     assert tokens == greedy[: stop + 1]
 
 
@@ -165,7 +165,7 @@ def test_multi_step_over_a_prefill_is_rejected_before_dispatch():
     batch = ServingBatch(config)
     kv_cache = KVCache.zeros(MODEL, config.num_blocks, config.block_size)
     state = batch.state
-    add = [dict(row=0, token_ids=[5, 6, 7], max_num_tokens=12, block_ids=[1, 2])]
+    add = [dict(row=0, token_ids=[5, 6, 7], stop_len=12, block_ids=[1, 2])]
     updates = StepUpdates.build(config, add=add, num_scheduled_tokens=[3, 0], decode_steps=4)
     with pytest.raises(InvalidUpdateError, match="decode its last token"):
         batch.serve(kv_cache, init_params(MODEL, seed=0), updates, model=MODEL, num_tokens_padded=8)

@@ -42,8 +42,8 @@ def test_chunked_paged_prefill_matches_dense_logits():
     blocks = rng.permutation(np.arange(1, PREP.num_blocks))  # scattered, never block 0
     blocks_of = [blocks[0:4], blocks[4:6], blocks[6:11]]
     batch.add_requests(AddRequests.build(CONFIG, [
-        dict(row=r, token_ids=p, max_num_tokens=24, block_ids=blocks_of[r][:1]) for r, p in enumerate(prompts[:2])]))
-    batch.add_requests(AddRequests.build(CONFIG, [dict(row=2, token_ids=prompts[2], max_num_tokens=24,
+        dict(row=r, token_ids=p, stop_len=24, block_ids=blocks_of[r][:1]) for r, p in enumerate(prompts[:2])]))
+    batch.add_requests(AddRequests.build(CONFIG, [dict(row=2, token_ids=prompts[2], stop_len=24,
                                                        block_ids=blocks_of[2][:1])]))
     compared = 0
     while (batch.rows.num_computed_tokens < batch.rows.num_tokens - 1).any():
@@ -76,7 +76,7 @@ def test_padded_tokens_write_no_slot():
     shape = (MODEL.num_layers, PREP.num_blocks * PREP.block_size, MODEL.num_heads, MODEL.head_dim)
     kv_cache = KVCache(k=jnp.full(shape, 123.0), v=jnp.full(shape, 123.0))
     batch = ServingBatch(CONFIG)
-    batch.add_requests(AddRequests.build(CONFIG, [dict(row=0, token_ids=[5, 6, 7], max_num_tokens=8, block_ids=[2])]))
+    batch.add_requests(AddRequests.build(CONFIG, [dict(row=0, token_ids=[5, 6, 7], stop_len=8, block_ids=[2])]))
     batch.schedule(Schedule.build(CONFIG, [3, 0, 0]))
     kv_cache, _, inputs = paged_step(params, kv_cache, batch.state, 8)
     slots = np.asarray(inputs.attn_metadata.slot_mapping)

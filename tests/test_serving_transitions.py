@@ -29,7 +29,7 @@ def assert_matches_reference(batch: ServingBatch, expected: dict) -> None:
     assert set(expected) <= set(got)  # BatchState may grow fields the serving reference does not model
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
-    for name in ("num_tokens", "max_num_tokens", "num_computed_tokens", "num_blocks"):
+    for name in ("num_tokens", "stop_len", "num_computed_tokens", "num_blocks"):
         np.testing.assert_array_equal(getattr(batch.rows, name), expected[name], err_msg=f"host mirror {name}")
 
 
@@ -40,7 +40,7 @@ def random_add(rng, free_rows):
         computed = int(rng.integers(0, num_tokens))
         num_blocks = int(rng.integers(cdiv(computed, PREP.block_size), PREP.max_blocks_per_req + 1))
         requests.append(dict(row=int(row), token_ids=rng.integers(2, 100, num_tokens),
-                             max_num_tokens=int(rng.integers(num_tokens, PREP.max_model_len + 1)),
+                             stop_len=int(rng.integers(num_tokens, PREP.max_model_len + 1)),
                              block_ids=rng.integers(1, PREP.num_blocks, num_blocks), num_computed_tokens=computed))
     return AddRequests.build(CONFIG, requests)
 
@@ -158,7 +158,7 @@ def test_padded_rows_touch_nothing():
     """Row -1 pads: it must not wrap to the last row (JAX wraps -1 even with mode='drop')."""
     batch = ServingBatch(CONFIG)
     last = PREP.max_num_reqs - 1
-    batch.add_requests(AddRequests.build(CONFIG, [dict(row=last, token_ids=[5, 6, 7], max_num_tokens=8,
+    batch.add_requests(AddRequests.build(CONFIG, [dict(row=last, token_ids=[5, 6, 7], stop_len=8,
                                                        block_ids=[3])]))
     before = batch.state.to_numpy()
     batch.append_block_ids(AppendBlocks.build(CONFIG))  # all entries padded
@@ -173,8 +173,8 @@ def busy_batch() -> ServingBatch:
     """Row 0: 6 tokens, 4 computed, 1 block; row 1: 15 tokens (one short of max_model_len), 4 blocks."""
     batch = ServingBatch(CONFIG)
     batch.add_requests(AddRequests.build(CONFIG, [
-        dict(row=0, token_ids=range(10, 16), max_num_tokens=12, block_ids=[1], num_computed_tokens=4),
-        dict(row=1, token_ids=range(20, 35), max_num_tokens=16, block_ids=[3, 4, 5, 6], num_computed_tokens=14)]))
+        dict(row=0, token_ids=range(10, 16), stop_len=12, block_ids=[1], num_computed_tokens=4),
+        dict(row=1, token_ids=range(20, 35), stop_len=16, block_ids=[3, 4, 5, 6], num_computed_tokens=14)]))
     return batch
 
 
@@ -182,13 +182,13 @@ BAD_UPDATES = {
     "row out of range": ("finish_requests", lambda: FinishRequests.build(CONFIG, [4]), "outside the rows"),
     "finish a free row": ("finish_requests", lambda: FinishRequests.build(CONFIG, [2]), "holds no request"),
     "add to a busy row": ("add_requests", lambda: AddRequests.build(CONFIG, [
-        dict(row=0, token_ids=[1, 2], max_num_tokens=4, block_ids=[7])]), "row 0 is busy"),
+        dict(row=0, token_ids=[1, 2], stop_len=4, block_ids=[7])]), "row 0 is busy"),
     "add beyond max_model_len": ("add_requests", lambda: AddRequests.build(CONFIG, [
-        dict(row=2, token_ids=[1, 2], max_num_tokens=17, block_ids=[7])]), "max_model_len=16"),
+        dict(row=2, token_ids=[1, 2], stop_len=17, block_ids=[7])]), "max_model_len=16"),
     "add the null block": ("add_requests", lambda: AddRequests.build(CONFIG, [
-        dict(row=2, token_ids=[1, 2], max_num_tokens=4, block_ids=[0])]), "null block"),
+        dict(row=2, token_ids=[1, 2], stop_len=4, block_ids=[0])]), "null block"),
     "prefix hit without its blocks": ("add_requests", lambda: AddRequests.build(CONFIG, [
-        dict(row=2, token_ids=range(1, 10), max_num_tokens=12, block_ids=[7], num_computed_tokens=8)]),
+        dict(row=2, token_ids=range(1, 10), stop_len=12, block_ids=[7], num_computed_tokens=8)]),
         "num_computed_tokens=8"),
     "more blocks than a row holds": ("append_block_ids", lambda: AppendBlocks.build(CONFIG, {0: [7, 8, 9, 10, 11]}),
                                      "max_blocks_per_req=5"),

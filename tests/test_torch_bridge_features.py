@@ -68,7 +68,7 @@ def prepared(case: str):
             for i, g in enumerate(features.kv_groups[1:])]
     if features.mrope:
         table = np.full((rows, 3, config.max_model_len), -1, np.int32)
-        for row, prompt in enumerate(arrays["num_prompt_tokens"]):
+        for row, prompt in enumerate(arrays["prefill_len"]):
             table[row, :, :prompt] = rng.integers(0, 60, (3, prompt))
         arrays.update(mrope_positions=table, mrope_position_delta=rng.integers(-5, 6, rows).astype(np.int32))
     if features.prompt_embeds:
@@ -166,7 +166,7 @@ def test_sampling_features_match_reference():
     rows, num_reqs = ref["rows"], ref["num_reqs"]
     scheduled, drafts = arrays["num_scheduled_tokens"][rows], arrays["num_draft_tokens"][rows]
     discard = discard_request_mask_reference(arrays["num_computed_tokens"][rows], scheduled,
-                                             arrays["num_prompt_tokens"][rows])
+                                             arrays["prefill_len"][rows])
     np.testing.assert_array_equal(inputs.discard_request_mask.cpu().numpy(), pad(discard, step.num_reqs_padded, True))
     np.testing.assert_array_equal(inputs.request_distribution.cpu().numpy(), request_distribution_reference(scheduled, drafts))
     for name, want in spec_decode_reference(scheduled, drafts, ref["input_ids"]).items():
@@ -184,7 +184,7 @@ def test_mrope_and_prompt_embeds_match_reference():
     ref = reference(arrays, BASE.block_size)
     rows, num_tokens = ref["rows"], ref["num_actual_tokens"]
     want = mrope_reference(arrays["mrope_positions"][rows], arrays["mrope_position_delta"][rows],
-                           arrays["num_prompt_tokens"][rows], arrays["num_computed_tokens"][rows],
+                           arrays["prefill_len"][rows], arrays["num_computed_tokens"][rows],
                            arrays["num_scheduled_tokens"][rows])
     mrope = inputs.mrope_positions.cpu().numpy()
     assert mrope.shape == (3, step.num_tokens_padded)

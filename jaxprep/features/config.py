@@ -90,7 +90,7 @@ class FeatureConfig:
         turns on `StepInputs.spec_decode` and reads `BatchState.num_draft_tokens`.
       speculative_method: vLLM ``speculative_config.method`` ("mtp", "eagle", "ngram", ...);
         only the attention state reads it.
-      discard_request_mask: `StepInputs.discard_request_mask` from `BatchState.num_prompt_tokens` (§2.7).
+      discard_request_mask: `StepInputs.discard_request_mask` from `BatchState.prefill_len` (§2.7).
       kv_groups: one spec per KV-cache group (§2.12); group 0 is `BatchState.block_table` with
         ``PrepConfig.block_size``, groups 1.. are `BatchState.extra_block_tables`. ``()``: off.
       dcp: decode context parallelism (§2.13); ``None``: off.

@@ -1,8 +1,8 @@
 """Which requests are sampled (SPEC §2.7): the discard mask of partial prefills.
 
 Every request gets a logit, but a request still inside its prompt (a chunk of a chunked prefill)
-has its sampled token thrown away: ``discard_request_mask[r] = C[r] + S[r] < num_prompt_tokens[r]``.
-``num_prompt_tokens`` is the prefill length: prompt plus any outputs a resumed request recomputes
+has its sampled token thrown away: ``discard_request_mask[r] = C[r] + S[r] < prefill_len[r]``.
+``prefill_len`` is the prefill length: the prompt plus any outputs a resumed request recomputes
 (vLLM V2 ``prefill_len``; V1 compares with ``num_tokens``, which is the same for these rows).
 """
 
@@ -15,10 +15,10 @@ from jaxprep._constants import PAD_DISCARD
 
 
 def discard_request_mask(computed: Int32[Array, "num_reqs_padded"], scheduled: Int32[Array, "num_reqs_padded"],
-                         num_prompt_tokens: Int32[Array, "num_reqs_padded"],
+                         prefill_len: Int32[Array, "num_reqs_padded"],
                          is_real_req: Bool[Array, "num_reqs_padded"]) -> Bool[Array, "num_reqs_padded"]:
     """True for the batch rows whose sampled token is discarded; padded rows: `PAD_DISCARD`.
 
     # C [0, 0, 0], S [3, 2, 5], prompts [3, 2, 8] -> [F, F, T] (SPEC §4 example A, step 1)
     """
-    return jnp.where(is_real_req, computed + scheduled < num_prompt_tokens, PAD_DISCARD)
+    return jnp.where(is_real_req, computed + scheduled < prefill_len, PAD_DISCARD)

@@ -59,12 +59,12 @@ def with_features(step, state, config, layout: StepLayout):
         updates["spec_decode"] = spec_decode_metadata(drafts, step.attn_metadata.query_start_loc,
                                                       layout.is_real_req, input_ids, features.num_speculative_tokens)
     if features.discard_request_mask:
-        prompt = take_rows(state.num_prompt_tokens, layout.rows, fill_value=0)
+        prompt = take_rows(state.prefill_len, layout.rows, fill_value=0)
         updates["discard_request_mask"] = discard_request_mask(layout.computed, layout.scheduled, prompt,
                                                                layout.is_real_req)
     if features.mrope:
         updates["mrope_positions"] = mrope_positions(state.mrope_positions, state.mrope_position_delta,
-                                                     state.num_prompt_tokens, layout.token_rows, step.positions,
+                                                     state.prefill_len, layout.token_rows, step.positions,
                                                      layout.is_real_token)
     return dataclasses.replace(step, input_ids=input_ids, **updates)
 

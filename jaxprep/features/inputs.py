@@ -23,7 +23,7 @@ def required_fields(features) -> dict[str, str]:
         needs["num_draft_tokens"] = f"num_speculative_tokens={features.num_speculative_tokens}"
     for switch in ("discard_request_mask", "mrope"):
         if getattr(features, switch):
-            needs["num_prompt_tokens"] = switch
+            needs["prefill_len"] = switch
     if len(features.kv_groups) > 1:
         needs["extra_block_tables"] = f"kv_groups (G={len(features.kv_groups)})"
     if features.mrope:
@@ -44,7 +44,7 @@ def check_feature_shapes(host: dict, config) -> None:
         if name not in host:
             raise InvalidBatchError(f"BatchState.{name} is missing: FeatureConfig.{switch} needs it")
     rows, width = config.max_num_reqs, config.max_model_len
-    expected = {name: (rows,) for name in ("num_draft_tokens", "num_prompt_tokens", "mrope_position_delta",
+    expected = {name: (rows,) for name in ("num_draft_tokens", "prefill_len", "mrope_position_delta",
                                            "prompt_embeds_start", "prev_sampled_token_ids", "prev_batch_rows")}
     expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width))
     if "prev_draft_token_ids" in host:
@@ -73,12 +73,12 @@ def check_feature_values(host: dict, core: dict, config) -> None:
     in_batch = scheduled > 0
     if features.spec_decode:
         spec_decode.check_drafts(host["num_draft_tokens"].astype(np.int64), computed, scheduled, config)
-    if "num_prompt_tokens" in required_fields(features):
-        prompt = host["num_prompt_tokens"].astype(np.int64)
-        check_row_bound((prompt < 0) | (prompt > config.max_model_len), "num_prompt_tokens", prompt,
+    if "prefill_len" in required_fields(features):
+        prompt = host["prefill_len"].astype(np.int64)
+        check_row_bound((prompt < 0) | (prompt > config.max_model_len), "prefill_len", prompt,
                         f"[0, max_model_len={config.max_model_len}]", relation="is outside")
     if features.mrope:
-        mrope.check_prompt_positions(host["mrope_positions"], host["num_prompt_tokens"].astype(np.int64), computed,
+        mrope.check_prompt_positions(host["mrope_positions"], host["prefill_len"].astype(np.int64), computed,
                                      scheduled)
     if features.prompt_embeds:
         prompt_embeds.check_pool_start(host["prompt_embeds_start"].astype(np.int64), in_batch, config.max_model_len)

@@ -2,8 +2,9 @@
 
 Each request carries its prompt's positions (`BatchState.mrope_positions`, built at admission,
 e.g. by `qwen2vl_prompt_positions`) and a delta. A scheduled token at position ``p`` reads column
-``p`` of its prompt positions while ``p < num_prompt_tokens``; after the prompt every row is
-``p + delta`` (vLLM ``MRotaryEmbedding.get_next_input_positions_tensor``). Text-only requests
+``p`` of its prompt positions while ``p < prefill_len`` (vLLM V2 reads its prefill positions
+the same way; the columns of a resumed request's recomputed outputs hold ``p + delta``); after
+that every row is ``p + delta`` (vLLM ``MRotaryEmbedding.get_next_input_positions_tensor``). Text-only requests
 have positions ``arange`` on every row and delta 0, so they equal the 1-D positions.
 """
 
@@ -22,14 +23,14 @@ from jaxprep.features.config import MROPE_NUM_DIMS
 
 
 def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len"],
-                    position_delta: Int32[Array, "max_num_reqs"], num_prompt_tokens: Int32[Array, "max_num_reqs"],
+                    position_delta: Int32[Array, "max_num_reqs"], prefill_len: Int32[Array, "max_num_reqs"],
                     token_rows: Int32[Array, "num_tokens_padded"], positions: Int32[Array, "num_tokens_padded"],
                     is_real_token: Bool[Array, "num_tokens_padded"]) -> Int32[Array, "3 num_tokens_padded"]:
     """The ``[3, T_pad]`` positions of the scheduled tokens; padded tokens `PAD_POSITION`.
 
     # P=9, delta=-2, positions [7, 8, 9, 10] -> table columns 7 and 8, then [7, 8] on every row
     """
-    in_prompt = positions < num_prompt_tokens[token_rows]
+    in_prompt = positions < prefill_len[token_rows]
     from_prompt = prompt_positions[token_rows, :, positions].T  # [3, T_pad]
     completion = positions + position_delta[token_rows]
     out = jnp.where(in_prompt[None, :], from_prompt, completion[None, :])

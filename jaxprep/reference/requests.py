@@ -72,9 +72,9 @@ def spec_decode_reference(num_scheduled, num_draft, input_ids) -> dict:
     }
 
 
-def discard_request_mask_reference(num_computed, num_scheduled, num_prompt_tokens) -> np.ndarray:
+def discard_request_mask_reference(num_computed, num_scheduled, prefill_len) -> np.ndarray:
     """SPEC §2.7: a request still inside its prompt after this step discards its sampled token."""
-    return np.array([c + s < p for c, s, p in zip(num_computed, num_scheduled, num_prompt_tokens)], bool)
+    return np.array([c + s < p for c, s, p in zip(num_computed, num_scheduled, prefill_len)], bool)
 
 
 def async_input_ids_reference(input_ids, num_scheduled, num_draft, prev_positions, prev_sampled,

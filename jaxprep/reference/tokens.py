@@ -12,13 +12,13 @@ import math
 import numpy as np
 
 
-def mrope_reference(prompt_positions, deltas, num_prompt_tokens, num_computed, num_scheduled) -> np.ndarray:
+def mrope_reference(prompt_positions, deltas, prefill_len, num_computed, num_scheduled) -> np.ndarray:
     """vLLM V1 ``_calc_mrope_positions`` (SPEC §2.11) over the batch rows: ``[3, N]``.
 
     ``prompt_positions[r]`` is the ``[3, >= P]`` table of batch row r.
     """
     columns = []
-    for table, delta, prompt, computed, scheduled in zip(prompt_positions, deltas, num_prompt_tokens,
+    for table, delta, prompt, computed, scheduled in zip(prompt_positions, deltas, prefill_len,
                                                          num_computed, num_scheduled):
         table = np.asarray(table)
         prompt_part = max(0, prompt - computed) if computed + scheduled > prompt else scheduled

@@ -16,13 +16,13 @@ from jaxprep.serving.model import KVCache, ModelConfig, dense_forward, init_para
 from jaxprep.serving.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import (PAD_ROW, AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState,
                                    StepUpdates)
-from jaxprep.serving.step import NO_TOKEN, prepare_step, serve_step
+from jaxprep.serving.step import NO_TOKEN, update_and_prepare, serve_step
 from jaxprep.serving.workload import DenseCheck, Workload, check_against_dense, random_workload
 
 __all__ = [
     "AddRequests", "AppendBlocks", "BlockAllocator", "DenseCheck", "Engine", "FinishRequests", "HostRows",
     "InvalidUpdateError", "KVCache", "LoopStats", "ModelConfig", "NO_TOKEN", "PAD_ROW", "Request", "Schedule",
     "Scheduler", "SchedulerOutput", "ServingBatch", "ServingConfig", "ServingState", "StepUpdates",
-    "Workload", "check_against_dense", "dense_forward", "init_params", "paged_forward", "prepare_step",
+    "Workload", "check_against_dense", "dense_forward", "init_params", "paged_forward", "update_and_prepare",
     "random_workload", "serve_step",
 ]

@@ -28,27 +28,27 @@ class ServingBatch:
         self.rows = checks.HostRows.empty(config.max_num_reqs)
 
     def finish_requests(self, payload: FinishRequests) -> None:
-        self._apply(checks.check_finish(self.rows, payload, self.config), transitions.finish_jit, payload)
+        self._apply(checks.check_finish(self.rows, payload, self.config), transitions.finish, payload)
 
     def add_requests(self, payload: AddRequests) -> None:
-        self._apply(checks.check_add(self.rows, payload, self.config), transitions.add_jit, payload)
+        self._apply(checks.check_add(self.rows, payload, self.config), transitions.add, payload)
 
     def append_block_ids(self, payload: AppendBlocks) -> None:
-        self._apply(checks.check_append(self.rows, payload, self.config), transitions.append_jit, payload)
+        self._apply(checks.check_append(self.rows, payload, self.config), transitions.append, payload)
 
     def schedule(self, payload: Schedule) -> None:
-        self._apply(checks.check_schedule(self.rows, payload, self.config), transitions.schedule_jit, payload)
+        self._apply(checks.check_schedule(self.rows, payload, self.config), transitions.schedule, payload)
 
     def apply_updates(self, updates: StepUpdates) -> None:
         """finish, add, append and schedule in one dispatch."""
-        self._apply(checks.check_updates(self.rows, updates, self.config), transitions.apply_updates_jit, updates)
+        self._apply(checks.check_updates(self.rows, updates, self.config), transitions.apply_updates, updates)
 
     def record_sampled(self, idx_mapping, sampled_token_ids, num_sampled) -> None:
         """Records one step's sampled tokens (``sampled_token_ids`` [R_pad, n], ``num_sampled`` [R_pad])."""
         idx_mapping, num_sampled = np.asarray(idx_mapping, np.int32), np.asarray(num_sampled, np.int32)
         sampled_token_ids = np.asarray(sampled_token_ids, np.int32)
         rows = checks.check_record(self.rows, idx_mapping, sampled_token_ids, num_sampled, self.config)
-        self.state = transitions.record_sampled_jit(self.state, idx_mapping, sampled_token_ids, num_sampled)
+        self.state = transitions.record_sampled(self.state, idx_mapping, sampled_token_ids, num_sampled)
         self.rows = rows
 
     def serve(self, kv_cache: KVCache, params, updates: StepUpdates, *, model: ModelConfig,

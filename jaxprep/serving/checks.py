@@ -27,7 +27,7 @@ class HostRows:
     """Host copies of the per-row counters (int64 [max_num_reqs] each)."""
 
     num_tokens: np.ndarray
-    max_num_tokens: np.ndarray
+    stop_len: np.ndarray
     num_computed_tokens: np.ndarray
     num_blocks: np.ndarray
     num_scheduled_tokens: np.ndarray
@@ -80,7 +80,7 @@ def _finish(rows: HostRows, payload, config: ServingConfig) -> None:
 
 
 def _add(rows: HostRows, payload, config: ServingConfig) -> None:
-    """Rows free, 1 <= num_tokens <= max_num_tokens <= max_model_len, prefix-cache hits inside the
+    """Rows free, 1 <= num_tokens <= stop_len <= max_model_len, prefix-cache hits inside the
     tokens and their blocks, block counts within the row, block ids allocatable."""
     prep = config.prep
     entries = np.flatnonzero(np.asarray(payload.rows) != -1)
@@ -89,11 +89,11 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
     if len(busy):
         _fail(f"AddRequests.rows: row {int(busy[0])} is busy; finish its request first")
     for i in entries:
-        num_tokens, max_num_tokens = int(payload.num_tokens[i]), int(payload.max_num_tokens[i])
+        num_tokens, stop_len = int(payload.num_tokens[i]), int(payload.stop_len[i])
         computed, num_blocks = int(payload.num_computed_tokens[i]), int(payload.num_blocks[i])
         where = f"AddRequests entry {i} (row {int(payload.rows[i])})"
-        if not 1 <= num_tokens <= max_num_tokens <= prep.max_model_len:
-            _fail(f"{where}: need 1 <= num_tokens={num_tokens} <= max_num_tokens={max_num_tokens} "
+        if not 1 <= num_tokens <= stop_len <= prep.max_model_len:
+            _fail(f"{where}: need 1 <= num_tokens={num_tokens} <= stop_len={stop_len} "
                   f"<= max_model_len={prep.max_model_len}")
         if not 0 <= num_blocks <= prep.max_blocks_per_req:
             _fail(f"{where}: num_blocks={num_blocks} is outside [0, max_blocks_per_req={prep.max_blocks_per_req}]")
@@ -102,7 +102,7 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
                   f"its num_blocks={num_blocks} blocks of {prep.block_size}")
         _check_block_ids(f"AddRequests.block_ids[{i}]", np.asarray(payload.block_ids[i][:num_blocks]), config)
     rows.num_tokens[real] = payload.num_tokens[entries]
-    rows.max_num_tokens[real] = payload.max_num_tokens[entries]
+    rows.stop_len[real] = payload.stop_len[entries]
     rows.num_computed_tokens[real] = payload.num_computed_tokens[entries]
     rows.num_blocks[real] = payload.num_blocks[entries]
     rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0

@@ -21,7 +21,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.engine import Engine, LoopStats, split_updates
 from jaxprep.serving.model import ModelConfig, init_params
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
-from jaxprep.serving.sharded import (ShardedServingBatch, apply_updates_sharded, prepare_step_sharded, replicated,
+from jaxprep.serving.sharded import (ShardedServingBatch, apply_updates_sharded, update_and_prepare_sharded, replicated,
                                      serve_step_sharded, sharded_kv_cache)
 from jaxprep.serving.state import StepUpdates
 from jaxprep.sharding import dp_bucket
@@ -57,7 +57,7 @@ class DataParallelEngine(Engine):
             lowered.append(serve_step_sharded.lower(state, self.kv_cache, self.params, packed, config=config,
                                                     model=self.model, num_tokens_padded=bucket, mesh=mesh))
             if self.time_prep:
-                lowered.append(prepare_step_sharded.lower(state, packed, config=config, num_tokens_padded=bucket,
+                lowered.append(update_and_prepare_sharded.lower(state, packed, config=config, num_tokens_padded=bucket,
                                                           mesh=mesh))
         compile_all(lowered, threads)
         return time.perf_counter() - start
@@ -86,7 +86,7 @@ class DataParallelEngine(Engine):
         packed = self.batch.packed(updates)
         if self.time_prep:
             begin = time.perf_counter()
-            jax.block_until_ready(prepare_step_sharded(self.batch.state, packed, config=self.config,
+            jax.block_until_ready(update_and_prepare_sharded(self.batch.state, packed, config=self.config,
                                                        num_tokens_padded=bucket, mesh=self.mesh))
             self.stats.prep_us.append((time.perf_counter() - begin) * 1e6)
         self.kv_cache, tokens = self.batch.serve(self.kv_cache, self.params, updates, model=self.model,

@@ -18,7 +18,7 @@ from jaxprep.serving.model import KVCache, ModelConfig, init_params
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
-from jaxprep.serving.step import prepare_step, serve_step
+from jaxprep.serving.step import update_and_prepare, serve_step
 
 
 @dataclasses.dataclass
@@ -64,12 +64,12 @@ class Engine:
         start = time.perf_counter()
         packed = pack_updates(StepUpdates.build(self.config))
         state, config = self.batch.state, self.config
-        lowered = [transitions.apply_updates_jit.lower(state, StepUpdates.build(config))]
+        lowered = [transitions.apply_updates.lower(state, StepUpdates.build(config))]
         for bucket in config.prep.token_buckets:
             lowered.append(serve_step.lower(state, self.kv_cache, self.params, packed, config=config,
                                             model=self.model, num_tokens_padded=bucket))
             if self.time_prep:
-                lowered.append(prepare_step.lower(state, packed, config=config, num_tokens_padded=bucket))
+                lowered.append(update_and_prepare.lower(state, packed, config=config, num_tokens_padded=bucket))
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
             list(pool.map(lambda stage: stage.compile(), lowered))
         return time.perf_counter() - start
@@ -87,7 +87,7 @@ class Engine:
         packed = pack_updates(updates)
         if self.time_prep:
             start = time.perf_counter()
-            jax.block_until_ready(prepare_step(self.batch.state, packed, config=self.config, num_tokens_padded=bucket))
+            jax.block_until_ready(update_and_prepare(self.batch.state, packed, config=self.config, num_tokens_padded=bucket))
             self.stats.prep_us.append((time.perf_counter() - start) * 1e6)
         self.kv_cache, tokens = self.batch.serve(self.kv_cache, self.params, updates, model=self.model,
                                                  num_tokens_padded=bucket, packed=packed)

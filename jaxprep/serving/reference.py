@@ -11,7 +11,7 @@ from jaxprep._constants import NULL_BLOCK_ID
 
 
 def empty_state(max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> dict[str, np.ndarray]:
-    counters = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "max_num_tokens", "num_blocks",
+    counters = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "stop_len", "num_blocks",
                 "num_draft_tokens")
     state = {name: np.zeros(max_num_reqs, np.int64) for name in counters}
     state["token_ids"] = np.zeros((max_num_reqs, max_model_len), np.int64)
@@ -24,7 +24,7 @@ def finish(state: dict, rows) -> dict:
     for row in rows:
         if row == -1:
             continue
-        for name in ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "max_num_tokens", "num_blocks",
+        for name in ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "stop_len", "num_blocks",
                      "num_draft_tokens"):
             state[name][row] = 0
         state["block_table"][row, :] = NULL_BLOCK_ID
@@ -39,7 +39,7 @@ def add(state: dict, payload) -> dict:
         state["token_ids"][row, :] = payload.token_ids[i]
         state["block_table"][row, :] = payload.block_ids[i]
         state["num_tokens"][row] = payload.num_tokens[i]
-        state["max_num_tokens"][row] = payload.max_num_tokens[i]
+        state["stop_len"][row] = payload.stop_len[i]
         state["num_computed_tokens"][row] = payload.num_computed_tokens[i]
         state["num_blocks"][row] = payload.num_blocks[i]
         state["num_scheduled_tokens"][row] = state["num_draft_tokens"][row] = 0

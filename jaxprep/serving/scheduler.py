@@ -66,7 +66,9 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def max_num_tokens(self, max_model_len: int) -> int:
+    def stop_len(self, max_model_len: int) -> int:
+        """``num_tokens`` (prompt + outputs) at which the request stops: ``max_tokens`` outputs, or
+        ``max_model_len`` (vLLM's two length stops)."""
         return min(len(self.prompt_token_ids) + self.max_tokens, max_model_len)
 
 
@@ -75,7 +77,7 @@ class SchedulerOutput:
     """One step's decisions, by state row."""
 
     finished_rows: list[int]  # rows to free first (finished last step, or preempted now)
-    new_requests: list[dict]  # AddRequests entries: row, token_ids, max_num_tokens, block_ids
+    new_requests: list[dict]  # AddRequests entries: row, token_ids, stop_len, block_ids
     new_block_ids: dict[int, list[int]]  # row -> blocks appended to a running request
     num_scheduled_tokens: np.ndarray  # [max_num_reqs]
     decode_steps: int = 1  # > 1: every scheduled row decodes, up to this many tokens on the device
@@ -104,7 +106,7 @@ class Scheduler:
         if not 0 < length < prep.max_model_len or request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: prompt of {length} tokens must lie in "
                              f"[1, max_model_len={prep.max_model_len}) and max_tokens={request.max_tokens} >= 1")
-        blocks = cdiv(request.max_num_tokens(prep.max_model_len), prep.block_size)
+        blocks = cdiv(request.stop_len(prep.max_model_len), prep.block_size)
         if blocks > self.config.num_blocks - 1:
             raise ValueError(f"request {request.request_id} may need {blocks} blocks; the cache has "
                              f"{self.config.num_blocks - 1} allocatable")
@@ -177,7 +179,7 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             out.new_requests.append(dict(row=request.row, token_ids=request.all_token_ids,
-                                         max_num_tokens=request.max_num_tokens(self.config.max_model_len),
+                                         stop_len=request.stop_len(self.config.max_model_len),
                                          block_ids=list(request.block_ids)))
             out.num_scheduled_tokens[request.row] = num_new
             budget -= num_new
@@ -191,8 +193,8 @@ class Scheduler:
         if any(r.num_computed_tokens != r.num_tokens - 1 or out.num_scheduled_tokens[r.row] != 1 for r in self.running):
             return
         for request in self.running:
-            # K decodes compute positions C .. C+K-1; the last token worth computing is max_num_tokens - 2
-            num_positions = min(request.num_computed_tokens + steps, request.max_num_tokens(max_model_len) - 1)
+            # K decodes compute positions C .. C+K-1; the last token worth computing is stop_len - 2
+            num_positions = min(request.num_computed_tokens + steps, request.stop_len(max_model_len) - 1)
             needed = cdiv(num_positions, self.config.block_size) - len(request.block_ids)
             needed = min(needed, self.allocator.num_free)
             if needed > 0:

@@ -23,8 +23,8 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ModelConfig
 from jaxprep.serving.packing import pack_updates, unpack_updates
 from jaxprep.serving.state import ServingState, StepUpdates
-from jaxprep.serving.step import prepare_body, serve_body
-from jaxprep.serving.transitions import apply_updates
+from jaxprep.serving.step import update_and_prepare_body, serve_body
+from jaxprep.serving.transitions import apply_updates_body
 from jaxprep.sharding import DATA_AXIS, shard_rows
 
 ROWS = PartitionSpec(DATA_AXIS)  # leading axis split by rank
@@ -53,21 +53,21 @@ def serve_step_sharded(state: ServingState, kv_cache: KVCache, params, packed: j
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames="state")
 def apply_updates_sharded(state: ServingState, packed: jax.Array, *, config: ServingConfig, mesh: Mesh):
-    """`apply_updates` on every rank at once (the extra adds and appends of a crowded step)."""
+    """`apply_updates_body` on every rank at once (the extra adds and appends of a crowded step)."""
 
     def rank_update(state, packed):
-        return apply_updates(state, unpack_updates(packed[0], config))
+        return apply_updates_body(state, unpack_updates(packed[0], config))
 
     return _per_rank(rank_update, mesh, (ROWS, ROWS), ROWS)(state, packed)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded", "mesh"))
-def prepare_step_sharded(state: ServingState, packed: jax.Array, *, config: ServingConfig, num_tokens_padded: int,
+def update_and_prepare_sharded(state: ServingState, packed: jax.Array, *, config: ServingConfig, num_tokens_padded: int,
                          mesh: Mesh):
     """The preparation part of `serve_step_sharded` alone, not donating (what the simulator times)."""
 
     def rank_prepare(state, packed):
-        return jax.tree.map(lambda leaf: leaf[None], prepare_body(state, packed[0], config, num_tokens_padded))
+        return jax.tree.map(lambda leaf: leaf[None], update_and_prepare_body(state, packed[0], config, num_tokens_padded))
 
     return _per_rank(rank_prepare, mesh, (ROWS, ROWS), ROWS)(state, packed)
 

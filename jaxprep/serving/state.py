@@ -34,7 +34,7 @@ class ServingState:
 
     batch: BatchState  # token_ids, block_table, num_computed_tokens (authoritative), num_scheduled_tokens
     num_tokens: jax.Array  # [max_num_reqs] prompt + sampled tokens in token_ids; 0 = free row
-    max_num_tokens: jax.Array  # [max_num_reqs] stop length: min(prompt + max_tokens, max_model_len)
+    stop_len: jax.Array  # [max_num_reqs] num_tokens at which the request stops: min(prompt + max_tokens, max_model_len)
     num_blocks: jax.Array  # [max_num_reqs] allocated block-table columns
     num_draft_tokens: jax.Array  # [max_num_reqs] draft tokens scheduled this step (spec decode)
 
@@ -44,7 +44,7 @@ class ServingState:
         def zeros():  # one buffer per field: donation rejects a buffer passed twice
             return jnp.zeros((config.max_num_reqs,), jnp.int32)
 
-        return cls(batch=BatchState.empty(config.prep), num_tokens=zeros(), max_num_tokens=zeros(),
+        return cls(batch=BatchState.empty(config.prep), num_tokens=zeros(), stop_len=zeros(),
                    num_blocks=zeros(), num_draft_tokens=zeros())
 
     def to_numpy(self) -> dict[str, np.ndarray]:
@@ -76,14 +76,14 @@ class AddRequests:
     rows: HostOrDevice  # [A] state rows; pad -1 (A = max_new_reqs_per_step)
     token_ids: HostOrDevice  # [A, max_model_len] prompt (+ resumed outputs), zero past num_tokens
     num_tokens: HostOrDevice  # [A] tokens written
-    max_num_tokens: HostOrDevice  # [A] stop length
+    stop_len: HostOrDevice  # [A] num_tokens at which the request stops
     num_computed_tokens: HostOrDevice  # [A] > 0 after a prefix-cache hit
     block_ids: HostOrDevice  # [A, max_blocks_per_req] allocated blocks, null block 0 past num_blocks
     num_blocks: HostOrDevice  # [A]
 
     @classmethod
     def build(cls, config: ServingConfig, requests=()) -> AddRequests:
-        """``requests``: dicts with row, token_ids, max_num_tokens, block_ids and optionally
+        """``requests``: dicts with row, token_ids, stop_len, block_ids and optionally
         num_computed_tokens (default 0). At most ``max_new_reqs_per_step`` of them."""
         size, prep = config.max_new_reqs_per_step, config.prep
         requests = list(requests)
@@ -91,7 +91,7 @@ class AddRequests:
             raise ValueError(f"AddRequests holds at most max_new_reqs_per_step={size} requests, got {len(requests)}")
         arrays = dict(rows=np.full(size, PAD_ROW, np.int32),
                       token_ids=np.zeros((size, prep.max_model_len), np.int32),
-                      num_tokens=np.zeros(size, np.int32), max_num_tokens=np.zeros(size, np.int32),
+                      num_tokens=np.zeros(size, np.int32), stop_len=np.zeros(size, np.int32),
                       num_computed_tokens=np.zeros(size, np.int32),
                       block_ids=np.full((size, prep.max_blocks_per_req), NULL_BLOCK_ID, np.int32),
                       num_blocks=np.zeros(size, np.int32))
@@ -102,7 +102,7 @@ class AddRequests:
             _fill_row(arrays["block_ids"], i, blocks, "AddRequests.block_ids", "max_blocks_per_req")
             arrays["num_tokens"][i] = len(tokens)
             arrays["num_blocks"][i] = len(blocks)
-            arrays["max_num_tokens"][i] = request["max_num_tokens"]
+            arrays["stop_len"][i] = request["stop_len"]
             arrays["num_computed_tokens"][i] = request.get("num_computed_tokens", 0)
         return cls(**arrays)
 

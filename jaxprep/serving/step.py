@@ -6,7 +6,7 @@ the payload's ``decode_steps`` (a traced count) says how many it may run. Iterat
 scheduled batch (prefill chunks and decodes alike). With ``decode_steps > 1`` the host promises
 every scheduled row is decoding, and each further iteration decodes one more token for every row
 still active (tpu-inference's continue_decode, PEERS §1.7). A row stops at EOS, at its
-``max_num_tokens``, or when its next token has no allocated block. One executable per token bucket
+``stop_len``, or when its next token has no allocated block. One executable per token bucket
 therefore serves single steps and multi-step decode alike.
 """
 
@@ -23,7 +23,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ModelConfig, paged_forward
 from jaxprep.serving.packing import unpack_updates
 from jaxprep.serving.state import ServingState
-from jaxprep.serving.transitions import apply_updates, record_sampled, row_index
+from jaxprep.serving.transitions import apply_updates_body, record_sampled_body, row_index
 
 NO_TOKEN = -1
 """Entry of `serve_step`'s token output for a row that sampled nothing in that iteration."""
@@ -47,21 +47,21 @@ def serve_body(state: ServingState, kv_cache: KVCache, params, packed_updates: j
     """The traced body of `serve_step` (no jit of its own), for callers that wrap it further
     (`jaxprep.serving.data_parallel` runs it on every device of a mesh)."""
     updates = unpack_updates(packed_updates, config)
-    state = apply_updates(state, updates)
+    state = apply_updates_body(state, updates)
     return _run_iterations(state, kv_cache, params, jnp.clip(updates.decode_steps[0], 1, config.decode_steps),
                            config, model, num_tokens_padded)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
-def prepare_step(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig, num_tokens_padded: int):
+def update_and_prepare(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig, num_tokens_padded: int):
     """The input-preparation part of `serve_step` alone (unpack, updates, `prepare_padded`), not
     donating: what the simulator times as prep."""
-    return prepare_body(state, packed_updates, config, num_tokens_padded)
+    return update_and_prepare_body(state, packed_updates, config, num_tokens_padded)
 
 
-def prepare_body(state: ServingState, packed_updates: jax.Array, config: ServingConfig, num_tokens_padded: int):
-    """The traced body of `prepare_step`."""
-    state = apply_updates(state, unpack_updates(packed_updates, config))
+def update_and_prepare_body(state: ServingState, packed_updates: jax.Array, config: ServingConfig, num_tokens_padded: int):
+    """The traced body of `update_and_prepare`."""
+    state = apply_updates_body(state, unpack_updates(packed_updates, config))
     return prepare_padded(state.batch, config.prep, num_tokens_padded)
 
 
@@ -72,7 +72,7 @@ def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: M
                                      max_model_len=config.max_model_len)
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R_pad]
     num_tokens_before = state.num_tokens
-    state = record_sampled(state, inputs.idx_mapping, sampled[:, None], jnp.ones_like(sampled))
+    state = record_sampled_body(state, inputs.idx_mapping, sampled[:, None], jnp.ones_like(sampled))
     # idx_mapping [2, 0, -1], sampled [a, b, c] -> per row [b, -, a, -]; discarded rows stay NO_TOKEN
     rows = row_index(inputs.idx_mapping, state.num_tokens.shape[0])
     per_row = jnp.full(state.num_tokens.shape, NO_TOKEN, jnp.int32).at[rows].set(sampled, mode="drop")
@@ -87,7 +87,7 @@ def _run_iterations(state, kv_cache, params, num_iterations: jax.Array, config: 
     block_size = config.block_size
 
     def still_active(state, tokens):
-        stop = (tokens == NO_TOKEN) | (tokens == config.eos_token_id) | (state.num_tokens >= state.max_num_tokens)
+        stop = (tokens == NO_TOKEN) | (tokens == config.eos_token_id) | (state.num_tokens >= state.stop_len)
         # the next iteration computes position num_computed_tokens: its block must be allocated
         return ~(stop | (state.batch.num_computed_tokens >= state.num_blocks * block_size))
 

@@ -1,4 +1,5 @@
-"""Pure device transitions ``ServingState -> ServingState`` and their jitted, donating forms.
+"""Device transitions ``ServingState -> ServingState``: each ``*_body`` is the pure traced
+transition, the plain name its jitted form that donates the state.
 
 Each transition is a handful of scatters with ``mode='drop'``. Padded payload rows (-1) are first
 mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1 index to the last row even
@@ -37,7 +38,7 @@ def _replace_batch(state: ServingState, **fields) -> ServingState:
     return dataclasses.replace(state, batch=dataclasses.replace(state.batch, **fields))
 
 
-def finish(state: ServingState, payload: FinishRequests) -> ServingState:
+def finish_body(state: ServingState, payload: FinishRequests) -> ServingState:
     """Frees rows: counters to 0 and block-table rows to the null block (token ids are left stale)."""
     rows = row_index(payload.rows, state.num_tokens.shape[0])
     batch = state.batch
@@ -45,12 +46,12 @@ def finish(state: ServingState, payload: FinishRequests) -> ServingState:
                            num_computed_tokens=_set(batch.num_computed_tokens, rows, 0),
                            num_scheduled_tokens=_set(batch.num_scheduled_tokens, rows, 0))
     return dataclasses.replace(state, num_tokens=_set(state.num_tokens, rows, 0),
-                               max_num_tokens=_set(state.max_num_tokens, rows, 0),
+                               stop_len=_set(state.stop_len, rows, 0),
                                num_blocks=_set(state.num_blocks, rows, 0),
                                num_draft_tokens=_set(state.num_draft_tokens, rows, 0))
 
 
-def add(state: ServingState, payload: AddRequests) -> ServingState:
+def add_body(state: ServingState, payload: AddRequests) -> ServingState:
     """Writes whole rows: token ids, block ids and counters of new or resumed requests."""
     rows = row_index(payload.rows, state.num_tokens.shape[0])
     batch = state.batch
@@ -59,12 +60,12 @@ def add(state: ServingState, payload: AddRequests) -> ServingState:
                            num_computed_tokens=_set(batch.num_computed_tokens, rows, payload.num_computed_tokens),
                            num_scheduled_tokens=_set(batch.num_scheduled_tokens, rows, 0))
     return dataclasses.replace(state, num_tokens=_set(state.num_tokens, rows, payload.num_tokens),
-                               max_num_tokens=_set(state.max_num_tokens, rows, payload.max_num_tokens),
+                               stop_len=_set(state.stop_len, rows, payload.stop_len),
                                num_blocks=_set(state.num_blocks, rows, payload.num_blocks),
                                num_draft_tokens=_set(state.num_draft_tokens, rows, 0))
 
 
-def append(state: ServingState, payload: AppendBlocks) -> ServingState:
+def append_body(state: ServingState, payload: AppendBlocks) -> ServingState:
     """Appends block ids after each row's ``num_blocks`` columns (vLLM ``append_row``).
 
     An entry's column is the row's block count plus the number of earlier entries for that row.
@@ -82,7 +83,7 @@ def append(state: ServingState, payload: AppendBlocks) -> ServingState:
     return dataclasses.replace(_replace_batch(state, block_table=block_table), num_blocks=num_blocks)
 
 
-def schedule(state: ServingState, payload: Schedule) -> ServingState:
+def schedule_body(state: ServingState, payload: Schedule) -> ServingState:
     """Sets every row's scheduled and draft counts and writes the draft ids after ``num_tokens``.
 
     # num_tokens [5], num_draft [2], drafts [[41, 42, 0]] -> token_ids[0, 5:7] = [41, 42]
@@ -101,15 +102,15 @@ def schedule(state: ServingState, payload: Schedule) -> ServingState:
     return dataclasses.replace(state, num_draft_tokens=num_draft)
 
 
-def apply_updates(state: ServingState, updates: StepUpdates) -> ServingState:
+def apply_updates_body(state: ServingState, updates: StepUpdates) -> ServingState:
     """finish, then add, then append, then schedule."""
-    state = finish(state, updates.finish)
-    state = add(state, updates.add)
-    state = append(state, updates.append)
-    return schedule(state, updates.schedule)
+    state = finish_body(state, updates.finish)
+    state = add_body(state, updates.add)
+    state = append_body(state, updates.append)
+    return schedule_body(state, updates.schedule)
 
 
-def record_sampled(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
+def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
                    num_sampled: jax.Array) -> ServingState:
     """Post-update of one step (vLLM V2 ``_post_update_kernel``): advances the device counters.
 
@@ -147,9 +148,9 @@ def _donating(fn):
     return functools.wraps(fn)(jax.jit(fn, donate_argnums=0))
 
 
-finish_jit = _donating(finish)
-add_jit = _donating(add)
-append_jit = _donating(append)
-schedule_jit = _donating(schedule)
-apply_updates_jit = _donating(apply_updates)
-record_sampled_jit = _donating(record_sampled)
+finish = _donating(finish_body)
+add = _donating(add_body)
+append = _donating(append_body)
+schedule = _donating(schedule_body)
+apply_updates = _donating(apply_updates_body)
+record_sampled = _donating(record_sampled_body)
