@@ -75,8 +75,9 @@ class Runner:
 
 def base_env(args) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    if args.dry_run:
+    if args.dry_run:  # nothing is installed: the steps import this checkout, not an installed jaxprep
         env["JAX_PLATFORMS"] = "cpu"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -7,7 +7,7 @@ and both sides in turn, so the rounds spread over the run and load from other pr
 every cell alike.
 
 The state is already on the device; jaxprep's time includes fetching every output back as host
-NumPy arrays (`jaxprep.host.prepare_to_host`: one packed buffer plus the block table; the
+NumPy arrays (`jaxprep.prepare_to_host`: one packed buffer plus the block table; the
 per-field column fetches the 12 arrays of `prepare_padded` one by one). The reference is vLLM's
 host-side NumPy preparation (`jaxprep.reference`) on host arrays. Compile time is reported apart.
 """
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from common import add_timing_arguments, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 from jaxprep import BatchState, PrepConfig, prepare_padded  # noqa: E402
-from jaxprep.host import prepare_to_host  # noqa: E402
+from jaxprep.prepare import prepare_to_host  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
 from jaxprep.reference import prepare_reference  # noqa: E402
 

@@ -10,7 +10,7 @@ have every output on the host:
   and one sampled token id written per row (after its scheduled tokens);
 - jaxprep: one jitted call with the state donated (updated in place) takes the update as one packed
   int32 array, applies it and runs `prepare_body`; the outputs come back packed (one buffer plus
-  the gathered block table, `jaxprep.host.unpack_host`);
+  the gathered block table, `jaxprep.prepare.unpack_to_host`);
 - reference: the same update applied in place to host NumPy tables, then
   `jaxprep.reference.prepare_reference` (vLLM's host-side preparation).
 
@@ -42,8 +42,9 @@ import numpy as np  # noqa: E402
 from bench_prepare import GOALS, SHAPES, make_batch  # noqa: E402
 from common import add_timing_arguments, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 from jaxprep import BatchState, PrepConfig  # noqa: E402
-from jaxprep.host import _PACKED_FIELDS, _flat_fields, unpack_host  # noqa: E402
-from jaxprep.prepare import prepare_body  # noqa: E402
+from jaxprep.metadata import step_fields  # noqa: E402
+from jaxprep.packing import pack_body  # noqa: E402
+from jaxprep.prepare import HOST_PACKED, prepare_body, unpack_to_host  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
 
@@ -107,17 +108,15 @@ def update_and_prepare(state: BatchState, num_computed_tokens, num_scheduled_tok
     state = dataclasses.replace(state, num_computed_tokens=num_computed_tokens,
                                 num_scheduled_tokens=num_scheduled_tokens, block_table=block_table,
                                 token_ids=token_ids)
-    step = prepare_body(state, config, num_tokens_padded)
-    fields = _flat_fields(step)
-    words = jnp.concatenate([jnp.ravel(fields[name]) for name, _ in _PACKED_FIELDS])
-    return state, words, step.attn_metadata.block_table
+    fields = step_fields(prepare_body(state, config, num_tokens_padded))
+    return state, pack_body(fields, HOST_PACKED), fields["block_table"]
 
 
 def run_update(state, update: dict, config: PrepConfig, bucket: int):
     """jaxprep's whole step: three small host arrays in, the new state and the host step out."""
     state, words, table = update_and_prepare(state, update["num_computed_tokens"], update["num_scheduled_tokens"],
                                              pack_edits(update), config, bucket)
-    return state, unpack_host(np.asarray(words), np.asarray(table), bucket)
+    return state, unpack_to_host(words, table, config, bucket)
 
 
 def check_against_reference(config, arrays, updates, bucket) -> None:

@@ -11,7 +11,7 @@ from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, P
 from jaxprep.compilation import CompileCount, count_compiles, warmup
 from jaxprep.config import PrepConfig, default_token_buckets
 from jaxprep.metadata import AttentionMetadata, StepInputs
-from jaxprep.prepare import prepare_inputs, prepare_padded
+from jaxprep.prepare import prepare_inputs, prepare_padded, prepare_to_host
 from jaxprep.state import BatchState
 from jaxprep.validate import InvalidBatchError, validate
 # optional features (FeatureConfig switches)
@@ -24,7 +24,8 @@ from jaxprep.features.spec_decode import SpecDecodeMetadata
 __all__ = [
     "AttentionMetadata", "BatchState", "CompileCount", "InvalidBatchError", "NULL_BLOCK_ID", "PAD_INPUT_ID",
     "PAD_LOGITS_INDEX", "PAD_POSITION", "PAD_SEQ_LEN", "PAD_SLOT_ID", "PAD_STATE_ROW", "PrepConfig",
-    "StepInputs", "count_compiles", "default_token_buckets", "prepare_inputs", "prepare_padded", "validate",
+    "StepInputs", "count_compiles", "default_token_buckets", "prepare_inputs", "prepare_padded", "prepare_to_host",
+    "validate",
     "warmup",
     "AttnState", "DCPConfig", "FeatureConfig", "KVCacheGroupSpec", "KVGroupMetadata", "PromptEmbedsMetadata",
     "SpecDecodeMetadata", "qwen2vl_prompt_positions",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._constants import INT32_MAX, NULL_BLOCK_ID
 
 
 class InvalidBatchError(ValueError):
@@ -17,6 +17,14 @@ class InvalidBatchError(ValueError):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def max_block_id(num_blocks: int | None, block_size: int) -> int:
+    """Largest valid block id: ``num_blocks - 1``, or (no cache size) the last block whose slots fit int32.
+
+    # num_blocks 64 -> 63; None, block size 16 -> (2**31 - 1) // 16 - 1 = 134217726
+    """
+    return num_blocks - 1 if num_blocks is not None else INT32_MAX // block_size - 1
 
 
 def check_positive_int(name: str, value) -> None:

@@ -1,4 +1,5 @@
-"""Where every batch row and every token of a step comes from: the index part of `prepare_body`.
+"""Where every batch row and every token of a step comes from: the index part of `prepare_body`,
+and what the optional features read of it.
 
 Two layouts give the same answer. Without `FeatureConfig.reorder` the batch is the rows with
 work in state-row order, so token ranges follow state rows: one scan over the state rows gives
@@ -13,12 +14,11 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxprep._typing import Array, Bool, Int32
 
-from jaxprep._ragged import prefix_sum, stack, take_rows, token_request_index
-from jaxprep.features.reorder import reordered_rows
+from jaxprep._ragged import prefix_sum, stack, take_rows, token_mask, token_request_index
 
 
 class Layout(NamedTuple):
-    """Batch rows and tokens of one step, before padding values are applied to the tokens."""
+    """Batch rows and tokens of one step: what `prepare_body` and the features index with."""
 
     rows: Int32[Array, "num_reqs_padded"]  # state row of each batch row; pad: max_num_reqs
     scheduled: Int32[Array, "num_reqs_padded"]  # pad: 0
@@ -27,15 +27,28 @@ class Layout(NamedTuple):
     is_real_req: Bool[Array, "num_reqs_padded"]
     num_reqs: Int32[Array, ""]  # rows in the batch
     num_actual_tokens: Int32[Array, ""]  # scheduled tokens
-    token_rows: Int32[Array, "num_tokens_padded"]  # state row of each token (tail: any valid row)
+    token_rows: Int32[Array, "num_tokens_padded"]  # state row of each token; pad: 0
     token_shift: Int32[Array, "num_tokens_padded"]  # position - token index, per token (tail: any)
+    is_real_token: Bool[Array, "num_tokens_padded"]  # False for the padded tail
 
 
-def batch_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int, features) -> Layout:
-    """The step's `Layout`; ``max_total`` bounds the scheduled tokens (the token budget)."""
-    if features.reorder:
-        return _reordered_layout(state, num_reqs_padded, num_tokens_padded, max_total, features)
+def batch_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int,
+                 order: Int32[Array, "num_reqs_padded"] | None = None) -> Layout:
+    """The step's `Layout`; ``max_total`` bounds the scheduled tokens (the token budget).
+
+    ``order``: the state row of each batch row when the batch is reordered
+    (`jaxprep.features.reorder.reordered_rows`, padding rows ``max_num_reqs``); None: state-row order.
+    """
+    if order is not None:
+        return _reordered_layout(state, order, num_tokens_padded, max_total)
     return _state_order_layout(state, num_reqs_padded, num_tokens_padded, max_total)
+
+
+def _layout(*, token_rows, num_actual_tokens, num_tokens_padded: int, **batch_rows) -> Layout:
+    """A `Layout` whose padded tokens read state row 0 (``token_rows`` may hold any row past the end)."""
+    is_real_token = token_mask(num_actual_tokens, num_tokens_padded)
+    return Layout(token_rows=jnp.where(is_real_token, token_rows, 0), is_real_token=is_real_token,
+                  num_actual_tokens=num_actual_tokens, **batch_rows)
 
 
 def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int) -> Layout:
@@ -60,18 +73,17 @@ def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max
     # a token's owner counts the state-row ends at or before it; rows without work end where the last one did
     token_rows = token_request_index(ends_state, num_tokens_padded)
     token_shift = (computed - (ends_state - scheduled))[token_rows]
-    return Layout(rows=rows, scheduled=batch_scheduled, computed=batch_computed, ends=ends, is_real_req=is_real_req,
-                  num_reqs=jnp.minimum(counts[-1], num_reqs_padded), num_actual_tokens=ends_state[-1],
-                  token_rows=token_rows, token_shift=token_shift)
+    return _layout(rows=rows, scheduled=batch_scheduled, computed=batch_computed, ends=ends, is_real_req=is_real_req,
+                   num_reqs=jnp.minimum(counts[-1], num_reqs_padded), num_actual_tokens=ends_state[-1],
+                   token_rows=token_rows, token_shift=token_shift, num_tokens_padded=num_tokens_padded)
 
 
-def _reordered_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int, features) -> Layout:
-    """Batch rows in the ``features.reorder`` order; tokens map to batch rows, then to state rows.
+def _reordered_layout(state, rows, num_tokens_padded: int, max_total: int) -> Layout:
+    """Batch rows in the given order; tokens map to batch rows, then to state rows.
 
     # rows [4, 1] (S[4] = 1, S[1] = 3) -> ends [1, 4] -> token batch rows [0,1,1,1] -> state rows [4,1,1,1]
     """
     max_num_reqs = state.num_scheduled_tokens.shape[0]
-    rows = reordered_rows(state, num_reqs_padded, features)
     per_row = stack([state.num_scheduled_tokens, state.num_computed_tokens], axis=1)
     batch_rows = take_rows(per_row, rows, fill_value=0)
     scheduled, computed = batch_rows[:, 0], batch_rows[:, 1]
@@ -80,6 +92,6 @@ def _reordered_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_t
     owners = stack([computed - (ends - scheduled), jnp.minimum(rows, max_num_reqs - 1)], axis=1)
     token_owners = owners[token_request_index(ends, num_tokens_padded)]
     token_shift, token_rows = token_owners[:, 0], token_owners[:, 1]
-    return Layout(rows=rows, scheduled=scheduled, computed=computed, ends=ends, is_real_req=is_real_req,
-                  num_reqs=jnp.sum(is_real_req, dtype=jnp.int32), num_actual_tokens=ends[-1],
-                  token_rows=token_rows, token_shift=token_shift)
+    return _layout(rows=rows, scheduled=scheduled, computed=computed, ends=ends, is_real_req=is_real_req,
+                   num_reqs=jnp.sum(is_real_req, dtype=jnp.int32), num_actual_tokens=ends[-1],
+                   token_rows=token_rows, token_shift=token_shift, num_tokens_padded=num_tokens_padded)

@@ -8,7 +8,7 @@ import numpy as np
 from jax import Array as _DeviceArray
 
 StepArray = _DeviceArray | np.ndarray
-"""A field of a prepared step: a device array, or a host view after `jaxprep.host.prepare_to_host`."""
+"""A field of a prepared step: a device array, or a host view after `jaxprep.prepare_to_host`."""
 
 try:
     from jaxtyping import Array, Bool, Float32, Int32

@@ -6,7 +6,7 @@ import bisect
 import dataclasses
 import math
 
-from jaxprep._checks import cdiv, check_positive_int
+from jaxprep._checks import cdiv, check_positive_int, max_block_id
 from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig
 
@@ -112,10 +112,8 @@ class PrepConfig:
 
     @property
     def max_block_id(self) -> int:
-        """Largest valid block id."""
-        if self.num_blocks is not None:
-            return self.num_blocks - 1
-        return INT32_MAX // self.block_size - 1
+        """Largest valid block id (`jaxprep._checks.max_block_id`)."""
+        return max_block_id(self.num_blocks, self.block_size)
 
     def bucket_for(self, num_tokens: int) -> int:
         """The smallest bucket holding ``num_tokens`` (1 <= num_tokens <= max_num_batched_tokens)."""

@@ -8,6 +8,7 @@ bucket shares one compiled executable.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import TYPE_CHECKING
 
@@ -63,3 +64,56 @@ class StepInputs:
     @property
     def num_reqs_padded(self) -> int:
         return self.idx_mapping.shape[0]
+
+
+def _core_fields(cls) -> tuple[dataclasses.Field, ...]:
+    """Fields every step has: required and not static (a feature field defaults to None)."""
+    return tuple(f for f in dataclasses.fields(cls)
+                 if f.default is dataclasses.MISSING and not f.metadata.get("static"))
+
+
+def _dims(field: dataclasses.Field) -> tuple[str, ...]:
+    """The dimension names of a field's jaxtyping annotation: ``Int32[StepArray, "a b"]`` -> ("a", "b")."""
+    return tuple(re.search(r"""["']([^"']*)["']""", field.type).group(1).split())
+
+
+_FIELD_DIMS: dict[str, tuple[str, ...]] = {
+    **{f.name: _dims(f) for f in _core_fields(StepInputs) if f.name != "attn_metadata"},
+    **{f.name: _dims(f) for f in _core_fields(AttentionMetadata)},
+}
+STEP_FIELDS: tuple[str, ...] = tuple(_FIELD_DIMS)
+"""Names of the arrays every step has (`StepInputs` fields, then `AttentionMetadata` fields),
+read from the dataclasses: the one list of a step's core fields."""
+SCALAR_FIELDS: tuple[str, ...] = tuple(name for name, dims in _FIELD_DIMS.items() if not dims)
+"""The 0-d fields of `STEP_FIELDS`: ``num_actual_tokens``, ``num_reqs``, ``max_query_len``, ``max_seq_len``."""
+_METADATA_FIELDS = tuple(f.name for f in _core_fields(AttentionMetadata))
+_STEP_ONLY_FIELDS = tuple(name for name in STEP_FIELDS if name not in _METADATA_FIELDS)
+
+
+def step_fields(step) -> dict[str, StepArray]:
+    """The `STEP_FIELDS` arrays of ``step`` (a `StepInputs`, or anything with its fields) by name;
+    its optional feature outputs are left out."""
+    fields = {name: getattr(step, name) for name in _STEP_ONLY_FIELDS}
+    meta = step.attn_metadata
+    fields.update({name: getattr(meta, name) for name in _METADATA_FIELDS})
+    return fields
+
+
+def step_from_fields(fields: dict[str, StepArray], num_tokens_padded: int) -> StepInputs:
+    """The inverse of `step_fields`: a `StepInputs` (no features) from its `STEP_FIELDS` arrays."""
+    meta = AttentionMetadata(**{name: fields[name] for name in _METADATA_FIELDS})
+    return StepInputs(**{name: fields[name] for name in _STEP_ONLY_FIELDS}, attn_metadata=meta,
+                      num_tokens_padded=num_tokens_padded)
+
+
+def step_field_shapes(**sizes: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the `STEP_FIELDS` whose dimensions ``sizes`` all name, read from their annotations.
+
+    # num_tokens_padded=8, num_reqs_padded=3 -> input_ids (8,), query_start_loc (4,), seq_lens (3,),
+    #   num_reqs (), ... (block_table needs max_blocks_per_req too)
+    """
+    if "num_reqs_padded" in sizes:
+        sizes["num_reqs_padded_plus_1"] = sizes["num_reqs_padded"] + 1
+    return {name: tuple(sizes[d] for d in dims) for name, dims in _FIELD_DIMS.items()
+            if all(d in sizes for d in dims)}
+

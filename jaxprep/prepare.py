@@ -1,26 +1,30 @@
 """`prepare_inputs`: one jitted function from a `BatchState` to padded `StepInputs`.
 
 Semantics follow vLLM V1 ``_prepare_inputs`` (SPEC §2.1-§2.7) over the condensed batch.
+`prepare_body` is the traced step, `prepare_padded` its jit, `prepare_inputs` picks the bucket,
+and `prepare_to_host` fetches the step to NumPy in one transfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION,
-                                PAD_STATE_ROW)
-from jaxprep.config import PrepConfig
-from jaxprep.features.dispatch import StepLayout, with_features
-from jaxprep.features.masks import compressed_causal_mask
-from jaxprep.metadata import AttentionMetadata, StepInputs
+from jaxprep._constants import NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_STATE_ROW
 from jaxprep._layout import batch_layout
-from jaxprep._typing import Array, Int32
-from jaxprep._ragged import stack, take_rows, token_mask
 from jaxprep._ragged import slot_mapping as _slot_mapping
+from jaxprep._ragged import stack, take_rows
+from jaxprep._typing import Array, Int32
+from jaxprep.config import PrepConfig
+from jaxprep.features import with_features
+from jaxprep.features.masks import compressed_causal_mask
+from jaxprep.features.reorder import reordered_rows
+from jaxprep.metadata import STEP_FIELDS, AttentionMetadata, StepInputs, step_field_shapes, step_fields, step_from_fields
+from jaxprep.packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.state import BatchState
 from jaxprep.validate import validate
 
@@ -55,18 +59,18 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
 def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
     """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further."""
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
-    layout = batch_layout(state, num_reqs_padded, num_tokens_padded, config.max_num_batched_tokens, config.features)
+    features = config.features
+    order = reordered_rows(state, num_reqs_padded, features) if features.reorder else None
+    layout = batch_layout(state, num_reqs_padded, num_tokens_padded, config.max_num_batched_tokens, order)
     # ends [3,5,5,5] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
     query_start_loc = jnp.pad(layout.ends, (1, 0))
-    num_actual_tokens = layout.num_actual_tokens
-    is_real_token = token_mask(num_actual_tokens, num_tokens_padded)
+    is_real_token = layout.is_real_token
     # position = t + shift[owner]: shift = computed - first token index of the owning request
     positions = jnp.where(is_real_token, jnp.arange(num_tokens_padded, dtype=jnp.int32) + layout.token_shift,
                           PAD_POSITION)
-    token_rows = jnp.where(is_real_token, layout.token_rows, 0)
     # 2-D gathers: no flattened row * max_model_len index that could overflow int32
-    input_ids = jnp.where(is_real_token, state.token_ids[token_rows, positions], PAD_INPUT_ID)
-    slot_mapping = _slot_mapping(state.block_table, token_rows, positions, is_real_token, config.block_size)
+    input_ids = jnp.where(is_real_token, state.token_ids[layout.token_rows, positions], PAD_INPUT_ID)
+    slot_mapping = _slot_mapping(state.block_table, layout.token_rows, positions, is_real_token, config.block_size)
     seq_lens = layout.computed + layout.scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
     maxima = _maxima(state)
     attn_metadata = AttentionMetadata(
@@ -74,7 +78,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
         seq_lens=seq_lens,
         slot_mapping=slot_mapping,
         block_table=take_rows(state.block_table, layout.rows, fill_value=NULL_BLOCK_ID),
-        num_actual_tokens=num_actual_tokens,
+        num_actual_tokens=layout.num_actual_tokens,
         num_reqs=layout.num_reqs,
         max_query_len=maxima[0],
         max_seq_len=maxima[1],
@@ -87,11 +91,9 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
         attn_metadata=attn_metadata,
         num_tokens_padded=num_tokens_padded,
     )
-    if not config.features.any_on:
+    if not features.any_on:
         return step
-    features_layout = StepLayout(rows=layout.rows, scheduled=layout.scheduled, computed=layout.computed,
-                                 is_real_req=layout.is_real_req, token_rows=token_rows, is_real_token=is_real_token)
-    return with_features(step, state, config, features_layout)
+    return with_features(step, state, config, layout)
 
 
 def _maxima(state: BatchState) -> Int32[Array, "2"]:
@@ -108,4 +110,40 @@ def _maxima(state: BatchState) -> Int32[Array, "2"]:
 
 prepare_padded = jax.jit(prepare_body, static_argnames=("config", "num_tokens_padded"))
 prepare_padded.__doc__ = """The compiled core of `prepare_inputs`: one executable per (config, num_tokens_padded)."""
+
+
+# --- the step on the host, in one transfer ------------------------------------------------------
+# prepare_padded returns 12 device arrays; fetching them one by one costs about 1 us each on the
+# CPU backend, more than the preparation itself at small batches.
+
+HOST_PACKED = tuple((name, INT32) for name in STEP_FIELDS if name != "block_table")
+"""The fields `prepare_packed` packs (all but the block table, which comes back as it is)."""
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
+def prepare_packed(state: BatchState, config: PrepConfig, num_tokens_padded: int):
+    """`prepare_body` with its fields packed (`host_layout`): returns (packed words, gathered block table)."""
+    fields = step_fields(prepare_body(state, config, num_tokens_padded))
+    return pack_body(fields, HOST_PACKED), fields["block_table"]
+
+
+@functools.cache
+def host_layout(num_tokens_padded: int, num_reqs_padded: int) -> tuple[Span, ...]:
+    """Where `prepare_packed` puts each field: the `jaxprep.packing` layout of `HOST_PACKED`."""
+    shapes = step_field_shapes(num_tokens_padded=num_tokens_padded, num_reqs_padded=num_reqs_padded)
+    return layout(tuple((name, shapes[name], kind) for name, kind in HOST_PACKED))
+
+
+def prepare_to_host(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
+    """`prepare_padded`'s step as host NumPy arrays (scalars 0-d), views of one fetched buffer:
+    two transfers instead of twelve."""
+    words, block_table = prepare_packed(state, config, num_tokens_padded)
+    return unpack_to_host(words, block_table, config, num_tokens_padded)
+
+
+def unpack_to_host(words, block_table, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
+    """Fetches `prepare_packed`'s outputs and hands out a `StepInputs` of NumPy views into them."""
+    fields = unpack(np.asarray(words), host_layout(num_tokens_padded, config.num_reqs_padded(num_tokens_padded)))
+    fields["block_table"] = np.asarray(block_table)
+    return step_from_fields(fields, num_tokens_padded)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxprep._typing import Array, Bool, Int32
 
-from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._constants import MROPE_MISSING_POSITION, NO_PREV_ROW, NULL_BLOCK_ID
 from jaxprep.config import PrepConfig, block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
 
@@ -142,14 +142,14 @@ def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
             np.full((rows, block_table_width(width, g.block_size)), NULL_BLOCK_ID, INT32)
             for g in features.kv_groups[1:])
     if features.mrope:
-        out["mrope_positions"] = np.full((rows, MROPE_NUM_DIMS, width), -1, INT32)
+        out["mrope_positions"] = np.full((rows, MROPE_NUM_DIMS, width), MROPE_MISSING_POSITION, INT32)
         out["mrope_position_delta"] = zeros
     if features.prompt_embeds:
         out["is_token_ids"] = np.ones((rows, width), bool)
         out["prompt_embeds_start"] = zeros
     if features.async_tokens:
         out["prev_sampled_token_ids"] = zeros
-        out["prev_batch_rows"] = np.full((rows,), -1, INT32)
+        out["prev_batch_rows"] = np.full((rows,), NO_PREV_ROW, INT32)
         if features.spec_decode:
             out["prev_draft_token_ids"] = np.zeros((rows, features.num_speculative_tokens), INT32)
     return out

@@ -25,8 +25,9 @@ def validate(state, config: PrepConfig, *, num_tokens_padded: int | None = None)
     (not the null block 0); every block id a request uses in ``[1, config.max_block_id]``; and the
     inputs of every feature ``config.features`` turns on (`jaxprep.features.inputs`).
     """
-    host = {name: np.asarray(getattr(state, name)) for name in CORE_FIELDS}
-    optional = _feature_fields(state)
+    fields = state.to_numpy()
+    host = {name: fields[name] for name in CORE_FIELDS}
+    optional = {name: fields[name] for name in OPTIONAL_FIELDS if name in fields}
     _check_shapes(host, config)
     features.check_feature_shapes(optional, config)
     computed = host["num_computed_tokens"].astype(np.int64)
@@ -61,18 +62,6 @@ def _check_shapes(host: dict[str, np.ndarray], config: PrepConfig) -> None:
     for name, array in host.items():
         if array.dtype != np.int32:
             raise InvalidBatchError(f"BatchState.{name} has dtype {array.dtype}, expected int32")
-
-
-def _feature_fields(state) -> dict:
-    """Host copies of the optional fields that are set (a tuple field gives a tuple of arrays)."""
-    host = {}
-    for name in OPTIONAL_FIELDS:
-        value = getattr(state, name)
-        if isinstance(value, tuple):
-            host[name] = tuple(np.asarray(v) for v in value)
-        elif value is not None:
-            host[name] = np.asarray(value)
-    return host
 
 
 def _check_non_negative(name: str, values: np.ndarray) -> None:

@@ -25,8 +25,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 from jax.sharding import PartitionSpec  # noqa: E402
 
 from batches import numpy_batches  # noqa: E402
-from expect import assert_step_matches_reference, step_fields  # noqa: E402
+from expect import assert_step_matches_reference  # noqa: E402
 from jaxprep import BatchState, InvalidBatchError, PrepConfig, count_compiles  # noqa: E402
+from jaxprep.metadata import step_fields  # noqa: E402
 from jaxprep.sharding import (DATA_AXIS, data_mesh, dp_bucket, prepare_data_parallel, rank_slice,  # noqa: E402
                               stack_ranks)
 

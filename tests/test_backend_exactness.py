@@ -29,7 +29,7 @@ import pytest
 import jaxprep
 from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_padded
 from jaxprep import _ragged as ragged
-from jaxprep.host import prepare_packed
+from jaxprep.prepare import prepare_packed
 from jaxprep.serving import KVCache, ModelConfig, ServingConfig, ServingState, init_params
 from jaxprep.serving import sharded, step, transitions, workload
 from jaxprep.serving.model import MODEL_SCOPE
@@ -75,7 +75,7 @@ def _cases():
                                            ("all features + v2", LARGE_FEATURES, 8192)]]
     updates = StepUpdates.build(serving)
     cases += [
-        ("host.prepare_packed", prepare_packed, (BatchState.empty(LARGE), LARGE, 4096), {}),
+        ("prepare.prepare_packed", prepare_packed, (BatchState.empty(LARGE), LARGE, 4096), {}),
         ("serving.serve_step", step.serve_step, (state, kv_cache, params, packed),
          dict(config=serving, model=MODEL, num_tokens_padded=32)),
         ("serving.update_and_prepare", step.update_and_prepare, (state, packed), dict(config=serving, num_tokens_padded=32)),
@@ -102,7 +102,7 @@ def _bridge_cases():
     """torch_bridge's packer and FIA layout, over an every-feature step's arrays."""
     pytest.importorskip("torch")
     from torch_bridge.npu import NPU_SPEC, fia_layout
-    from torch_bridge.packing import pack
+    from jaxprep.packing import pack
     from torch_bridge.inputs import bridge_inputs
 
     config = dataclasses.replace(SMALL, features=ALL_FEATURES)
@@ -131,14 +131,14 @@ def _jitted_functions() -> set[str]:
 
 
 COVERED = {
-    "jaxprep.prepare.prepare_padded", "jaxprep.host.prepare_packed", "jaxprep.serving.step.serve_step",
+    "jaxprep.prepare.prepare_padded", "jaxprep.prepare.prepare_packed", "jaxprep.serving.step.serve_step",
     "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.transitions.apply_updates",
     "jaxprep.serving.transitions.finish", "jaxprep.serving.transitions.add",
     "jaxprep.serving.transitions.append", "jaxprep.serving.transitions.schedule",
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.workload._dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
     "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
-    "torch_bridge.packing.pack", "torch_bridge.npu.fia_layout",
+    "jaxprep.packing.pack", "torch_bridge.npu.fia_layout",
 }
 
 

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
-from jaxprep.host import packed_offsets, prepare_to_host
+from jaxprep.metadata import step_fields
+from jaxprep.prepare import host_layout, prepare_to_host
 from jaxprep._ragged import F32_EXACT_BOUND, prefix_sum
 
 from batches import numpy_batches
-from expect import assert_step_matches_reference, step_fields
+from expect import assert_step_matches_reference
 
 CONFIG = PrepConfig(max_num_reqs=12, max_model_len=96, max_num_batched_tokens=300, block_size=8)
 
@@ -28,8 +29,13 @@ def test_host_step_matches_device_step_and_reference():
         assert_step_matches_reference(host, arrays, CONFIG)
 
 
-def test_packed_offsets_example():
-    assert packed_offsets(8, 3) == (0, 8, 16, 24, 28, 31, 34, 37, 38, 39, 40, 41)
+def test_host_layout_example():
+    """8 tokens, 3 request rows: every field but the block table, end to end, scalars one word each."""
+    spans = host_layout(8, 3)
+    assert [(s.name, s.offset, s.shape) for s in spans] == [
+        ("input_ids", 0, (8,)), ("positions", 8, (8,)), ("logits_indices", 16, (3,)), ("idx_mapping", 19, (3,)),
+        ("query_start_loc", 22, (4,)), ("seq_lens", 26, (3,)), ("slot_mapping", 29, (8,)),
+        ("num_actual_tokens", 37, ()), ("num_reqs", 38, ()), ("max_query_len", 39, ()), ("max_seq_len", 40, ())]
 
 
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 63, 64, 127, 1000, 1024, 1025, 4096, 33000])

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
+from jaxprep.metadata import step_fields
 from jaxprep.sharding import data_mesh, prepare_data_parallel, rank_slice, stack_ranks
 
 from batches import numpy_batches
-from expect import assert_step_matches_reference, step_fields
+from expect import assert_step_matches_reference
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

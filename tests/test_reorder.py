@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import FeatureConfig, PrepConfig
+from jaxprep.metadata import step_fields
 from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config
 from jaxprep.reference import pad_reference
 from jaxprep.reference.requests import (batch_order_reference, prepare_reference_ordered,
@@ -63,9 +64,6 @@ CASES = [FeatureConfig(reorder="decode_first", request_distribution=True),
          FeatureConfig(reorder="v2", num_speculative_tokens=2, request_distribution=True),
          FeatureConfig(reorder="decode_first", num_speculative_tokens=2, request_distribution=True),
          FeatureConfig(request_distribution=True)]
-CORE_FIELDS = ("input_ids", "positions", "logits_indices", "idx_mapping")
-META_FIELDS = ("slot_mapping", "query_start_loc", "seq_lens", "block_table", "num_actual_tokens", "num_reqs",
-               "max_query_len", "max_seq_len")
 
 
 @pytest.mark.parametrize("mode", RUN_MODES)
@@ -82,10 +80,8 @@ def test_reordered_step_matches_reference(mode, features, data):
     ref = prepare_reference_ordered(arrays["token_ids"], arrays["block_table"], arrays["num_computed_tokens"],
                                     arrays["num_scheduled_tokens"], config.block_size, order)
     want = pad_reference(ref, step.num_tokens_padded, step.num_reqs_padded)
-    for name in CORE_FIELDS:
-        np.testing.assert_array_equal(getattr(step, name), want[name], err_msg=name)
-    for name in META_FIELDS:
-        np.testing.assert_array_equal(getattr(step.attn_metadata, name), want[name], err_msg=name)
+    for name, value in step_fields(step).items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
     distribution = request_distribution_reference(arrays["num_scheduled_tokens"][order], drafts[order])
     np.testing.assert_array_equal(step.request_distribution, distribution)
     if features.reorder == "decode_first" or features.reorder == "v2" and k == 0:  # every decode comes first

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
 from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config  # noqa: E402
+from jaxprep.metadata import SCALAR_FIELDS  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 
 from bridge_checks import JAX_TORCH_DEVICE, assert_views_of  # noqa: E402
@@ -63,7 +64,7 @@ def test_to_torch_matches_reference(example, strategy):
         assert tensor.device.type == JAX_TORCH_DEVICE
         np.testing.assert_array_equal(tensor.cpu().numpy(), expected[name], err_msg=name)
     meta = inputs.attn_metadata
-    for name in ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len"):
+    for name in SCALAR_FIELDS:
         assert type(getattr(meta, name)) is int and getattr(meta, name) == expected[name], name
     np.testing.assert_array_equal(meta.query_start_loc_cpu.cpu().numpy(), expected["query_start_loc"])
     np.testing.assert_array_equal(meta.seq_lens_cpu.cpu().numpy(), expected["seq_lens"])

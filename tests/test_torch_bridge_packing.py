@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from torch_bridge.packing import BOOL, INT32, INT64, layout, num_packed_words, pack, unpack  # noqa: E402
+from jaxprep.packing import BOOL, INT32, INT64, layout, num_packed_words, pack  # noqa: E402
+from torch_bridge.packing import unpack  # noqa: E402
 
 KINDS = (INT32, INT64, BOOL)
 

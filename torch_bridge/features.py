@@ -23,8 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxprep.packing import BOOL, INT32, INT64, FieldSpec, path_name
 from torch_bridge._torch import torch
-from torch_bridge.packing import BOOL, INT32, INT64, FieldSpec
 from torch_bridge.transfer import convert_leaf
 
 STEP_FEATURES = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
@@ -87,7 +87,7 @@ def _plan(treedef, dtypes: tuple, slot_kind: str) -> tuple[tuple[str | None, ...
     placeholders = jax.tree.unflatten(treedef, range(treedef.num_leaves))
     names, spec = [], []
     for (path, _), dtype in zip(jax.tree_util.tree_flatten_with_path(placeholders)[0], dtypes, strict=True):
-        name = field_name(path)
+        name = path_name(path)
         kind = _kind(name, dtype, slot_kind)
         names.append(None if kind is None else name)
         if kind is not None:
@@ -108,20 +108,6 @@ def torch_features(fields: FeatureFields, tensors: dict[str, torch.Tensor], devi
                                block_size=group.block_size, kernel_block_size=group.kernel_block_size)
             for group in tree["kv_groups"])
     return tree
-
-
-def field_name(path) -> str:
-    """A leaf's path in the feature tree as a field name.
-
-    # (DictKey('kv_groups'), SequenceKey(1), GetAttrKey('slot_mapping')) -> "kv_groups.1.slot_mapping"
-    """
-    parts = []
-    for key in path:
-        for attribute in ("key", "idx", "name"):
-            if hasattr(key, attribute):
-                parts.append(str(getattr(key, attribute)))
-                break
-    return ".".join(parts)
 
 
 def _kind(name: str, dtype, slot_kind: str) -> str | None:

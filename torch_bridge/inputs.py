@@ -18,12 +18,26 @@ from typing import Any
 
 import jax
 
+from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, step_fields
+from jaxprep.packing import INT32, INT64
 from torch_bridge._torch import torch
 from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
 from torch_bridge.transfer import Bridged, PackSpec, check_live, convert_leaf, with_fields
 
-SCALARS = ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len")
+SCALARS = SCALAR_FIELDS
+"""Read back as Python ints."""
 HOST_MIRRORED = ("query_start_loc", "seq_lens")
+"""On the target device and on the host (vLLM's ``query_start_loc_cpu``, ``seq_lens_cpu``)."""
+TORCH_NAMES = {"block_table": "block_table_tensor"}
+"""vLLM's ``CommonAttentionMetadata`` names where they differ from jaxprep's."""
+
+
+def core_pack_spec(int64_fields: tuple[str, ...]) -> PackSpec:
+    """How the bridge carries a step's `STEP_FIELDS`: every array on the target device (``int64_fields``
+    as int64, the rest int32), then the scalars and the host-mirrored arrays."""
+    device_only = tuple((TORCH_NAMES.get(name, name), INT64 if name in int64_fields else INT32)
+                        for name in STEP_FIELDS if name not in SCALARS + HOST_MIRRORED)
+    return PackSpec(device_only=device_only, scalars=SCALARS, host_mirrored=HOST_MIRRORED)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,10 +90,7 @@ class TorchStepInputs:
 
 def step_arrays(step_inputs) -> dict[str, jax.Array]:
     """The step's arrays under vLLM's names (``block_table`` becomes ``block_table_tensor``)."""
-    meta = step_inputs.attn_metadata
-    arrays = {name: getattr(step_inputs, name) for name in ("input_ids", "positions", "logits_indices", "idx_mapping")}
-    arrays.update({name: getattr(meta, name) for name in ("query_start_loc", "seq_lens", "slot_mapping") + SCALARS})
-    arrays["block_table_tensor"] = meta.block_table
+    arrays = {TORCH_NAMES.get(name, name): value for name, value in step_fields(step_inputs).items()}
     check_live(arrays)
     return arrays
 

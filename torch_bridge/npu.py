@@ -29,18 +29,14 @@ import jax.numpy as jnp
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._typing import Array
 from torch_bridge._torch import device_type, import_torch_npu
-from torch_bridge.packing import INT32, INT64
-from torch_bridge.inputs import HOST_MIRRORED, SCALARS, TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs
-from torch_bridge.transfer import PackSpec, bridge_packed
+from torch_bridge.inputs import TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs, core_pack_spec
+from torch_bridge.transfer import bridge_packed
 
 FIA_PAD_SEQ_LEN = 1
 """``seq_lens`` of the dummy request and of padded rows on the NPU (jaxprep pads with 0 elsewhere)."""
 
-# slot_mapping is int32 here: Ascend's reshape_and_cache takes int32 slots
-NPU_SPEC = PackSpec(
-    device_only=(("positions", INT64), ("slot_mapping", INT32), ("input_ids", INT32),
-                 ("logits_indices", INT32), ("idx_mapping", INT32), ("block_table_tensor", INT32)),
-    scalars=SCALARS, host_mirrored=HOST_MIRRORED)
+NPU_SPEC = core_pack_spec(int64_fields=("positions",))
+"""slot_mapping stays int32 here: Ascend's reshape_and_cache takes int32 slots."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,16 +7,12 @@ The tensors share memory with the step's JAX arrays (see `torch_bridge.inputs`, 
 from __future__ import annotations
 
 from torch_bridge._torch import device_type
-from torch_bridge.inputs import HOST_MIRRORED, SCALARS, TorchStepInputs, assemble, bridge_inputs
+from torch_bridge.inputs import TorchStepInputs, assemble, bridge_inputs, core_pack_spec
 from torch_bridge.npu import to_npu
-from torch_bridge.packing import INT32, INT64
-from torch_bridge.transfer import PackSpec, bridge_packed, bridge_per_field
+from torch_bridge.transfer import bridge_packed, bridge_per_field
 
-# positions and slot_mapping are int64 in vLLM's CUDA/CPU runners
-STEP_SPEC = PackSpec(
-    device_only=(("positions", INT64), ("slot_mapping", INT64), ("input_ids", INT32),
-                 ("logits_indices", INT32), ("idx_mapping", INT32), ("block_table_tensor", INT32)),
-    scalars=SCALARS, host_mirrored=HOST_MIRRORED)
+STEP_SPEC = core_pack_spec(int64_fields=("positions", "slot_mapping"))
+"""positions and slot_mapping are int64 in vLLM's CUDA/CPU runners."""
 
 STRATEGIES = {"packed": bridge_packed, "per_field": bridge_per_field}
 DEFAULT_STRATEGY = "packed"

@@ -14,9 +14,10 @@ import functools
 import jax
 import numpy as np
 
+from jaxprep.packing import INT32, INT64, FieldSpec, Span, layout_of, pack
 from torch_bridge._torch import device_type, torch
 from torch_bridge.dlpack import jax_to_torch
-from torch_bridge.packing import INT32, INT64, FieldSpec, Span, layout_of, pack, unpack
+from torch_bridge.packing import unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ def bridge_per_field(arrays: dict[str, jax.Array], pack_spec: PackSpec, device) 
 def _host_region(spans: tuple[Span, ...], num_device_only: int, num_scalars: int) -> tuple[int, tuple[Span, ...]]:
     """First word of the host region, and its spans: the scalars as one chunk, then the mirrored arrays."""
     start = spans[num_device_only].offset
-    scalars = Span("scalars", start, (num_scalars,), False, num_scalars)
+    scalars = Span("scalars", start, (num_scalars,), INT32, num_scalars)
     return start, (scalars,) + spans[num_device_only + num_scalars:]
 
 

@@ -23,11 +23,11 @@ inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
 
 from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, MROPE_NUM_DIMS, REORDER_MODES, AttnState,
                                      DCPConfig, FeatureConfig, KVCacheGroupSpec)
-from jaxprep.features.dispatch import StepLayout, with_features
+from jaxprep.features.dispatch import with_features
 from jaxprep.features.inputs import check_feature_shapes, check_feature_values, check_group_blocks, required_fields
 
 __all__ = [
     "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "AttnState", "DCPConfig",
-    "FeatureConfig", "KVCacheGroupSpec", "StepLayout", "check_feature_shapes", "check_feature_values",
+    "FeatureConfig", "KVCacheGroupSpec", "check_feature_shapes", "check_feature_values",
     "check_group_blocks", "required_fields", "with_features",
 ]

@@ -1,19 +1,19 @@
 """Adds the outputs of the optional features to a prepared step (inside `prepare_padded`'s jit).
 
 `prepare_padded` builds the plain step and, only if some feature of ``config.features`` is on,
-hands it here with the batch layout it computed. Each feature is one call into its own module
-under a static switch; a feature that is off adds nothing to the traced computation.
+hands it here with the batch layout it computed (`jaxprep._layout.Layout`). Each feature is one
+call into its own module under a static switch; a feature that is off adds nothing to the traced
+computation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._layout import Layout
 from jaxprep.features.async_tokens import write_prev_tokens
 from jaxprep.features.attn_state import attn_state
 from jaxprep.features.dcp import dcp_local_seq_lens, dcp_slot_mapping
@@ -27,18 +27,7 @@ from jaxprep.features.discard import discard_request_mask
 from jaxprep.features.spec_decode import spec_decode_metadata
 
 
-class StepLayout(NamedTuple):
-    """Intermediate arrays of `prepare_padded` that the features read."""
-
-    rows: Int32[Array, "num_reqs_padded"]  # state row of each batch row; pad: max_num_reqs
-    scheduled: Int32[Array, "num_reqs_padded"]  # pad: 0
-    computed: Int32[Array, "num_reqs_padded"]  # pad: 0
-    is_real_req: Bool[Array, "num_reqs_padded"]
-    token_rows: Int32[Array, "num_tokens_padded"]  # state row of each token; pad: 0
-    is_real_token: Bool[Array, "num_tokens_padded"]
-
-
-def with_features(step, state, config, layout: StepLayout):
+def with_features(step, state, config, layout: Layout):
     """``step`` with the outputs of every feature that ``config.features`` turns on."""
     features = config.features
     if features.spec_decode:
@@ -69,7 +58,7 @@ def with_features(step, state, config, layout: StepLayout):
     return dataclasses.replace(step, input_ids=input_ids, **updates)
 
 
-def _attention_outputs(step, state, config, layout: StepLayout, drafts) -> dict:
+def _attention_outputs(step, state, config, layout: Layout, drafts) -> dict:
     """Attention-side features: DCP, KV groups, attention state and mask, request distribution."""
     features = config.features
     meta = step.attn_metadata
@@ -93,7 +82,7 @@ def _attention_outputs(step, state, config, layout: StepLayout, drafts) -> dict:
     return out
 
 
-def _kv_groups(step, state, config, layout: StepLayout) -> tuple[KVGroupMetadata, ...]:
+def _kv_groups(step, state, config, layout: Layout) -> tuple[KVGroupMetadata, ...]:
     """One `KVGroupMetadata` per group; group 0 reads ``state.block_table``."""
     features = config.features
     tables = (state.block_table, *(state.extra_block_tables or ()))

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxprep._typing import Array, Int32, StepArray
 
-from jaxprep._checks import InvalidBatchError, cdiv, check_blocks
-from jaxprep._constants import INT32_MAX, NULL_BLOCK_ID
+from jaxprep._checks import InvalidBatchError, cdiv, check_blocks, max_block_id
+from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep.features.config import KVCacheGroupSpec
 
 
@@ -89,6 +89,5 @@ def check_group_blocks(host: dict, computed, scheduled, config) -> None:
     groups = config.features.kv_groups
     for g, table in enumerate(host.get("extra_block_tables", ()) if groups else (), start=1):
         spec = groups[g]
-        max_block_id = spec.num_blocks - 1 if spec.num_blocks is not None else INT32_MAX // spec.block_size - 1
-        check_blocks(table, computed, scheduled, spec.block_size, max_block_id,
+        check_blocks(table, computed, scheduled, spec.block_size, max_block_id(spec.num_blocks, spec.block_size),
                      dcp_world=config.features.dcp_world_size, name=f"extra_block_tables[{g - 1}]")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxprep._typing import Array, Bool, Int32, StepArray
 
 from jaxprep._checks import check_row_bound
-from jaxprep._constants import PAD_EMBEDS_INDEX, PAD_INPUT_ID
+from jaxprep._constants import INT32_MAX, PAD_EMBEDS_INDEX, PAD_INPUT_ID
 
 
 @jax.tree_util.register_dataclass
@@ -48,5 +48,5 @@ def prompt_embeds_metadata(is_token_ids: Bool[Array, "max_num_reqs max_model_len
 
 def check_pool_start(start, in_batch, max_model_len: int) -> None:
     """Host check: every pool row ``start + position`` of a row with work fits int32."""
-    check_row_bound(in_batch & ((start < 0) | (start + max_model_len > 2**31 - 1)), "prompt_embeds_start", start,
-                    "[0, 2**31 - 1 - max_model_len] (int32 pool rows)", relation="is outside")
+    check_row_bound(in_batch & ((start < 0) | (start + max_model_len > INT32_MAX)), "prompt_embeds_start", start,
+                    f"[0, {INT32_MAX - max_model_len}] (INT32_MAX - max_model_len: int32 pool rows)", relation="is outside")

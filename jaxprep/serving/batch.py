@@ -9,7 +9,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ModelConfig
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.state import AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState, StepUpdates
-from jaxprep.serving.step import serve_step
+from jaxprep.serving.step import AppendedTokens, serve_step
 
 
 class ServingBatch:
@@ -73,13 +73,10 @@ class ServingBatch:
 
 
 def advance_rows(rows: checks.HostRows, tokens: np.ndarray) -> checks.HostRows:
-    """The mirror after a serving step appended ``tokens`` [iterations, max_num_reqs] (-1 = none).
-
-    Iteration 0 computes the scheduled tokens, every later one the single token it decodes.
-    """
-    appended = tokens >= 0
-    rows.num_computed_tokens += rows.num_scheduled_tokens + appended[1:].sum(axis=0)
-    rows.num_tokens += appended.sum(axis=0)
+    """The mirror after a serving step appended ``tokens`` [iterations, max_num_reqs] (`AppendedTokens`)."""
+    appended = AppendedTokens(tokens)
+    rows.num_computed_tokens += rows.num_scheduled_tokens + appended.num_decoded
+    rows.num_tokens += appended.num_appended
     rows.num_scheduled_tokens[:] = 0
     rows.num_draft_tokens[:] = 0
     return rows

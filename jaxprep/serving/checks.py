@@ -12,9 +12,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._constants import NULL_BLOCK_ID, PAD_STATE_ROW
 from jaxprep.config import cdiv
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.state import PAD_ROW
 from jaxprep.validate import InvalidBatchError
 
 
@@ -49,14 +50,14 @@ def _fail(message: str):
     raise InvalidUpdateError(message)
 
 
-def _check_rows(name: str, rows: np.ndarray, num_rows: int) -> np.ndarray:
-    """The real (non-pad) rows of a payload; -1 is padding, anything else must be a valid row."""
+def _check_rows(name: str, rows: np.ndarray, num_rows: int, pad: int = PAD_ROW) -> np.ndarray:
+    """The real rows of a payload; ``pad`` (-1) is padding, anything else must be a valid row."""
     rows = np.asarray(rows, np.int64)
-    bad = (rows != -1) & ((rows < 0) | (rows >= num_rows))
+    bad = (rows != pad) & ((rows < 0) | (rows >= num_rows))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         _fail(f"{name}[{i}] = {int(rows[i])} is outside the rows [0, max_num_reqs={num_rows}) (-1 pads)")
-    real = rows[rows != -1]
+    real = rows[rows != pad]
     if len(np.unique(real)) != len(real):
         _fail(f"{name} names a row twice: {real.tolist()}")
     return real
@@ -83,7 +84,7 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
     """Rows free, 1 <= num_tokens <= stop_len <= max_model_len, prefix-cache hits inside the
     tokens and their blocks, block counts within the row, block ids allocatable."""
     prep = config.prep
-    entries = np.flatnonzero(np.asarray(payload.rows) != -1)
+    entries = np.flatnonzero(np.asarray(payload.rows) != PAD_ROW)
     real = _check_rows("AddRequests.rows", payload.rows, config.max_num_reqs)
     busy = real[rows.busy[real]]
     if len(busy):
@@ -111,12 +112,12 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
 def _append(rows: HostRows, payload, config: ServingConfig) -> None:
     """Rows busy; a row's blocks after the append fit ``max_blocks_per_req`` columns."""
     targets = np.asarray(payload.rows, np.int64)
-    bad = (targets != -1) & ((targets < 0) | (targets >= config.max_num_reqs))
+    bad = (targets != PAD_ROW) & ((targets < 0) | (targets >= config.max_num_reqs))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         _fail(f"AppendBlocks.rows[{i}] = {int(targets[i])} is outside the rows [0, max_num_reqs="
               f"{config.max_num_reqs}) (-1 pads)")
-    real = targets != -1
+    real = targets != PAD_ROW
     idle = targets[real][~rows.busy[targets[real]]]
     if len(idle):
         _fail(f"AppendBlocks.rows: row {int(idle[0])} holds no request")
@@ -201,8 +202,8 @@ def check_step(rows: HostRows, decode_steps: int, num_tokens_padded: int, config
 
 def check_record(rows: HostRows, idx_mapping, sampled_token_ids, num_sampled, config: ServingConfig) -> HostRows:
     """Batch rows map to scheduled rows; 0 <= num_sampled <= D + 1 and fits below max_model_len."""
-    real = _check_rows("record_sampled.idx_mapping", idx_mapping, config.max_num_reqs)
-    entries = np.flatnonzero(np.asarray(idx_mapping) != -1)
+    real = _check_rows("record_sampled.idx_mapping", idx_mapping, config.max_num_reqs, pad=PAD_STATE_ROW)
+    entries = np.flatnonzero(np.asarray(idx_mapping) != PAD_STATE_ROW)
     unscheduled = real[rows.num_scheduled_tokens[real] == 0]
     if len(unscheduled):
         _fail(f"record_sampled.idx_mapping: row {int(unscheduled[0])} was not scheduled")

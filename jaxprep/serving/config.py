@@ -8,6 +8,15 @@ from jaxprep.config import PrepConfig, cdiv
 from jaxprep._checks import check_positive_int
 
 
+def _from_prep(name: str) -> property:
+    """A read-only attribute that reads ``self.prep.<name>``."""
+    return property(lambda self: getattr(self.prep, name), doc=f"``prep.{name}``")
+
+
+NO_EOS = -1
+"""`ServingConfig.eos_token_id` that disables the EOS stop (no token id is negative)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServingConfig:
     """Static configuration of the serving state and its updates; hashable, a static jit argument.
@@ -21,7 +30,7 @@ class ServingConfig:
         step can start, plus one per row for block boundaries).
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
-      eos_token_id: a sampled token equal to it finishes the request; -1 disables the check.
+      eos_token_id: a sampled token equal to it finishes the request; `NO_EOS` disables the check.
       decode_steps: decode steps one multi-step dispatch runs when every request is decoding (K).
     """
 
@@ -29,7 +38,7 @@ class ServingConfig:
     max_new_reqs_per_step: int = 4
     max_block_appends_per_step: int | None = None
     num_speculative_tokens: int = 0
-    eos_token_id: int = -1
+    eos_token_id: int = NO_EOS
     decode_steps: int = 8
 
     def __post_init__(self):
@@ -43,22 +52,9 @@ class ServingConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"ServingConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
-    @property
-    def max_num_reqs(self) -> int:
-        return self.prep.max_num_reqs
-
-    @property
-    def max_model_len(self) -> int:
-        return self.prep.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.prep.block_size
-
-    @property
-    def max_blocks_per_req(self) -> int:
-        return self.prep.max_blocks_per_req
-
-    @property
-    def num_blocks(self) -> int:
-        return self.prep.num_blocks
+    # the PrepConfig sizes the serving code reads most, as attributes of the ServingConfig
+    max_num_reqs = _from_prep("max_num_reqs")
+    max_model_len = _from_prep("max_model_len")
+    block_size = _from_prep("block_size")
+    max_blocks_per_req = _from_prep("max_blocks_per_req")
+    num_blocks = _from_prep("num_blocks")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
-import os
 import time
 
 import jax
 import numpy as np
 
+from jaxprep.compilation import compile_all
 from jaxprep.serving import transitions
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
@@ -18,7 +17,8 @@ from jaxprep.serving.model import KVCache, ModelConfig, init_params
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
-from jaxprep.serving.step import update_and_prepare, serve_step
+from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare
+from jaxprep.sharding import dp_bucket
 
 
 @dataclasses.dataclass
@@ -41,18 +41,36 @@ class LoopStats:
 
 
 class Engine:
-    """A `Scheduler`, a `ServingBatch`, the tiny model's weights and its paged KV cache."""
+    """A `Scheduler`, a `ServingBatch`, the tiny model's weights and its paged KV cache, on one device.
+
+    The loop itself (arrivals, scheduling, the fused dispatch, counting) is written for any number
+    of DP ranks, each with its own scheduler; `DataParallelEngine` overrides only the device hooks
+    (``_pack``, ``_apply_updates``, ``_serve``, ``_prepare_only``, ``_lowered``) to run all ranks in
+    one sharded dispatch.
+    """
 
     def __init__(self, config: ServingConfig, model: ModelConfig, *, seed: int = 0, time_prep: bool = False):
-        self.config, self.model, self.time_prep = config, model, time_prep
-        self.batch = ServingBatch(config)
-        self.scheduler = Scheduler(config)
-        self.params = init_params(model, seed)
-        self.kv_cache = KVCache.zeros(model, config.num_blocks, config.block_size)
+        self._start(config, model, time_prep, batch=ServingBatch(config), num_ranks=1, params=init_params(model, seed),
+                    kv_cache=KVCache.zeros(model, config.num_blocks, config.block_size))
+
+    def _start(self, config: ServingConfig, model: ModelConfig, time_prep: bool, *, batch, num_ranks: int, params,
+               kv_cache: KVCache) -> None:
+        self.config, self.model, self.time_prep, self.batch = config, model, time_prep, batch
+        self.schedulers = [Scheduler(config) for _ in range(num_ranks)]
+        self.params, self.kv_cache = params, kv_cache
         self.stats = LoopStats()
         self.iteration = 0  # host iterations, the clock of request arrivals
         self._arrivals: list[tuple[int, int, Request]] = []  # (arrival iteration, submit order, request)
         self._order = itertools.count()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of rank 0 (the only one on a single device)."""
+        return self.schedulers[0]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.schedulers)
 
     def warmup(self, threads: int | None = None) -> float:
         """Compiles every executable the loop can use; returns the seconds taken.
@@ -62,44 +80,42 @@ class Engine:
         compile fills the same cache the jitted calls read.
         """
         start = time.perf_counter()
-        packed = pack_updates(StepUpdates.build(self.config))
-        state, config = self.batch.state, self.config
-        lowered = [transitions.apply_updates.lower(state, StepUpdates.build(config))]
-        for bucket in config.prep.token_buckets:
-            lowered.append(serve_step.lower(state, self.kv_cache, self.params, packed, config=config,
-                                            model=self.model, num_tokens_padded=bucket))
-            if self.time_prep:
-                lowered.append(update_and_prepare.lower(state, packed, config=config, num_tokens_padded=bucket))
-        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            list(pool.map(lambda stage: stage.compile(), lowered))
+        empty = [StepUpdates.build(self.config)] * self.num_ranks
+        lowered = [self._lowered_updates(empty)]
+        for bucket in self.config.prep.token_buckets:
+            lowered += self._lowered(self._pack(empty), bucket)
+        compile_all(lowered, threads)
         return time.perf_counter() - start
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        """Routes ``request`` to the least loaded rank (fewest unfinished requests; ties: lowest rank)."""
+        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        self.schedulers[int(np.argmin(loads))].add_request(request)
 
     def step(self) -> list[Request]:
-        """One host iteration: schedule, send the updates, run the step, take the tokens back."""
-        out = self.scheduler.schedule()
-        if out.total_num_scheduled_tokens == 0:
+        """One host iteration on every rank: schedule, send the updates, run the step, take the tokens back."""
+        outs = [s.schedule() for s in self.schedulers]
+        totals = [out.total_num_scheduled_tokens for out in outs]
+        if not any(totals):
             raise RuntimeError("the scheduler found nothing to run (a request cannot fit the KV cache?)")
-        updates = self._updates(out)
-        bucket = self.config.prep.bucket_for(out.total_num_scheduled_tokens)
-        packed = pack_updates(updates)
+        updates = self._rank_updates(outs)
+        bucket = dp_bucket(self.config.prep, totals)  # the busiest rank's bucket, every rank pads to it
+        packed = self._pack(updates)
         if self.time_prep:
             start = time.perf_counter()
-            jax.block_until_ready(update_and_prepare(self.batch.state, packed, config=self.config, num_tokens_padded=bucket))
+            jax.block_until_ready(self._prepare_only(packed, bucket))
             self.stats.prep_us.append((time.perf_counter() - start) * 1e6)
-        self.kv_cache, tokens = self.batch.serve(self.kv_cache, self.params, updates, model=self.model,
-                                                 num_tokens_padded=bucket, packed=packed)
-        self._count(out, tokens, bucket)
-        return self.scheduler.update(out, tokens, self.config.eos_token_id)
+        tokens = self._serve(updates, bucket, packed)
+        self._count(outs, tokens, bucket)
+        eos = self.config.eos_token_id
+        return [r for s, out, part in zip(self.schedulers, outs, tokens, strict=True) for r in s.update(out, part, eos)]
 
     def submit(self, requests, arrival_steps=None) -> None:
         """Queues ``requests``; request i joins the scheduler at host iteration ``arrival_steps[i]``
         (default: the current one)."""
         steps = [self.iteration] * len(requests) if arrival_steps is None else arrival_steps
-        self._arrivals = sorted(self._arrivals + [(int(s), next(self._order), r) for s, r in zip(steps, requests)],
-                                key=lambda item: item[:2])
+        queued = [(int(s), next(self._order), r) for s, r in zip(steps, requests, strict=True)]
+        self._arrivals = sorted(self._arrivals + queued, key=lambda item: item[:2])
 
     def run(self, max_dispatches: int | None = None, on_step=None) -> list[Request]:
         """Steps until every submitted request finished (or ``max_dispatches`` more dispatches);
@@ -120,32 +136,65 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return any(s.has_unfinished for s in self.schedulers)
 
     @property
     def finished(self) -> list[Request]:
-        """Finished requests, in finishing order."""
-        return self.scheduler.finished
+        """Finished requests, rank by rank, each rank's in finishing order."""
+        return [request for s in self.schedulers for request in s.finished]
 
-    def _updates(self, out: SchedulerOutput) -> StepUpdates:
-        """The fused step's payload; adds and appends beyond its static sizes go first, separately."""
-        extra, updates = split_updates(self.config, out)
-        for chunk in extra:
-            self.batch.apply_updates(chunk)
-        return updates
+    def _rank_updates(self, outs: list[SchedulerOutput]) -> list[StepUpdates]:
+        """Every rank's fused payload; adds and appends beyond its static sizes go first, in extra
+        dispatches that update every rank (an empty payload for a rank with nothing extra)."""
+        split = [split_updates(self.config, out) for out in outs]
+        empty = StepUpdates.build(self.config)
+        for i in range(max(len(extra) for extra, _ in split)):
+            self._apply_updates([extra[i] if i < len(extra) else empty for extra, _ in split])
+        return [updates for _, updates in split]
 
-    def _count(self, out: SchedulerOutput, tokens: np.ndarray, bucket: int) -> None:
-        """Iteration 0 runs the scheduled tokens; each later iteration that ran decoded one token per row."""
+    def _count(self, outs: list[SchedulerOutput], tokens: list[np.ndarray], bucket: int) -> None:
+        """Every rank pads to ``bucket`` in every iteration it runs (an idle rank runs one, all padding);
+        a dispatch's model steps are those of its longest-running rank."""
         stats = self.stats
         stats.dispatches += 1
-        stats.preemptions += out.num_preempted
-        stats.output_tokens += int((tokens >= 0).sum())
-        later = (tokens[1:] >= 0).sum(axis=1)
-        iterations = 1 + int(np.count_nonzero(later))
-        stats.multi_step_dispatches += int(out.decode_steps > 1)
-        stats.model_steps += iterations
-        stats.scheduled_tokens += out.total_num_scheduled_tokens + int(later.sum())
-        stats.padded_tokens += bucket * iterations
+        iterations = []
+        for out, part in zip(outs, tokens, strict=True):
+            appended = AppendedTokens(part)
+            iterations.append(appended.num_iterations)
+            stats.preemptions += out.num_preempted
+            stats.output_tokens += int(appended.num_appended.sum())
+            stats.scheduled_tokens += out.total_num_scheduled_tokens + int(appended.num_decoded.sum())
+            stats.padded_tokens += bucket * iterations[-1]
+        stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
+        stats.model_steps += max(iterations)
+
+    # --- device hooks: one rank on one device ---------------------------------------------------
+
+    def _pack(self, updates: list[StepUpdates]):
+        return pack_updates(updates[0])
+
+    def _apply_updates(self, updates: list[StepUpdates]) -> None:
+        self.batch.apply_updates(updates[0])
+
+    def _serve(self, updates: list[StepUpdates], bucket: int, packed) -> list[np.ndarray]:
+        """Runs the fused step; returns each rank's appended tokens [iterations, max_num_reqs]."""
+        self.kv_cache, tokens = self.batch.serve(self.kv_cache, self.params, updates[0], model=self.model,
+                                                 num_tokens_padded=bucket, packed=packed)
+        return [tokens]
+
+    def _prepare_only(self, packed, bucket: int):
+        return update_and_prepare(self.batch.state, packed, config=self.config, num_tokens_padded=bucket)
+
+    def _lowered_updates(self, updates: list[StepUpdates]):
+        return transitions.apply_updates.lower(self.batch.state, updates[0])
+
+    def _lowered(self, packed, bucket: int) -> list:
+        state, config = self.batch.state, self.config
+        lowered = [serve_step.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
+                                    num_tokens_padded=bucket)]
+        if self.time_prep:
+            lowered.append(update_and_prepare.lower(state, packed, config=config, num_tokens_padded=bucket))
+        return lowered
 
 
 def split_updates(config: ServingConfig, out: SchedulerOutput) -> tuple[list[StepUpdates], StepUpdates]:

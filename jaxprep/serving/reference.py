@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._constants import NULL_BLOCK_ID, PAD_STATE_ROW
+from jaxprep.serving.state import PAD_ROW
 
 
 def empty_state(max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> dict[str, np.ndarray]:
@@ -22,7 +23,7 @@ def empty_state(max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) 
 def finish(state: dict, rows) -> dict:
     state = {name: value.copy() for name, value in state.items()}
     for row in rows:
-        if row == -1:
+        if row == PAD_ROW:
             continue
         for name in ("num_computed_tokens", "num_scheduled_tokens", "num_tokens", "stop_len", "num_blocks",
                      "num_draft_tokens"):
@@ -34,7 +35,7 @@ def finish(state: dict, rows) -> dict:
 def add(state: dict, payload) -> dict:
     state = {name: value.copy() for name, value in state.items()}
     for i, row in enumerate(payload.rows):
-        if row == -1:
+        if row == PAD_ROW:
             continue
         state["token_ids"][row, :] = payload.token_ids[i]
         state["block_table"][row, :] = payload.block_ids[i]
@@ -49,7 +50,7 @@ def add(state: dict, payload) -> dict:
 def append(state: dict, payload) -> dict:
     state = {name: value.copy() for name, value in state.items()}
     for row, block in zip(payload.rows, payload.block_ids):
-        if row == -1:
+        if row == PAD_ROW:
             continue
         state["block_table"][row, state["num_blocks"][row]] = block
         state["num_blocks"][row] += 1
@@ -69,7 +70,7 @@ def schedule(state: dict, payload) -> dict:
 def record_sampled(state: dict, idx_mapping, sampled_token_ids, num_sampled) -> dict:
     state = {name: value.copy() for name, value in state.items()}
     for b, row in enumerate(idx_mapping):
-        if row == -1:
+        if row == PAD_STATE_ROW:
             continue
         computed, scheduled = state["num_computed_tokens"][row], state["num_scheduled_tokens"][row]
         num_tokens, drafts = state["num_tokens"][row], state["num_draft_tokens"][row]

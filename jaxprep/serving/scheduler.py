@@ -18,6 +18,11 @@ import numpy as np
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep.config import cdiv
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.step import AppendedTokens
+
+
+NO_ROW = -1
+"""`Request.row` of a request that holds no state row (waiting, preempted or finished)."""
 
 
 class BlockAllocator:
@@ -54,7 +59,7 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
-    row: int = -1
+    row: int = NO_ROW
     status: Status = Status.WAITING
     num_preemptions: int = 0
 
@@ -158,7 +163,7 @@ class Scheduler:
         out.new_block_ids.pop(request.row, None)
         out.num_scheduled_tokens[request.row] = 0
         self._free_rows.append(request.row)
-        request.block_ids, request.row, request.num_computed_tokens = [], -1, 0
+        request.block_ids, request.row, request.num_computed_tokens = [], NO_ROW, 0
         request.status = Status.WAITING
         request.num_preemptions += 1
         out.num_preempted += 1
@@ -204,24 +209,25 @@ class Scheduler:
         out.decode_steps = steps
 
     def update(self, out: SchedulerOutput, tokens: np.ndarray, eos_token_id: int) -> list[Request]:
-        """Takes the tokens the device appended ([iterations, max_num_reqs], -1 = none) and finishes
+        """Takes the tokens the device appended ([iterations, max_num_reqs], NO_TOKEN = none) and finishes
         requests at EOS, at max_tokens or at max_model_len. Returns the newly finished requests.
 
         Iteration 0 computed the scheduled tokens and appended a token only if they reached the end
-        of the known tokens; every later iteration computed and appended one decode token.
+        of the known tokens; every later iteration computed and appended one decode token
+        (`AppendedTokens`).
         """
-        done = []
+        step, done = AppendedTokens(tokens), []
         for request in list(self.running):
-            scheduled = int(out.num_scheduled_tokens[request.row])
+            row = request.row
+            scheduled = int(out.num_scheduled_tokens[row])
             if scheduled == 0:
                 continue
-            column = tokens[:, request.row]
-            request.num_computed_tokens += scheduled
-            if (column[0] >= 0) != (request.num_computed_tokens >= request.num_tokens):
+            computed = request.num_computed_tokens + scheduled
+            if bool(step.appended[0, row]) != (computed >= request.num_tokens):
                 raise RuntimeError(f"request {request.request_id}: the device and the host disagree on whether "
-                                   f"computing {request.num_computed_tokens} of {request.num_tokens} tokens samples")
-            appended = [int(t) for t in column if t >= 0]
-            request.num_computed_tokens += max(len(appended) - 1, 0)
+                                   f"computing {computed} of {request.num_tokens} tokens samples")
+            request.num_computed_tokens = computed + int(step.num_decoded[row])
+            appended = [int(t) for t in tokens[step.appended[:, row], row]]
             for i, token in enumerate(appended):
                 request.output_token_ids.append(token)
                 if self._stops(request, token, eos_token_id):

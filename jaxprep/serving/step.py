@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
@@ -27,6 +28,38 @@ from jaxprep.serving.transitions import apply_updates_body, record_sampled_body,
 
 NO_TOKEN = -1
 """Entry of `serve_step`'s token output for a row that sampled nothing in that iteration."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendedTokens:
+    """What one `serve_step` appended, read on the host from its ``tokens`` output: the one place
+    the host mirrors (`HostRows`, the scheduler's requests, the loop's counters) advance from.
+
+    Iteration 0 computes the scheduled tokens and appends a token to the rows that sample; every
+    later iteration computes, and appends, one decode token per row it appends to.
+    # tokens [[7, -1, 9], [8, -1, -1]] -> per row appended [2, 0, 1], decoded [1, 0, 0]; 2 iterations
+    """
+
+    tokens: np.ndarray  # [iterations, rows] appended token ids, NO_TOKEN = none
+
+    @property
+    def appended(self) -> np.ndarray:
+        return self.tokens != NO_TOKEN
+
+    @property
+    def num_appended(self) -> np.ndarray:
+        """[rows] tokens appended to each row."""
+        return self.appended.sum(axis=0)
+
+    @property
+    def num_decoded(self) -> np.ndarray:
+        """[rows] tokens the iterations after the first computed (one per token they appended)."""
+        return self.appended[1:].sum(axis=0)
+
+    @property
+    def num_iterations(self) -> int:
+        """Iterations that ran: the first, and every later one that appended a token."""
+        return 1 + int(np.count_nonzero(self.appended[1:].any(axis=1)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "model", "num_tokens_padded"),

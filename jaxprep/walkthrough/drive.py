@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxprep.config import PrepConfig, cdiv
-from jaxprep.serving import Request, Scheduler, ServingBatch, ServingConfig, StepUpdates
-from jaxprep.walkthrough.record import StepRecord, prepare_record
+from jaxprep.serving import NO_TOKEN, Request, Scheduler, ServingBatch, ServingConfig, StepUpdates
+from jaxprep.walkthrough.record import NO_REQUEST, StepRecord, prepare_record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,7 +100,7 @@ def walk(options: WalkthroughOptions | None = None, max_steps: int | None = None
         new_blocks = {requests_by_row[row].request_id: list(blocks) for row, blocks in out.new_block_ids.items()}
         new_blocks.update({requests_by_row[r["row"]].request_id: list(r["block_ids"]) for r in out.new_requests})
         appended = _sample_and_record(record, batch, options)
-        tokens = np.full((1, prep.max_num_reqs), -1, np.int32)  # [iterations, rows] as the scheduler reads them
+        tokens = np.full((1, prep.max_num_reqs), NO_TOKEN, np.int32)  # [iterations, rows] as the scheduler reads them
         tokens[0, list(appended)] = list(appended.values())
         done = scheduler.update(out, tokens, config.eos_token_id)
         sampled = {requests_by_row[row].request_id: token for row, token in appended.items()}
@@ -119,7 +119,7 @@ def _record(batch: ServingBatch, requests_by_row: dict, number: int) -> StepReco
     host = batch.state.to_numpy()
     arrays = {name: host[name] for name in ("token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens")}
     rows = range(batch.config.max_num_reqs)
-    request_ids = [requests_by_row[row].request_id if row in requests_by_row else -1 for row in rows]
+    request_ids = [requests_by_row[row].request_id if row in requests_by_row else NO_REQUEST for row in rows]
     prompt_lens = [len(requests_by_row[row].prompt_token_ids) if row in requests_by_row else 0 for row in rows]
     return prepare_record(arrays, batch.config.prep, prompt_lens=prompt_lens, request_ids=request_ids,
                           num_tokens=host["num_tokens"], number=number)

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from jaxprep.config import PrepConfig
+from jaxprep.metadata import step_fields
 from jaxprep.prepare import prepare_inputs
 from jaxprep.reference import pad_reference, prepare_reference
 from jaxprep.state import BatchState
@@ -19,6 +20,9 @@ from jaxprep.state import BatchState
 OUTPUT_FIELDS = ("positions", "token_indices", "input_ids", "slot_mapping", "query_start_loc", "seq_lens",
                  "logits_indices", "idx_mapping")
 """The step outputs a walkthrough prints, in the order the seed documents derive them."""
+
+NO_REQUEST = -1
+"""`StepRecord.request_ids` entry of a free row (and `KVCacheView` entry of a free slot)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,7 @@ class StepRecord:
     number: int  # 1-based step number
     config: PrepConfig
     state: dict[str, np.ndarray]  # host copy of the BatchState read: token_ids, block_table, num_*_tokens
-    request_ids: np.ndarray  # [max_num_reqs] request in each row; -1: free row
+    request_ids: np.ndarray  # [max_num_reqs] request in each row; NO_REQUEST: free row
     prompt_lens: np.ndarray  # [max_num_reqs] prompt tokens of each row's request; 0: free row
     num_tokens: np.ndarray  # [max_num_reqs] known tokens (prompt + outputs) before the step
     outputs: dict[str, np.ndarray]  # padded step outputs (OUTPUT_FIELDS but token_indices) + scalars
@@ -96,7 +100,7 @@ def prepare_record(arrays: dict[str, np.ndarray], config: PrepConfig, *, prompt_
     arrays = {name: np.array(value) for name, value in arrays.items()}
     prompt_lens = np.asarray(prompt_lens, np.int64)
     if request_ids is None:
-        request_ids = np.where(prompt_lens > 0, np.arange(len(prompt_lens)), -1)
+        request_ids = np.where(prompt_lens > 0, np.arange(len(prompt_lens)), NO_REQUEST)
     if num_tokens is None:
         num_tokens = np.maximum(arrays["num_computed_tokens"] + arrays["num_scheduled_tokens"], prompt_lens)
     step = prepare_inputs(BatchState.from_numpy(**arrays), config, check=True)
@@ -112,10 +116,4 @@ def prepare_record(arrays: dict[str, np.ndarray], config: PrepConfig, *, prompt_
 
 
 def _host_outputs(step) -> dict[str, np.ndarray]:
-    meta = step.attn_metadata
-    fields = dict(input_ids=step.input_ids, positions=step.positions, logits_indices=step.logits_indices,
-                  idx_mapping=step.idx_mapping, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                  slot_mapping=meta.slot_mapping, block_table=meta.block_table,
-                  num_actual_tokens=meta.num_actual_tokens, num_reqs=meta.num_reqs,
-                  max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-    return {name: np.asarray(value) for name, value in fields.items()}
+    return {name: np.asarray(value) for name, value in step_fields(step).items()}

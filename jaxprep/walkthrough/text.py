@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep.config import cdiv
+from jaxprep.metadata import SCALAR_FIELDS
 from jaxprep.walkthrough.record import StepRecord
 from jaxprep.walkthrough.views import CACHED, EMPTY, SCHEDULED, kv_cache_view, token_table_states
 
@@ -121,9 +122,7 @@ def _outputs(record: StepRecord, max_entries: int) -> list[str]:
     width = min(max(len(v) for v in values.values()), 60)
     lines = ["outputs ([real entries | padding])"]
     lines += [f"  {name:16s} {value:{width}s}  {FORMULAS[name]}" for name, value in values.items()]
-    out = record.outputs
-    lines.append(f"  num_actual_tokens={int(out['num_actual_tokens'])} num_reqs={int(out['num_reqs'])} "
-                 f"max_query_len={int(out['max_query_len'])} max_seq_len={int(out['max_seq_len'])}")
+    lines.append("  " + " ".join(f"{name}={int(record.outputs[name])}" for name in SCALAR_FIELDS))
     return lines
 
 

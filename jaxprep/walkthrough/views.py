@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxprep.walkthrough.record import StepRecord
+from jaxprep.walkthrough.record import NO_REQUEST, StepRecord
 
 # token-table cell states
 EMPTY, CACHED, SCHEDULED, WAITING = 0, 1, 2, 3
@@ -38,8 +38,8 @@ def token_table_states(record: StepRecord) -> np.ndarray:
 class KVCacheView:
     """The KV cache after the step wrote its tokens, one entry per slot ``[num_blocks, block_size]``."""
 
-    request: np.ndarray  # request whose K/V the slot holds; -1: free
-    position: np.ndarray  # that token's position; -1: free
+    request: np.ndarray  # request whose K/V the slot holds; NO_REQUEST: free
+    position: np.ndarray  # that token's position; NO_REQUEST: free
     new: np.ndarray  # bool: written by this step (its slot is in slot_mapping)
 
     @property
@@ -54,8 +54,8 @@ def kv_cache_view(record: StepRecord) -> KVCacheView:
     """
     block_size, table = record.config.block_size, record.state["block_table"]
     num_blocks = record.config.num_blocks or int(table.max()) + 1
-    request = np.full((num_blocks, block_size), -1)
-    position, new = np.full_like(request, -1), np.zeros(request.shape, bool)
+    request = np.full((num_blocks, block_size), NO_REQUEST)
+    position, new = np.full_like(request, NO_REQUEST), np.zeros(request.shape, bool)
     for row in np.flatnonzero(record.request_ids >= 0):
         computed = int(record.computed[row])
         for p in range(computed + int(record.scheduled[row])):
