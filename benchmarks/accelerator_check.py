@@ -27,9 +27,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA_BRIDGE_TESTS = ["tests/test_torch_bridge_cuda.py", "tests/test_torch_bridge.py", "tests/test_torch_bridge_lifetime.py",
-                     "tests/test_torch_bridge_from_torch.py"]
-DRY_RUN_TESTS = ["tests/test_core_worked_examples.py"]
+CUDA_BRIDGE_TESTS = ["tests/torch_bridge/test_cuda.py", "tests/torch_bridge/test_to_torch.py",
+                     "tests/torch_bridge/test_lifetime.py", "tests/torch_bridge/test_from_torch.py"]
+DRY_RUN_TESTS = ["tests/core/test_worked_examples.py"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

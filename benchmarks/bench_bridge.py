@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/bench_bridge.py [--iters 2000] [--rounds 5] [--features]
 
 Both strategies build the same `TorchStepInputs` (int64 positions and slot_mapping, host ints and
-host mirrors) from an already prepared step. As in a serving loop, every timed call gets a step prepared just before it (outside the
+host mirrors) from an already prepared step. As in a serving loop, every timed call gets a step prepared just
+before it (outside the
 clock): the first DLPack export and the first host read of a JAX array cost more than later ones,
 so bridging one step over and over flatters the per-field strategy (printed too, as "same step").
 The previous step's tensors are freed outside the clock. Sets PJRT_NPROC=1 and synchronous CPU dispatch
@@ -36,8 +37,8 @@ import torch  # noqa: E402
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
-from jaxprep.walkthrough.examples import sequential_block_table  # noqa: E402
 from jaxprep.state import OPTIONAL_FIELDS  # noqa: E402
+from jaxprep.walkthrough.examples import sequential_block_table  # noqa: E402
 from torch_bridge.step import STRATEGIES  # noqa: E402
 
 BENCH_FEATURES = jaxprep.FeatureConfig(
@@ -126,7 +127,8 @@ def main() -> int:
     for label, samples in (("fresh step", fresh), ("same step", same)):
         medians = {name: statistics.median(values) * 1e6 for name, values in samples.items()}
         for name, value in medians.items():
-            print(f"  {label:10s} to_torch strategy={name:9s}: median {value:7.1f} us/step over {len(samples[name])} steps")
+            print(f"  {label:10s} to_torch strategy={name:9s}: median {value:7.1f} us/step over "
+                  f"{len(samples[name])} steps")
         print(f"  {label:10s} ratio per_field / packed: {medians['per_field'] / medians['packed']:.2f}")
     print(f"  (for scale) prepare_padded: median {statistics.median(prepare) * 1e6:7.1f} us/step")
     return 0

@@ -19,16 +19,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from jaxprep.cli import configure_runtime  # noqa: E402
+from jaxprep.cli import configure_runtime
 
 configure_runtime()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
 from common import interleaved_us, load_line, machine_line  # noqa: E402
-from jaxprep import (BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig,  # noqa: E402
-                     prepare_inputs, validate)
+
+from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_inputs, validate  # noqa: E402
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
 
 K = 3  # draft tokens per decode when spec decode is on

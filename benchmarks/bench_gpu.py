@@ -29,15 +29,15 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from jaxprep.cli import configure_runtime  # noqa: E402
+from jaxprep.cli import configure_runtime
 
 configure_runtime()  # CPU-client settings only (one thread, synchronous): no effect on a GPU
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_prepare import make_batch  # noqa: E402
 from common import interleaved_us, load_line, machine_line  # noqa: E402
+
 from jaxprep import BatchState, prepare_padded  # noqa: E402
 from jaxprep.reference import pad_reference, prepare_reference  # noqa: E402
 

@@ -18,11 +18,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from jaxprep.cli import configure_runtime  # noqa: E402
+from jaxprep.cli import configure_runtime
 
 configure_runtime()
 
 from common import load_line, machine_line  # noqa: E402
+
 from jaxprep.cli.simulate import DEFAULTS  # noqa: E402
 from jaxprep.config import PrepConfig, default_token_buckets  # noqa: E402
 from jaxprep.serving import Engine, ModelConfig, ServingConfig, random_workload  # noqa: E402

@@ -21,17 +21,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from jaxprep.cli import configure_runtime  # noqa: E402
+from jaxprep.cli import configure_runtime
 
 configure_runtime()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
 from common import add_timing_arguments, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
+
 from jaxprep import BatchState, PrepConfig, prepare_padded  # noqa: E402
-from jaxprep.prepare import prepare_to_host  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
+from jaxprep.prepare import prepare_to_host  # noqa: E402
 from jaxprep.reference import prepare_reference  # noqa: E402
 
 # (name, requests, scheduled tokens, max_model_len, block_size, decode_only)

@@ -31,16 +31,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from jaxprep.cli import configure_runtime  # noqa: E402
+from jaxprep.cli import configure_runtime
 
 configure_runtime()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_prepare import GOALS, SHAPES, make_batch  # noqa: E402
 from common import add_timing_arguments, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
+
 from jaxprep import BatchState, PrepConfig  # noqa: E402
 from jaxprep.metadata import step_fields  # noqa: E402
 from jaxprep.packing import pack_body  # noqa: E402

@@ -25,7 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import load_line, machine_line  # noqa: E402
+from common import load_line, machine_line
 
 CHILD = """
 import json, sys

@@ -14,8 +14,7 @@ DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chunked
 
 
 def main(path: str = DEFAULT_PATH) -> str:
-    from jaxprep.walkthrough import plotting
-    from jaxprep.walkthrough import run_walkthrough
+    from jaxprep.walkthrough import plotting, run_walkthrough
 
     step2 = run_walkthrough(max_steps=2)[1]
     plotting.plot_step(step2).savefig(path, dpi=90)

@@ -8,14 +8,17 @@
 
 from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_SEQ_LEN,
                                 PAD_SLOT_ID, PAD_STATE_ROW)
-from jaxprep.compilation import CompileCount, count_compiles, warmup
+from jaxprep.compilation import CompileCount, count_compiles, use_compile_cache, warmup
 from jaxprep.config import PrepConfig, default_token_buckets
 from jaxprep.metadata import AttentionMetadata, StepInputs
 from jaxprep.prepare import prepare_inputs, prepare_padded, prepare_to_host
+from jaxprep.sharding import data_mesh, prepare_data_parallel, stack_ranks
 from jaxprep.state import BatchState
 from jaxprep.validate import InvalidBatchError, validate
+
 # optional features (FeatureConfig switches)
 from jaxprep.features import AttnState, DCPConfig, FeatureConfig, KVCacheGroupSpec
+from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.features.kv_groups import KVGroupMetadata
 from jaxprep.features.mrope import qwen2vl_prompt_positions
 from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
@@ -24,9 +27,8 @@ from jaxprep.features.spec_decode import SpecDecodeMetadata
 __all__ = [
     "AttentionMetadata", "BatchState", "CompileCount", "InvalidBatchError", "NULL_BLOCK_ID", "PAD_INPUT_ID",
     "PAD_LOGITS_INDEX", "PAD_POSITION", "PAD_SEQ_LEN", "PAD_SLOT_ID", "PAD_STATE_ROW", "PrepConfig",
-    "StepInputs", "count_compiles", "default_token_buckets", "prepare_inputs", "prepare_padded", "prepare_to_host",
-    "validate",
-    "warmup",
+    "StepInputs", "count_compiles", "data_mesh", "default_token_buckets", "prepare_data_parallel", "prepare_inputs",
+    "prepare_padded", "prepare_to_host", "stack_ranks", "use_compile_cache", "validate", "warmup",
     "AttnState", "DCPConfig", "FeatureConfig", "KVCacheGroupSpec", "KVGroupMetadata", "PromptEmbedsMetadata",
-    "SpecDecodeMetadata", "qwen2vl_prompt_positions",
+    "SpecDecodeMetadata", "prev_batch_rows_from_step", "qwen2vl_prompt_positions",
 ]

@@ -1,6 +1,6 @@
 """Padding constants: the values every padded entry of a prepared step holds.
 
-They are written once here and tested as a contract (tests/test_padding_contract.py).
+They are written once here and tested as a contract (tests/core/test_padding_contract.py).
 """
 
 INT32_MAX = 2**31 - 1

@@ -12,28 +12,28 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._ragged import prefix_sum, stack, take_rows, token_mask, token_request_index
+from jaxprep._typing import Array, Bool, Int32
 
 
 class Layout(NamedTuple):
     """Batch rows and tokens of one step: what `prepare_body` and the features index with."""
 
-    rows: Int32[Array, "num_reqs_padded"]  # state row of each batch row; pad: max_num_reqs
-    scheduled: Int32[Array, "num_reqs_padded"]  # pad: 0
-    computed: Int32[Array, "num_reqs_padded"]  # pad: 0
-    ends: Int32[Array, "num_reqs_padded"]  # query_start_loc[1:]; pad: num_actual_tokens
-    is_real_req: Bool[Array, "num_reqs_padded"]
+    rows: Int32[Array, " num_reqs_padded"]  # state row of each batch row; pad: max_num_reqs
+    scheduled: Int32[Array, " num_reqs_padded"]  # pad: 0
+    computed: Int32[Array, " num_reqs_padded"]  # pad: 0
+    ends: Int32[Array, " num_reqs_padded"]  # query_start_loc[1:]; pad: num_actual_tokens
+    is_real_req: Bool[Array, " num_reqs_padded"]
     num_reqs: Int32[Array, ""]  # rows in the batch
     num_actual_tokens: Int32[Array, ""]  # scheduled tokens
-    token_rows: Int32[Array, "num_tokens_padded"]  # state row of each token; pad: 0
-    token_shift: Int32[Array, "num_tokens_padded"]  # position - token index, per token (tail: any)
-    is_real_token: Bool[Array, "num_tokens_padded"]  # False for the padded tail
+    token_rows: Int32[Array, " num_tokens_padded"]  # state row of each token; pad: 0
+    token_shift: Int32[Array, " num_tokens_padded"]  # position - token index, per token (tail: any)
+    is_real_token: Bool[Array, " num_tokens_padded"]  # False for the padded tail
 
 
 def batch_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int,
-                 order: Int32[Array, "num_reqs_padded"] | None = None) -> Layout:
+                 order: Int32[Array, " num_reqs_padded"] | None = None) -> Layout:
     """The step's `Layout`; ``max_total`` bounds the scheduled tokens (the token budget).
 
     ``order``: the state row of each batch row when the batch is reordered

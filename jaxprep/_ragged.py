@@ -9,7 +9,6 @@ import numpy as np
 from jaxprep._constants import PAD_SLOT_ID
 from jaxprep._typing import Array, Bool, Float32, Int32
 
-
 SCAN_BLOCK = 32
 """Width of the blocks `prefix_sum` scans with one small matrix product each."""
 
@@ -110,7 +109,7 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     return on_cpu_else(_f32_prefix_sum, _int_prefix_sum, rows).reshape(values.shape)
 
 
-def take_rows(table: Array, rows: Int32[Array, "n"], fill_value: int) -> Array:
+def take_rows(table: Array, rows: Int32[Array, " n"], fill_value: int) -> Array:
     """``table[rows]`` along axis 0 for rows in ``[0, len(table)]``; the sentinel ``len(table)``
     reads ``fill_value``, and so does any row outside ``[0, len(table))``.
 
@@ -125,8 +124,8 @@ def take_rows(table: Array, rows: Int32[Array, "n"], fill_value: int) -> Array:
     return jnp.where(valid, table.at[jnp.clip(rows, 0, last)].get(mode="promise_in_bounds"), fill_value)
 
 
-def token_request_index(request_ends: Int32[Array, "num_reqs_padded"],
-                        num_tokens_padded: int) -> Int32[Array, "num_tokens_padded"]:
+def token_request_index(request_ends: Int32[Array, " num_reqs_padded"],
+                        num_tokens_padded: int) -> Int32[Array, " num_tokens_padded"]:
     """Batch row of every token: ``r`` with ``ends[r-1] <= t < ends[r]``, clipped to the last row.
 
     Counts, for each token, the request ends at or before it (a scatter and a scan, O(T + R)).
@@ -150,7 +149,7 @@ def token_request_index(request_ends: Int32[Array, "num_reqs_padded"],
     return jnp.minimum(count, num_reqs - 1)
 
 
-def token_mask(num_actual_tokens: Int32[Array, ""], num_tokens_padded: int) -> Bool[Array, "num_tokens_padded"]:
+def token_mask(num_actual_tokens: Int32[Array, ""], num_tokens_padded: int) -> Bool[Array, " num_tokens_padded"]:
     """True for the scheduled tokens, False for the padded tail."""
     return jnp.arange(num_tokens_padded, dtype=jnp.int32) < num_actual_tokens
 

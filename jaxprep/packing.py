@@ -99,7 +99,7 @@ def path_name(path) -> str:
     return ".".join(parts)
 
 
-def widen(values: Int32[Array, "n"]) -> Int32[Array, "2*n"]:
+def widen(values: Int32[Array, " n"]) -> Int32[Array, " 2*n"]:
     """int32 values as the words of their int64 sign extension, in memory order.
 
     # [5, -1] -> [5, 0, -1, -1] (little-endian): the high word is x >> 31 (0 or -1)
@@ -109,7 +109,7 @@ def widen(values: Int32[Array, "n"]) -> Int32[Array, "2*n"]:
     return jnp.stack(pair, axis=-1).reshape(-1)
 
 
-def bytes_to_words(flags: Bool[Array, "*shape"]) -> Int32[Array, " num_words"]:
+def bytes_to_words(flags: Bool[Array, " *shape"]) -> Int32[Array, " num_words"]:
     """Booleans as bytes (0 or 1), four to an int32 word, in memory order.
 
     # [T, F, T, T, F] -> bytes [1, 0, 1, 1, 0, 0, 0, 0] -> words [0x01010001, 0] (little-endian)

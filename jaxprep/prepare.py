@@ -23,7 +23,14 @@ from jaxprep.config import PrepConfig
 from jaxprep.features import with_features
 from jaxprep.features.masks import compressed_causal_mask
 from jaxprep.features.reorder import reordered_rows
-from jaxprep.metadata import STEP_FIELDS, AttentionMetadata, StepInputs, step_field_shapes, step_fields, step_from_fields
+from jaxprep.metadata import (
+    STEP_FIELDS,
+    AttentionMetadata,
+    StepInputs,
+    step_field_shapes,
+    step_fields,
+    step_from_fields,
+)
 from jaxprep.packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.state import BatchState
 from jaxprep.validate import validate
@@ -96,7 +103,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     return with_features(step, state, config, layout)
 
 
-def _maxima(state: BatchState) -> Int32[Array, "2"]:
+def _maxima(state: BatchState) -> Int32[Array, " 2"]:
     """[max_query_len, max_seq_len] over the rows with work, read from the state rows directly.
 
     Equal to the maxima over the batch rows (every row with work is in the batch), but ready as

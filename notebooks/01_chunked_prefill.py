@@ -29,8 +29,14 @@
 # SPEC.md gives, so a wrong number fails the notebook.
 
 # %%
-from jaxprep.walkthrough import plotting
-from jaxprep.walkthrough import WalkthroughOptions, attention_pattern, format_step, kv_cache_view, run_walkthrough
+from jaxprep.walkthrough import (
+    WalkthroughOptions,
+    attention_pattern,
+    format_step,
+    kv_cache_view,
+    plotting,
+    run_walkthrough,
+)
 
 options = WalkthroughOptions(prompt_lens=(3, 2, 8), max_tokens=(4, 2, 4), block_size=2, max_model_len=12, budget=10)
 records = run_walkthrough(options)

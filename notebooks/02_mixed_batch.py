@@ -35,9 +35,8 @@ import dataclasses
 import numpy as np
 
 import jaxprep
-from jaxprep.walkthrough import plotting
+from jaxprep.walkthrough import format_step, kv_cache_view, plotting, prepare_record
 from jaxprep.walkthrough.examples import example_b, example_b_config
-from jaxprep.walkthrough import format_step, kv_cache_view, prepare_record
 
 config = example_b_config()
 arrays = example_b()

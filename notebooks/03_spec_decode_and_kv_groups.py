@@ -26,8 +26,8 @@ import numpy as np
 
 import jaxprep
 from jaxprep.config import block_table_width
-from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, sequential_block_table
 from jaxprep.walkthrough import format_step, prepare_record
+from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, sequential_block_table
 
 
 def spec_fields(step) -> dict:
@@ -55,7 +55,8 @@ config = jaxprep.PrepConfig(max_num_reqs=5, max_model_len=128, max_num_batched_t
                             features=jaxprep.FeatureConfig(num_speculative_tokens=3))
 scheduled = np.array([4, 100, 3, 100, 2], np.int32)
 state = jaxprep.BatchState.from_numpy(
-    token_ids=(1000 * np.arange(5)[:, None] + np.arange(128)[None, :]).astype(np.int32),  # row r, position p: 1000 r + p
+    # row r, position p: 1000 r + p
+    token_ids=(1000 * np.arange(5)[:, None] + np.arange(128)[None, :]).astype(np.int32),
     block_table=sequential_block_table(-(-scheduled // 16), config.max_blocks_per_req),
     num_computed_tokens=np.zeros(5, np.int32), num_scheduled_tokens=scheduled,
     num_draft_tokens=np.array([3, 0, 2, 0, 1], np.int32))
@@ -153,7 +154,8 @@ state = jaxprep.BatchState.from_numpy(token_ids=np.ones((1, 64), np.int32), bloc
 kv_step = jaxprep.prepare_inputs(state, kv_config, check=True)
 for g, group in enumerate(kv_step.kv_groups):
     print(f"group {g}: B={group.block_size} kernel b={group.kernel_block_size} "
-          f"block_table[0, :4]={np.asarray(group.block_table)[0, :4].tolist()} slot_mapping[0]={int(group.slot_mapping[0])}")
+          f"block_table[0, :4]={np.asarray(group.block_table)[0, :4].tolist()} "
+          f"slot_mapping[0]={int(group.slot_mapping[0])}")
 
 # %%
 group0, group1 = kv_step.kv_groups
@@ -169,7 +171,8 @@ assert int(group1.slot_mapping[0]) == 376
 
 # %%
 window_config = jaxprep.PrepConfig(max_num_reqs=1, max_model_len=16, max_num_batched_tokens=8, block_size=2,
-                                   features=jaxprep.FeatureConfig(kv_groups=(jaxprep.KVCacheGroupSpec(2, sliding_window=4),)))
+                                   features=jaxprep.FeatureConfig(
+                                       kv_groups=(jaxprep.KVCacheGroupSpec(2, sliding_window=4),)))
 table = np.zeros((1, window_config.max_blocks_per_req), np.int32)
 table[0, :6] = [11, 12, 13, 14, 15, 16]
 state = jaxprep.BatchState.from_numpy(token_ids=np.ones((1, 16), np.int32), block_table=table,

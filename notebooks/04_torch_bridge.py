@@ -31,8 +31,7 @@ import torch.nn.functional as F
 
 import jaxprep
 import torch_bridge
-from jaxprep.walkthrough import plotting
-from jaxprep.walkthrough import kv_cache_view, run_walkthrough
+from jaxprep.walkthrough import kv_cache_view, plotting, run_walkthrough
 from torch_bridge.paged_attention import paged_attention, write_kv_cache
 
 records = run_walkthrough()  # SPEC §4 example A: block size 2, max_model_len 12, budget 10, prompts 3, 2, 8
@@ -81,7 +80,8 @@ assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_
 step2 = torch_bridge.to_torch(prepared(records[1]))
 print(step2.attn_metadata.slot_mapping.tolist())
 assert step2.attn_metadata.slot_mapping.tolist() == [5, 14, 13, 16, 17, -1, -1, -1]  # SPEC §4, step 2 (+ padding)
-assert step2.attn_metadata.query_start_loc.tolist() == [0, 1, 2, 5] and step2.attn_metadata.seq_lens.tolist() == [4, 3, 8]
+assert step2.attn_metadata.query_start_loc.tolist() == [0, 1, 2, 5]
+assert step2.attn_metadata.seq_lens.tolist() == [4, 3, 8]
 
 # %% [markdown]
 # ## Paged attention over every step
@@ -96,7 +96,8 @@ HEADS, HEAD_SIZE = 2, 8
 config = records[0].config
 device = step2.positions.device  # where JAX's arrays live (cpu, or cuda on a GPU): everything stays there
 generator = torch.Generator().manual_seed(0)
-qkv = {request: [torch.randn(config.max_model_len, HEADS, HEAD_SIZE, generator=generator, dtype=torch.float64).to(device)
+qkv = {request: [torch.randn(config.max_model_len, HEADS, HEAD_SIZE, generator=generator,
+                             dtype=torch.float64).to(device)
                  for _ in range(3)] for request in range(3)}
 dense = {request: F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in tensors), is_causal=True).transpose(0, 1)
          for request, tensors in qkv.items()}
@@ -124,7 +125,8 @@ for record in records:
     for (block, offset), request in np.ndenumerate(view.request):
         if request >= 0:
             assert torch.equal(key_cache[block, offset], qkv[int(request)][1][view.position[block, offset]])
-    print(f"step {record.number}: {n} token{'s' * (n != 1)}, paged attention = dense causal attention (max |diff| {worst:.1e})")
+    print(f"step {record.number}: {n} token{'s' * (n != 1)}, paged attention = dense causal attention "
+          f"(max |diff| {worst:.1e})")
 
 # %% [markdown]
 # The cache after step 2, where `write_kv_cache` put each token (light: written by step 1, full:

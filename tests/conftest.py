@@ -13,8 +13,8 @@ import os
 
 os.environ.setdefault("PJRT_NPROC", "1")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -23,8 +23,8 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 from jaxtyping import install_import_hook  # noqa: E402
 
 with install_import_hook(["jaxprep", "torch_bridge"], "beartype.beartype"):
-    import jaxprep  # noqa: E402,F401
-    import jaxprep.reference  # noqa: E402,F401
+    import jaxprep
+    import jaxprep.reference  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):

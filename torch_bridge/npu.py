@@ -25,9 +25,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 
-from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep._typing import Array
+from jaxprep import NULL_BLOCK_ID
 from torch_bridge._torch import device_type, import_torch_npu
 from torch_bridge.inputs import TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs, core_pack_spec
 from torch_bridge.transfer import bridge_packed

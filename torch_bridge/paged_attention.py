@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from jaxprep._constants import PAD_SLOT_ID
+from jaxprep import PAD_SLOT_ID
 from torch_bridge._torch import torch
 
 

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"prompt tokens of each request (default {' '.join(map(str, default.prompt_lens))})")
     parser.add_argument("--max-tokens", type=int, nargs="+", default=None, metavar="N",
                         help="output tokens each request may sample; one value applies to all (default "
-                             f"{' '.join(map(str, default.max_tokens))} for the default prompts, else {DEFAULT_MAX_TOKENS})")
+                             f"{' '.join(map(str, default.max_tokens))} for the default prompts, "
+                             f"else {DEFAULT_MAX_TOKENS})")
     for name, help_text in (("block_size", "KV-cache block size"), ("max_model_len", "longest sequence"),
                             ("budget", "token budget per step (max_num_batched_tokens)")):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(default, name),

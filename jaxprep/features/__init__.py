@@ -1,20 +1,28 @@
 """Optional vLLM features, each a static switch of `FeatureConfig` (``PrepConfig.features``).
 
 One module per feature; each holds the traced function that computes the feature's outputs and
-the host check of its `BatchState` inputs:
+the host check of its `BatchState` inputs (module, feature, vLLM source):
 
-| module | feature | vLLM source |
-|---|---|---|
-| `spec_decode` | spec-decode metadata (SPEC §2.8) | `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_spec_decode_metadata` |
-| `discard` | discard mask of partial prefills (§2.7) | `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_inputs` |
-| `kv_groups` | a block table and slot mapping per KV-cache group (§2.12, §2.14) | `vllm/v1/worker/gpu/block_table.py::BlockTables.gather_block_tables`, `vllm/v1/worker/utils.py::AttentionGroup.map_to_kernel_block_table` |
-| `dcp` | decode context parallelism (§2.13) | `vllm/v1/worker/block_table.py`, `vllm/v1/attention/backends/utils.py::get_dcp_local_seq_lens` |
-| `mrope` | M-RoPE positions (§2.11) | `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_mrope_positions` |
-| `prompt_embeds` | prompt embeddings (§2.10) | `vllm/v1/worker/gpu/model_states/prompt_embeds.py::_apply_prompt_embeds_kernel` |
-| `async_tokens` | last step's sampled tokens into ``input_ids`` (§2.9) | `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_input_ids` |
-| `attn_state` | attention state (PEERS §2.2) | vllm-ascend `vllm_ascend/worker/model_runner_v1.py::NPUModelRunner._build_attn_state` |
-| `masks` | Ascend attention masks (PEERS §2.3) | vllm-ascend `vllm_ascend/attention/attention_mask.py::AttentionMaskBuilder` |
-| `reorder` | batch order, ``request_distribution`` (§2.15, PEERS §1.5) | `vllm/v1/worker/gpu/model_runner.py::sort_batch_req_ids`, tpu-inference `PersistentBatchManager._reorder_batch` |
+- `spec_decode`: spec-decode metadata;
+  `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_spec_decode_metadata`
+- `discard`: the discard mask of partial prefills;
+  `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_inputs`
+- `kv_groups`: a block table and slot mapping per KV-cache group;
+  `vllm/v1/worker/gpu/block_table.py::BlockTables.gather_block_tables`,
+  `vllm/v1/worker/utils.py::AttentionGroup.map_to_kernel_block_table`
+- `dcp`: decode context parallelism; `vllm/v1/worker/block_table.py`,
+  `vllm/v1/attention/backends/utils.py::get_dcp_local_seq_lens`
+- `mrope`: M-RoPE positions; `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_mrope_positions`
+- `prompt_embeds`: prompt embeddings;
+  `vllm/v1/worker/gpu/model_states/prompt_embeds.py::_apply_prompt_embeds_kernel`
+- `async_tokens`: last step's sampled tokens into ``input_ids``;
+  `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_input_ids`
+- `attn_state`: the attention state;
+  vllm-ascend `vllm_ascend/worker/model_runner_v1.py::NPUModelRunner._build_attn_state`
+- `masks`: Ascend attention masks;
+  vllm-ascend `vllm_ascend/attention/attention_mask.py::AttentionMaskBuilder`
+- `reorder`: batch order and ``request_distribution``;
+  `vllm/v1/worker/gpu/model_runner.py::sort_batch_req_ids`, tpu-inference `PersistentBatchManager._reorder_batch`
 
 `with_features` (`dispatch`) adds the outputs of the features that are on to a prepared step,
 inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /

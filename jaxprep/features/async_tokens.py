@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import NO_PREV_ROW, PAD_INPUT_ID, PAD_STATE_ROW
 from jaxprep._ragged import take_rows
+from jaxprep._typing import Array, Bool, Int32
 
 
-def write_prev_tokens(input_ids: Int32[Array, "num_tokens_padded"], rows: Int32[Array, "num_reqs_padded"],
-                      query_start_loc: Int32[Array, "num_reqs_padded_plus_1"],
-                      is_real_req: Bool[Array, "num_reqs_padded"],
-                      drafts: Int32[Array, "num_reqs_padded"], prev_batch_rows: Int32[Array, "max_num_reqs"],
-                      prev_sampled_token_ids: Int32[Array, "max_num_reqs"],
-                      prev_draft_token_ids: Int32[Array, "max_num_reqs K"] | None) -> Int32[Array, "num_tokens_padded"]:
+def write_prev_tokens(input_ids: Int32[Array, " num_tokens_padded"], rows: Int32[Array, " num_reqs_padded"],
+                      query_start_loc: Int32[Array, " num_reqs_padded_plus_1"],
+                      is_real_req: Bool[Array, " num_reqs_padded"],
+                      drafts: Int32[Array, " num_reqs_padded"], prev_batch_rows: Int32[Array, " max_num_reqs"],
+                      prev_sampled_token_ids: Int32[Array, " max_num_reqs"],
+                      prev_draft_token_ids: Int32[Array, "max_num_reqs K"] | None,
+                      ) -> Int32[Array, " num_tokens_padded"]:
     """``input_ids`` with last step's sampled (and draft) tokens written in.
 
     # last batch [r0, r1, r2], r2 discarded; now [r1, r0, r2] with S [1, 1, 3]:
@@ -49,9 +50,9 @@ def write_prev_tokens(input_ids: Int32[Array, "num_tokens_padded"], rows: Int32[
     return jnp.maximum(input_ids, PAD_INPUT_ID)
 
 
-def prev_batch_rows_from_step(idx_mapping: Int32[Array, "num_reqs_padded"],
-                              discard_request_mask: Bool[Array, "num_reqs_padded"] | None,
-                              max_num_reqs: int) -> Int32[Array, "max_num_reqs"]:
+def prev_batch_rows_from_step(idx_mapping: Int32[Array, " num_reqs_padded"],
+                              discard_request_mask: Bool[Array, " num_reqs_padded"] | None,
+                              max_num_reqs: int) -> Int32[Array, " max_num_reqs"]:
     """`BatchState.prev_batch_rows` for the next step, from this step's outputs, on the device.
 
     A state row gets the batch row it was sampled at, or `NO_PREV_ROW` if it was not in the batch

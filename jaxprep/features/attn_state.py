@@ -16,13 +16,13 @@ one the attention backend uses.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
 
+from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import AttnState, FeatureConfig
 
 
-def attn_state(computed: Int32[Array, "num_reqs_padded"], scheduled: Int32[Array, "num_reqs_padded"],
-               drafts: Int32[Array, "num_reqs_padded"], is_real_req: Bool[Array, "num_reqs_padded"],
+def attn_state(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Array, " num_reqs_padded"],
+               drafts: Int32[Array, " num_reqs_padded"], is_real_req: Bool[Array, " num_reqs_padded"],
                features: FeatureConfig) -> Int32[Array, ""]:
     """The `AttnState` value of the batch as a 0-d int32 array.
 

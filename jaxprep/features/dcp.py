@@ -8,15 +8,15 @@ in chunks of ``I`` tokens (the interleave). This rank writes only its own tokens
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._constants import PAD_SEQ_LEN, PAD_SLOT_ID
+from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import DCPConfig
 
 
-def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: Int32[Array, "num_tokens_padded"],
-                     positions: Int32[Array, "num_tokens_padded"], is_real_token: Bool[Array, "num_tokens_padded"],
-                     block_size: int, dcp: DCPConfig) -> Int32[Array, "num_tokens_padded"]:
+def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: Int32[Array, " num_tokens_padded"],
+                     positions: Int32[Array, " num_tokens_padded"], is_real_token: Bool[Array, " num_tokens_padded"],
+                     block_size: int, dcp: DCPConfig) -> Int32[Array, " num_tokens_padded"]:
     """This rank's slot of every token, ``PAD_SLOT_ID`` for tokens stored on other ranks.
 
     # B=2, W=2, row [10, 11], positions 0..7:
@@ -33,8 +33,8 @@ def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: In
     return jnp.where(is_real_token & is_local, slots, PAD_SLOT_ID)
 
 
-def dcp_local_seq_lens(seq_lens: Int32[Array, "num_reqs_padded"], is_real_req: Bool[Array, "num_reqs_padded"],
-                       dcp: DCPConfig) -> Int32[Array, "num_reqs_padded"]:
+def dcp_local_seq_lens(seq_lens: Int32[Array, " num_reqs_padded"], is_real_req: Bool[Array, " num_reqs_padded"],
+                       dcp: DCPConfig) -> Int32[Array, " num_reqs_padded"]:
     """Tokens of each sequence stored on this rank; padded rows `PAD_SEQ_LEN`.
 
     # W=2, I=1, seq_len 7 -> rank 0 holds positions 0,2,4,6 (4), rank 1 holds 1,3,5 (3)

@@ -9,14 +9,14 @@ has its sampled token thrown away: ``discard_request_mask[r] = C[r] + S[r] < pre
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._constants import PAD_DISCARD
+from jaxprep._typing import Array, Bool, Int32
 
 
-def discard_request_mask(computed: Int32[Array, "num_reqs_padded"], scheduled: Int32[Array, "num_reqs_padded"],
-                         prefill_len: Int32[Array, "num_reqs_padded"],
-                         is_real_req: Bool[Array, "num_reqs_padded"]) -> Bool[Array, "num_reqs_padded"]:
+def discard_request_mask(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Array, " num_reqs_padded"],
+                         prefill_len: Int32[Array, " num_reqs_padded"],
+                         is_real_req: Bool[Array, " num_reqs_padded"]) -> Bool[Array, " num_reqs_padded"]:
     """True for the batch rows whose sampled token is discarded; padded rows: `PAD_DISCARD`.
 
     # C [0, 0, 0], S [3, 2, 5], prompts [3, 2, 8] -> [F, F, T] (SPEC §4 example A, step 1)

@@ -14,16 +14,16 @@ import jax.numpy as jnp
 
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._layout import Layout
+from jaxprep._ragged import slot_mapping, take_rows
 from jaxprep.features.async_tokens import write_prev_tokens
 from jaxprep.features.attn_state import attn_state
 from jaxprep.features.dcp import dcp_local_seq_lens, dcp_slot_mapping
+from jaxprep.features.discard import discard_request_mask
 from jaxprep.features.kv_groups import KVGroupMetadata, group_block_table
 from jaxprep.features.masks import attn_mask
 from jaxprep.features.mrope import mrope_positions
 from jaxprep.features.prompt_embeds import prompt_embeds_metadata
-from jaxprep._ragged import slot_mapping, take_rows
 from jaxprep.features.reorder import request_distribution
-from jaxprep.features.discard import discard_request_mask
 from jaxprep.features.spec_decode import spec_decode_metadata
 
 

@@ -44,8 +44,9 @@ def check_feature_shapes(host: dict, config) -> None:
         if name not in host:
             raise InvalidBatchError(f"BatchState.{name} is missing: FeatureConfig.{switch} needs it")
     rows, width = config.max_num_reqs, config.max_model_len
-    expected = {name: (rows,) for name in ("num_draft_tokens", "prefill_len", "mrope_position_delta",
-                                           "prompt_embeds_start", "prev_sampled_token_ids", "prev_batch_rows")}
+    per_row = ("num_draft_tokens", "prefill_len", "mrope_position_delta", "prompt_embeds_start",
+               "prev_sampled_token_ids", "prev_batch_rows")
+    expected = dict.fromkeys(per_row, (rows,))
     expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width))
     if "prev_draft_token_ids" in host:
         draft_width = features.num_speculative_tokens if features.spec_decode else host["prev_draft_token_ids"].shape[1]

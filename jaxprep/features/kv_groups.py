@@ -17,10 +17,10 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxprep._typing import Array, Int32, StepArray
 
 from jaxprep._checks import InvalidBatchError, cdiv, check_blocks, max_block_id
 from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._typing import Array, Int32, StepArray
 from jaxprep.features.config import KVCacheGroupSpec
 
 
@@ -31,12 +31,12 @@ class KVGroupMetadata:
     """What the layers of one KV-cache group read."""
 
     block_table: Int32[StepArray, "num_reqs_padded kernel_width"]  # kernel block table in batch order; pad rows: 0
-    slot_mapping: Int32[StepArray, "num_tokens_padded"]  # manager slots; pad: -1
+    slot_mapping: Int32[StepArray, " num_tokens_padded"]  # manager slots; pad: -1
     block_size: int = dataclasses.field(metadata=dict(static=True))  # manager block size B_g
     kernel_block_size: int = dataclasses.field(metadata=dict(static=True))  # b; the table's block size
 
 
-def sliding_window_null(block_table: Int32[Array, "num_reqs_padded W"], computed: Int32[Array, "num_reqs_padded"],
+def sliding_window_null(block_table: Int32[Array, "num_reqs_padded W"], computed: Int32[Array, " num_reqs_padded"],
                         sliding_window: int, block_size: int) -> Int32[Array, "num_reqs_padded W"]:
     """Nulls the columns wholly before the window of each row's first query token.
 
@@ -61,7 +61,7 @@ def kernel_block_table(block_table: Int32[Array, "num_reqs_padded W"],
     return expanded.reshape(block_table.shape[0], block_table.shape[1] * k)
 
 
-def group_block_table(gathered: Int32[Array, "num_reqs_padded W"], computed: Int32[Array, "num_reqs_padded"],
+def group_block_table(gathered: Int32[Array, "num_reqs_padded W"], computed: Int32[Array, " num_reqs_padded"],
                       spec: KVCacheGroupSpec) -> Int32[Array, "num_reqs_padded kernel_width"]:
     """The kernel's block table of one group, from its rows gathered in batch order."""
     if spec.sliding_window is not None:

@@ -23,9 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._checks import check_row_bound
+from jaxprep._typing import Array, Bool, Int32
 
 COMPRESSED_MASK_SIZE = 2048
 """Side of the compressed causal mask that FIA ``sparse_mode=3`` maps real positions onto."""
@@ -34,7 +34,7 @@ BF16_MASK_VALUE = -10000.0
 """Additive mask value for bf16 (vllm-ascend's ``mask_scale_factor``); other dtypes use ``finfo.min``."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compressed_causal_mask(device: jax.Device | None = None) -> jax.Array:
     """The constant ``[2048, 2048]`` int8 ``triu(1)`` mask (1 = masked), built once per device."""
     mask = np.triu(np.ones((COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE), np.int8), k=1)
@@ -48,7 +48,7 @@ def mask_value(dtype_name: str) -> float:
     return float(jnp.finfo(jnp.dtype(dtype_name)).min)
 
 
-def row_mask_bool(positions: Int32[Array, "num_tokens_padded"], columns: int) -> Bool[Array, "num_tokens_padded C"]:
+def row_mask_bool(positions: Int32[Array, " num_tokens_padded"], columns: int) -> Bool[Array, "num_tokens_padded C"]:
     """Row ``t`` masks the KV positions after token ``t``'s own position (causal within its request).
 
     Padded tokens have position 0, so they see KV position 0 only (no all-masked row).
@@ -58,7 +58,7 @@ def row_mask_bool(positions: Int32[Array, "num_tokens_padded"], columns: int) ->
     return kv_positions[None, :] > positions[:, None]
 
 
-def row_mask_additive(positions: Int32[Array, "num_tokens_padded"], columns: int,
+def row_mask_additive(positions: Int32[Array, " num_tokens_padded"], columns: int,
                       dtype_name: str) -> Array:
     """`row_mask_bool` as an additive mask: 0 where visible, `mask_value` where masked."""
     dtype = jnp.dtype(dtype_name)
@@ -66,7 +66,7 @@ def row_mask_additive(positions: Int32[Array, "num_tokens_padded"], columns: int
     return jnp.where(masked, jnp.asarray(mask_value(dtype_name), dtype), jnp.asarray(0, dtype))
 
 
-def attn_mask(positions: Int32[Array, "num_tokens_padded"], form: str, columns: int, dtype_name: str):
+def attn_mask(positions: Int32[Array, " num_tokens_padded"], form: str, columns: int, dtype_name: str):
     """The jitted part of `FeatureConfig.attn_mask`: a row mask, or None for the compressed constant."""
     if form == "rows_bool":
         return row_mask_bool(positions, columns)

@@ -15,17 +15,17 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jaxprep._typing import Array, Bool, Int32
 
 from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import MROPE_MISSING_POSITION, PAD_POSITION
+from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import MROPE_NUM_DIMS
 
 
 def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len"],
-                    position_delta: Int32[Array, "max_num_reqs"], prefill_len: Int32[Array, "max_num_reqs"],
-                    token_rows: Int32[Array, "num_tokens_padded"], positions: Int32[Array, "num_tokens_padded"],
-                    is_real_token: Bool[Array, "num_tokens_padded"]) -> Int32[Array, "3 num_tokens_padded"]:
+                    position_delta: Int32[Array, " max_num_reqs"], prefill_len: Int32[Array, " max_num_reqs"],
+                    token_rows: Int32[Array, " num_tokens_padded"], positions: Int32[Array, " num_tokens_padded"],
+                    is_real_token: Bool[Array, " num_tokens_padded"]) -> Int32[Array, "3 num_tokens_padded"]:
     """The ``[3, T_pad]`` positions of the scheduled tokens; padded tokens `PAD_POSITION`.
 
     # P=9, delta=-2, positions [7, 8, 9, 10] -> table columns 7 and 8, then [7, 8] on every row
@@ -92,5 +92,6 @@ def check_prompt_positions(table: np.ndarray, prompt, computed, scheduled) -> No
     missing = read & (table == MROPE_MISSING_POSITION).any(axis=1)
     if missing.any():
         row, column = (int(i[0]) for i in np.nonzero(missing))
-        raise InvalidBatchError(f"mrope_positions[{row}, :, {column}] is missing ({MROPE_MISSING_POSITION}), but row "
-                                f"{row} schedules prompt position {column}: fill its prompt positions (text-only: arange)")
+        raise InvalidBatchError(f"mrope_positions[{row}, :, {column}] is missing ({MROPE_MISSING_POSITION}), but "
+                                f"row {row} schedules prompt position {column}: fill its prompt positions "
+                                f"(text-only: arange)")

@@ -14,10 +14,10 @@ import typing
 
 import jax
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32, StepArray
 
 from jaxprep._checks import check_row_bound
 from jaxprep._constants import INT32_MAX, PAD_EMBEDS_INDEX, PAD_INPUT_ID
+from jaxprep._typing import Array, Bool, Int32, StepArray
 
 
 @jax.tree_util.register_dataclass
@@ -26,15 +26,16 @@ from jaxprep._constants import INT32_MAX, PAD_EMBEDS_INDEX, PAD_INPUT_ID
 class PromptEmbedsMetadata:
     """Per-token choice between the token embedding and a prompt embedding."""
 
-    is_token_ids: Bool[StepArray, "num_tokens_padded"]  # False: take embeds_indices; pad: True
-    embeds_indices: Int32[StepArray, "num_tokens_padded"]  # pool row of a prompt embedding; else 0
+    is_token_ids: Bool[StepArray, " num_tokens_padded"]  # False: take embeds_indices; pad: True
+    embeds_indices: Int32[StepArray, " num_tokens_padded"]  # pool row of a prompt embedding; else 0
 
 
 def prompt_embeds_metadata(is_token_ids: Bool[Array, "max_num_reqs max_model_len"],
-                           prompt_embeds_start: Int32[Array, "max_num_reqs"],
-                           token_rows: Int32[Array, "num_tokens_padded"], positions: Int32[Array, "num_tokens_padded"],
-                           is_real_token: Bool[Array, "num_tokens_padded"],
-                           input_ids: Int32[Array, "num_tokens_padded"]):
+                           prompt_embeds_start: Int32[Array, " max_num_reqs"],
+                           token_rows: Int32[Array, " num_tokens_padded"],
+                           positions: Int32[Array, " num_tokens_padded"],
+                           is_real_token: Bool[Array, " num_tokens_padded"],
+                           input_ids: Int32[Array, " num_tokens_padded"]):
     """Returns the metadata and ``input_ids`` with 0 at the embedding positions.
 
     # start [100], is_token_ids row [F, F, F, T, ...], positions [1, 2, 3] -> is_token_ids [F, F, T],
@@ -49,4 +50,5 @@ def prompt_embeds_metadata(is_token_ids: Bool[Array, "max_num_reqs max_model_len
 def check_pool_start(start, in_batch, max_model_len: int) -> None:
     """Host check: every pool row ``start + position`` of a row with work fits int32."""
     check_row_bound(in_batch & ((start < 0) | (start + max_model_len > INT32_MAX)), "prompt_embeds_start", start,
-                    f"[0, {INT32_MAX - max_model_len}] (INT32_MAX - max_model_len: int32 pool rows)", relation="is outside")
+                    f"[0, {INT32_MAX - max_model_len}] (INT32_MAX - max_model_len: int32 pool rows)",
+                    relation="is outside")

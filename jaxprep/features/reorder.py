@@ -14,15 +14,15 @@ Both are stable: ties keep state-row order.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxprep._typing import Array, Bool, Int32
 
+from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import FeatureConfig
 
 _NOT_IN_BATCH = 3
 """Primary sort key of rows without work: after every real request."""
 
 
-def reordered_rows(state, num_reqs_padded: int, features: FeatureConfig) -> Int32[Array, "num_reqs_padded"]:
+def reordered_rows(state, num_reqs_padded: int, features: FeatureConfig) -> Int32[Array, " num_reqs_padded"]:
     """State row of each batch row in the ``features.reorder`` order; padding rows get ``max_num_reqs``.
 
     # S [3, 1, 0, 2, 1], decode_first -> [1, 4, 0, 3, 5]
@@ -44,8 +44,8 @@ def reordered_rows(state, num_reqs_padded: int, features: FeatureConfig) -> Int3
     return jnp.where(has_work[order], order, sentinel)
 
 
-def request_distribution(scheduled: Int32[Array, "num_reqs_padded"], drafts: Int32[Array, "num_reqs_padded"],
-                         is_real_req: Bool[Array, "num_reqs_padded"]) -> Int32[Array, "3"]:
+def request_distribution(scheduled: Int32[Array, " num_reqs_padded"], drafts: Int32[Array, " num_reqs_padded"],
+                         is_real_req: Bool[Array, " num_reqs_padded"]) -> Int32[Array, " 3"]:
     """``[decode_end, prefill_end, mixed_end]``: batch rows ``[0, d)`` are decodes, ``[d, n)`` the rest.
 
     Like tpu-inference, the prefill-only range is empty (``prefill_end == decode_end``); ``d``

@@ -16,11 +16,11 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxprep._typing import Array, Bool, Int32, StepArray
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
 from jaxprep._ragged import token_request_index
+from jaxprep._typing import Array, Bool, Int32, StepArray
 
 
 @jax.tree_util.register_dataclass
@@ -33,13 +33,13 @@ class SpecDecodeMetadata:
     properties read from the cumsums rather than fields of their own.
     """
 
-    num_draft_tokens: Int32[StepArray, "num_reqs_padded"]  # D per batch row; pad: 0
-    cu_num_draft_tokens: Int32[StepArray, "num_reqs_padded"]  # inclusive cumsum of D; pad repeats the total
-    cu_num_sampled_tokens: Int32[StepArray, "num_reqs_padded"]  # inclusive cumsum of D + 1; pad repeats the total
-    logits_indices: Int32[StepArray, "num_logits_padded"]  # token row of each sampled logit
-    target_logits_indices: Int32[StepArray, "num_drafts_padded"]  # logit row that verifies each draft
-    bonus_logits_indices: Int32[StepArray, "num_reqs_padded"]  # logit row of each bonus token
-    draft_token_ids: Int32[StepArray, "num_drafts_padded"]  # the drafts, flattened; pad: 0
+    num_draft_tokens: Int32[StepArray, " num_reqs_padded"]  # D per batch row; pad: 0
+    cu_num_draft_tokens: Int32[StepArray, " num_reqs_padded"]  # inclusive cumsum of D; pad repeats the total
+    cu_num_sampled_tokens: Int32[StepArray, " num_reqs_padded"]  # inclusive cumsum of D + 1; pad repeats the total
+    logits_indices: Int32[StepArray, " num_logits_padded"]  # token row of each sampled logit
+    target_logits_indices: Int32[StepArray, " num_drafts_padded"]  # logit row that verifies each draft
+    bonus_logits_indices: Int32[StepArray, " num_reqs_padded"]  # logit row of each bonus token
+    draft_token_ids: Int32[StepArray, " num_drafts_padded"]  # the drafts, flattened; pad: 0
     max_spec_len: Int32[StepArray, ""]  # max D
 
     @property
@@ -59,10 +59,10 @@ def padded_sizes(num_tokens_padded: int, num_reqs_padded: int, num_speculative_t
     return min(num_tokens_padded, num_reqs_padded * (k + 1)), min(num_tokens_padded, num_reqs_padded * k)
 
 
-def spec_decode_metadata(num_draft_tokens: Int32[Array, "num_reqs_padded"],
-                         query_start_loc: Int32[Array, "num_reqs_padded_plus_1"],
-                         is_real_req: Bool[Array, "num_reqs_padded"],
-                         input_ids: Int32[Array, "num_tokens_padded"],
+def spec_decode_metadata(num_draft_tokens: Int32[Array, " num_reqs_padded"],
+                         query_start_loc: Int32[Array, " num_reqs_padded_plus_1"],
+                         is_real_req: Bool[Array, " num_reqs_padded"],
+                         input_ids: Int32[Array, " num_tokens_padded"],
                          num_speculative_tokens: int) -> SpecDecodeMetadata:
     """Builds the metadata from each batch row's draft count (SPEC §2.8's formulas).
 

@@ -1,11 +1,15 @@
 """NumPy oracles of the tests and baselines of the benchmarks, written for reading, not speed.
 
-| module | what it computes | vLLM source |
-|---|---|---|
-| `core` | the plain step: `prepare_reference`, `pad_reference` | `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_inputs` |
-| `requests` | per-request features: batch order, spec decode, discard mask, async input ids, attention state | `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_spec_decode_metadata`, `::_prepare_input_ids` |
-| `kv_cache` | KV-cache features: kernel block tables, sliding windows, DCP slots and lengths | `vllm/v1/worker/utils.py::AttentionGroup.map_to_kernel_block_table`, `vllm/v1/attention/backends/utils.py::get_dcp_local_seq_lens` |
-| `tokens` | per-token features: M-RoPE and Qwen2-VL positions, prompt embeddings, row masks | `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_mrope_positions` |
+- `core`: the plain step, `prepare_reference` and `pad_reference`;
+  `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_inputs`
+- `requests`: per-request features (batch order, spec decode, discard mask, async input ids,
+  attention state); `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_spec_decode_metadata`,
+  `::_prepare_input_ids`
+- `kv_cache`: KV-cache features (kernel block tables, sliding windows, DCP slots and lengths);
+  `vllm/v1/worker/utils.py::AttentionGroup.map_to_kernel_block_table`,
+  `vllm/v1/attention/backends/utils.py::get_dcp_local_seq_lens`
+- `tokens`: per-token features (M-RoPE and Qwen2-VL positions, prompt embeddings, row masks);
+  `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_mrope_positions`
 
 The serving loop's oracle (state transitions) is `jaxprep.serving.reference`.
 """

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_SEQ_LEN,
-                                PAD_SLOT_ID, PAD_STATE_ROW)
+from jaxprep import NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_SEQ_LEN, PAD_SLOT_ID, PAD_STATE_ROW
 
 
 def prepare_reference(token_ids, block_table, num_computed_tokens, num_scheduled_tokens, block_size):

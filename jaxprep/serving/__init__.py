@@ -16,7 +16,7 @@ from jaxprep.serving.model import KVCache, ModelConfig, dense_forward, init_para
 from jaxprep.serving.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import (PAD_ROW, AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState,
                                    StepUpdates)
-from jaxprep.serving.step import NO_TOKEN, update_and_prepare, serve_step
+from jaxprep.serving.step import NO_TOKEN, serve_step, update_and_prepare
 from jaxprep.serving.workload import DenseCheck, Workload, check_against_dense, random_workload
 
 __all__ = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxprep.config import PrepConfig, cdiv
 from jaxprep._checks import check_positive_int
+from jaxprep.config import PrepConfig, cdiv
 
 
 def _from_prep(name: str) -> property:

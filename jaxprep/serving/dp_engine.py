@@ -14,8 +14,14 @@ from jax.sharding import Mesh
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.engine import Engine
 from jaxprep.serving.model import ModelConfig, init_params
-from jaxprep.serving.sharded import (ShardedServingBatch, apply_updates_sharded, replicated, serve_step_sharded,
-                                     sharded_kv_cache, update_and_prepare_sharded)
+from jaxprep.serving.sharded import (
+    ShardedServingBatch,
+    apply_updates_sharded,
+    replicated,
+    serve_step_sharded,
+    sharded_kv_cache,
+    update_and_prepare_sharded,
+)
 from jaxprep.serving.state import StepUpdates
 
 

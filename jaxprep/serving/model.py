@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep.metadata import StepInputs
 from jaxprep._ragged import token_request_index
+from jaxprep.metadata import StepInputs
 
 MODEL_SCOPE = "model"
 """Named scope of the model's own float products (exempt from the index-math precision test)."""

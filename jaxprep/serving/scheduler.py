@@ -20,7 +20,6 @@ from jaxprep.config import cdiv
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.step import AppendedTokens
 
-
 NO_ROW = -1
 """`Request.row` of a request that holds no state row (waiting, preempted or finished)."""
 

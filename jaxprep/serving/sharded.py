@@ -23,7 +23,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ModelConfig
 from jaxprep.serving.packing import pack_updates, unpack_updates
 from jaxprep.serving.state import ServingState, StepUpdates
-from jaxprep.serving.step import update_and_prepare_body, serve_body
+from jaxprep.serving.step import serve_body, update_and_prepare_body
 from jaxprep.serving.transitions import apply_updates_body
 from jaxprep.sharding import DATA_AXIS, shard_rows
 
@@ -67,7 +67,8 @@ def update_and_prepare_sharded(state: ServingState, packed: jax.Array, *, config
     """The preparation part of `serve_step_sharded` alone, not donating (what the simulator times)."""
 
     def rank_prepare(state, packed):
-        return jax.tree.map(lambda leaf: leaf[None], update_and_prepare_body(state, packed[0], config, num_tokens_padded))
+        step = update_and_prepare_body(state, packed[0], config, num_tokens_padded)
+        return jax.tree.map(lambda leaf: leaf[None], step)
 
     return _per_rank(rank_prepare, mesh, (ROWS, ROWS), ROWS)(state, packed)
 

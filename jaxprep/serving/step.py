@@ -86,13 +86,15 @@ def serve_body(state: ServingState, kv_cache: KVCache, params, packed_updates: j
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
-def update_and_prepare(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig, num_tokens_padded: int):
+def update_and_prepare(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig,
+                       num_tokens_padded: int):
     """The input-preparation part of `serve_step` alone (unpack, updates, `prepare_padded`), not
     donating: what the simulator times as prep."""
     return update_and_prepare_body(state, packed_updates, config, num_tokens_padded)
 
 
-def update_and_prepare_body(state: ServingState, packed_updates: jax.Array, config: ServingConfig, num_tokens_padded: int):
+def update_and_prepare_body(state: ServingState, packed_updates: jax.Array, config: ServingConfig,
+                            num_tokens_padded: int):
     """The traced body of `update_and_prepare`."""
     state = apply_updates_body(state, unpack_updates(packed_updates, config))
     return prepare_padded(state.batch, config.prep, num_tokens_padded)

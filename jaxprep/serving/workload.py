@@ -66,7 +66,7 @@ def check_against_dense(params, model: ModelConfig, requests, max_model_len: int
         tokens = np.zeros(max_model_len, np.int32)
         all_ids = request.all_token_ids
         tokens[: len(all_ids)] = all_ids
-        logits = np.asarray(_dense_logits(params, tokens, model=model))
+        logits = np.asarray(dense_logits(params, tokens, model=model))
         prompt_len = len(request.prompt_token_ids)
         for position, token in enumerate(request.output_token_ids, start=prompt_len - 1):
             row = logits[position]
@@ -80,5 +80,6 @@ def check_against_dense(params, model: ModelConfig, requests, max_model_len: int
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _dense_logits(params, token_ids, *, model: ModelConfig):
+def dense_logits(params, token_ids, *, model: ModelConfig):
+    """`dense_forward` of one sequence, jitted per model."""
     return dense_forward(params, jnp.asarray(token_ids, jnp.int32), model=model)

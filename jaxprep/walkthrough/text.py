@@ -57,8 +57,8 @@ def _token_table(record: StepRecord, max_columns: int) -> list[str]:
     states, tokens = token_table_states(record), record.state["token_ids"]
     columns = _cut(range(record.config.max_model_len), max_columns)
     width = max(len(str(int(tokens.max()))) + 2, 4)
-    lines = [f"token table (token_ids[row, position]: [x] scheduled now, x KV cached, (x) known, "
-             f"not scheduled, . empty)",
+    lines = ["token table (token_ids[row, position]: [x] scheduled now, x KV cached, (x) known, "
+             "not scheduled, . empty)",
              "  position " + " ".join(_cell("..." if c is None else c, width) for c in columns)]
     for row in range(len(tokens)):
         cells = [_token_cell(states[row, c], tokens[row, c]) if c is not None else "..." for c in columns]

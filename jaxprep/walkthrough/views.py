@@ -60,7 +60,8 @@ def kv_cache_view(record: StepRecord) -> KVCacheView:
         computed = int(record.computed[row])
         for p in range(computed + int(record.scheduled[row])):
             block, offset = int(table[row, p // block_size]), p % block_size
-            request[block, offset], position[block, offset], new[block, offset] = record.request_ids[row], p, p >= computed
+            request[block, offset] = record.request_ids[row]
+            position[block, offset], new[block, offset] = p, p >= computed
     return KVCacheView(request=request, position=position, new=new)
 
 

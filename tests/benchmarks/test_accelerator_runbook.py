@@ -1,0 +1,38 @@
+"""The GPU runbook's CPU path: it parses its arguments and runs end to end without a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUNBOOK = os.path.join(ROOT, "benchmarks", "accelerator_check.sh")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable)
+    return subprocess.run(["bash", RUNBOOK, *args], capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+
+
+@pytest.mark.cpu_only("the dry run forces JAX onto the CPU backend")
+def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
+    result = run("--dry-run", "--log-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    assert table[0] == "| check | result | detail |"
+    checks = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table[2:]}
+    assert checks["tests (dry run, CPU)"] == "ok"
+    assert any(name.startswith("bench_gpu: 256 req decode") for name in checks)
+    assert "backend cpu" in result.stdout
+    assert sorted(os.listdir(tmp_path))  # each step's log was written
+
+
+@pytest.mark.parametrize("args, message", [(["--workers", "-1"], "--workers must be >= 0"),
+                                           (["--wheels", "/nonexistent-dir"], "no such directory"),
+                                           (["--bogus"], "unrecognized arguments")])
+def test_bad_arguments_exit_2_naming_the_flag(args, message):
+    result = run(*args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,54 @@
+"""`prepare_to_host` returns the same step as `prepare_padded`, as NumPy views of one buffer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxprep import BatchState, PrepConfig, prepare_padded
+from jaxprep._ragged import F32_EXACT_BOUND, prefix_sum
+from jaxprep.metadata import step_fields
+from jaxprep.prepare import host_layout, prepare_to_host
+from support.batches import numpy_batches
+from support.expect import assert_step_matches_reference
+
+CONFIG = PrepConfig(max_num_reqs=12, max_model_len=96, max_num_batched_tokens=300, block_size=8)
+
+
+def test_host_step_matches_device_step_and_reference():
+    stream = numpy_batches(CONFIG, seed=11)
+    for _ in range(200):
+        arrays = next(stream)
+        bucket = CONFIG.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
+        host = prepare_to_host(BatchState.from_numpy(**arrays), CONFIG, bucket)
+        device = step_fields(prepare_padded(BatchState.from_numpy(**arrays), CONFIG, bucket))
+        for name, value in step_fields(host).items():
+            assert isinstance(value, np.ndarray), name
+            np.testing.assert_array_equal(value, device[name], err_msg=name)
+        assert_step_matches_reference(host, arrays, CONFIG)
+
+
+def test_host_layout_example():
+    """8 tokens, 3 request rows: every field but the block table, end to end, scalars one word each."""
+    spans = host_layout(8, 3)
+    assert [(s.name, s.offset, s.shape) for s in spans] == [
+        ("input_ids", 0, (8,)), ("positions", 8, (8,)), ("logits_indices", 16, (3,)), ("idx_mapping", 19, (3,)),
+        ("query_start_loc", 22, (4,)), ("seq_lens", 26, (3,)), ("slot_mapping", 29, (8,)),
+        ("num_actual_tokens", 37, ()), ("num_reqs", 38, ()), ("max_query_len", 39, ()), ("max_seq_len", 40, ())]
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 63, 64, 127, 1000, 1024, 1025, 4096, 33000])
+def test_prefix_sum_matches_numpy(length):
+    values = np.random.default_rng(length).integers(0, 5, (2, length)).astype(np.int32)
+    scan = jax.jit(prefix_sum, static_argnums=1)
+    total = int(values.sum(axis=1).max())
+    np.testing.assert_array_equal(scan(values, total), np.cumsum(values, axis=1))
+    np.testing.assert_array_equal(scan(values[0], total), np.cumsum(values[0]))
+
+
+def test_prefix_sum_exact_near_the_float32_bound():
+    """Totals just below 2**24 are still exact; a larger bound falls back to the integer scan."""
+    values = np.full(64, (F32_EXACT_BOUND - 1) // 64, np.int32)
+    np.testing.assert_array_equal(prefix_sum(jnp.asarray(values), F32_EXACT_BOUND - 1), np.cumsum(values))
+    big = np.full(4, 2**28, np.int32)
+    np.testing.assert_array_equal(prefix_sum(jnp.asarray(big), 2**30), np.cumsum(big))
