@@ -3,6 +3,9 @@
 They are written once here and tested as a contract (tests/test_padding_contract.py).
 """
 
+INT32_MAX = 2**31 - 1
+"""Largest int32: slot ids, counts and flat indices must stay at or below it."""
+
 PAD_SLOT_ID = -1
 """Slot of a padded token: it writes no KV (vLLM's ``PAD_SLOT_ID``)."""
 

@@ -6,6 +6,7 @@ import bisect
 import dataclasses
 import math
 
+from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig, check_positive_int
 
 MIN_TOKEN_BUCKET = 8
@@ -16,7 +17,6 @@ STEPS_PER_OCTAVE = 2
 `jaxprep simulate` traces, with 18 rungs for an 8192-token budget (4 rungs per octave pad 5-10%
 but need 32 compiles; powers of two alone pad 19% once steps spread over a 2048-token budget)."""
 
-INT32_MAX = 2**31 - 1
 
 
 def cdiv(a: int, b: int) -> int:

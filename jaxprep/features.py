@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jaxprep._constants import INT32_MAX
+
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
 REORDER_MODES = (None, "decode_first", "v2")
@@ -53,6 +55,11 @@ class KVCacheGroupSpec:
         if self.kernel_block_size is not None and self.block_size % self.kernel_block_size:
             raise ValueError(f"KVCacheGroupSpec.kernel_block_size={self.kernel_block_size} must divide "
                              f"block_size={self.block_size}")
+
+    @property
+    def max_block_id(self) -> int:
+        """Largest valid block id of the group: ``num_blocks - 1``, or what keeps slots in int32."""
+        return self.num_blocks - 1 if self.num_blocks is not None else INT32_MAX // self.block_size - 1
 
     @property
     def blocks_per_kernel_block(self) -> int:

@@ -32,8 +32,9 @@ _PACKED_FIELDS = (
     ("num_reqs", lambda t, r: 1),
     ("max_query_len", lambda t, r: 1),
     ("max_seq_len", lambda t, r: 1),
+    ("errors", lambda t, r: 1),
 )
-_SCALAR_FIELDS = frozenset({"num_actual_tokens", "num_reqs", "max_query_len", "max_seq_len"})
+_SCALAR_FIELDS = frozenset({"num_actual_tokens", "num_reqs", "max_query_len", "max_seq_len", "errors"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +56,7 @@ def _flat_fields(step: StepInputs) -> dict:
         "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens,
         "logits_indices": step.logits_indices, "idx_mapping": step.idx_mapping,
         "num_actual_tokens": meta.num_actual_tokens, "num_reqs": meta.num_reqs,
-        "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len,
+        "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len, "errors": step.errors,
     }
 
 
@@ -77,7 +78,7 @@ def unpack_host(words: np.ndarray, block_table: np.ndarray, num_tokens_padded: i
         max_query_len=views["max_query_len"], max_seq_len=views["max_seq_len"])
     return StepInputs(input_ids=views["input_ids"], positions=views["positions"],
                       logits_indices=views["logits_indices"], idx_mapping=views["idx_mapping"],
-                      attn_metadata=meta, num_tokens_padded=num_tokens_padded)
+                      attn_metadata=meta, errors=views["errors"], num_tokens_padded=num_tokens_padded)
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,9 +19,10 @@ from jaxprep.masks import compressed_causal_mask
 from jaxprep.metadata import AttentionMetadata, StepInputs
 from jaxprep.layout import batch_layout
 from jaxprep._typing import Array, Int32
-from jaxprep.ragged import stack, take_rows, token_mask
+from jaxprep.ragged import stack, take_rows, token_blocks, token_mask
 from jaxprep.ragged import slot_mapping as _slot_mapping
 from jaxprep.state import BatchState
+from jaxprep.step_errors import check_static, error_word, raise_for_errors
 from jaxprep.validate import validate
 
 
@@ -36,8 +37,9 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
         from the device and picks the smallest bucket of ``config.token_buckets`` that holds it;
         a serving loop that knows its total passes ``config.bucket_for(total)`` and stays
         asynchronous (and may call this inside its own ``jax.jit``).
-      check: validate the state on the host first (`jaxprep.validate`); raises
-        `InvalidBatchError` naming the field and the bound.
+      check: validate the state on the host first (`jaxprep.validate`), and read the step's
+        error word after it (`jaxprep.step_errors`); raises `InvalidBatchError` naming the field
+        and the bound. Without it nothing is read back: a loop reads ``step.errors`` when it likes.
     """
     if num_tokens_padded is None:
         total = int(np.asarray(state.num_scheduled_tokens, dtype=np.int64).sum())
@@ -47,13 +49,20 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
     elif check:
         validate(state, config, num_tokens_padded=num_tokens_padded)
     step = prepare_padded(state, config, int(num_tokens_padded))
+    if check:
+        raise_for_errors(step, config)
     if config.features.attn_mask == "compressed":  # one constant, not a per-step jit output
         step = dataclasses.replace(step, attn_mask=compressed_causal_mask())
     return step
 
 
 def prepare_step(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
-    """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further."""
+    """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further.
+
+    Raises at trace time (no cost per call) if the state's shapes do not match ``config`` or
+    ``num_tokens_padded`` is not a rung of ``config.token_buckets``.
+    """
+    check_static(state, config, num_tokens_padded)
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     layout = batch_layout(state, num_reqs_padded, num_tokens_padded, config.max_num_batched_tokens, config.features)
     # ends [3,5,5,5] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
@@ -64,9 +73,14 @@ def prepare_step(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     positions = jnp.where(is_real_token, jnp.arange(num_tokens_padded, dtype=jnp.int32) + layout.token_shift,
                           PAD_POSITION)
     token_rows = jnp.where(is_real_token, layout.token_rows, 0)
-    # 2-D gathers: no flattened row * max_model_len index that could overflow int32
-    input_ids = jnp.where(is_real_token, state.token_ids[token_rows, positions], PAD_INPUT_ID)
-    slot_mapping = _slot_mapping(state.block_table, token_rows, positions, is_real_token, config.block_size)
+    # 2-D gathers: no flattened row * max_model_len index that could overflow int32; the clip only
+    # matters for bad input on the unchecked path (a position past the table), see jaxprep.step_errors
+    read_positions = jnp.clip(positions, 0, config.max_model_len - 1)
+    input_ids = jnp.where(is_real_token, state.token_ids[token_rows, read_positions], PAD_INPUT_ID)
+    slot_mapping = _slot_mapping(state.block_table, token_rows, positions, is_real_token, config.block_size,
+                                 config.max_block_id)
+    blocks = token_blocks(state.block_table, token_rows, positions,
+                          config.block_size * config.features.dcp_world_size)
     seq_lens = layout.computed + layout.scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
     maxima = _maxima(state)
     attn_metadata = AttentionMetadata(
@@ -85,6 +99,7 @@ def prepare_step(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
         logits_indices=jnp.where(layout.is_real_req, layout.ends - 1, PAD_LOGITS_INDEX),
         idx_mapping=jnp.where(layout.is_real_req, layout.rows, PAD_STATE_ROW),
         attn_metadata=attn_metadata,
+        errors=error_word(state, config, num_tokens_padded, blocks, is_real_token),
         num_tokens_padded=num_tokens_padded,
     )
     if not config.features.any_on:

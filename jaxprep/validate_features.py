@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep._constants import MROPE_MISSING_POSITION, NO_PREV_ROW
-from jaxprep.config import INT32_MAX, cdiv
+from jaxprep.config import cdiv
 from jaxprep.features import MROPE_NUM_DIMS
 from jaxprep.state import OPTIONAL_FIELDS
 from jaxprep.validate import InvalidBatchError as _error
@@ -94,8 +94,7 @@ def check_group_blocks(host: dict, computed, scheduled, config) -> None:
     groups = config.features.kv_groups
     for g, table in enumerate(host.get("extra_block_tables", ()) if groups else (), start=1):
         spec = groups[g]
-        max_block_id = spec.num_blocks - 1 if spec.num_blocks is not None else INT32_MAX // spec.block_size - 1
-        _check_blocks(table, computed, scheduled, spec.block_size, max_block_id,
+        _check_blocks(table, computed, scheduled, spec.block_size, spec.max_block_id,
                       dcp_world=config.features.dcp_world_size, name=f"extra_block_tables[{g - 1}]")
 
 

@@ -29,7 +29,7 @@ def test_host_step_matches_device_step_and_reference():
 
 
 def test_packed_offsets_example():
-    assert packed_offsets(8, 3) == (0, 8, 16, 24, 28, 31, 34, 37, 38, 39, 40, 41)
+    assert packed_offsets(8, 3) == (0, 8, 16, 24, 28, 31, 34, 37, 38, 39, 40, 41, 42)  # ..., scalars, errors
 
 
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 63, 64, 127, 1000, 1024, 1025, 4096, 33000])
