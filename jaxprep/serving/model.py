@@ -10,6 +10,7 @@ Both share the embedding, RoPE, norms and MLP; only attention and the cache diff
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -42,18 +43,48 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def num_kv_heads(self) -> int:
+        """Heads of the KV cache: one per attention head (no grouped-query attention here)."""
+        return self.num_heads
+
+    # A model config of the serving loop: `forward` is what the step runs, `dense_forward` the
+    # loop's oracle (`jaxprep.models.DecoderConfig` is another one).
+    def forward(self, params, kv_cache: KVCache, inputs: StepInputs, *, block_size: int, max_model_len: int):
+        return paged_forward(params, kv_cache, inputs, model=self, block_size=block_size, max_model_len=max_model_len)
+
+    def dense_forward(self, params, token_ids: jax.Array) -> jax.Array:
+        return dense_forward(params, token_ids, model=self)
+
+
+@typing.runtime_checkable
+class ServingModel(typing.Protocol):
+    """What the serving loop needs of a model config (static, hashable): the tiny `ModelConfig`, or a
+    checkpoint's `jaxprep.models.DecoderConfig`."""
+
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int  # KVCache.zeros: [num_layers, slots, num_kv_heads, head_dim]
+    head_dim: int
+
+    def forward(self, params, kv_cache, inputs, *, block_size: int, max_model_len: int):
+        """``(kv_cache, logits [R_pad, vocab_size])`` of one paged step."""
+
+    def dense_forward(self, params, token_ids):
+        """Logits [L, vocab_size] of one sequence without a cache."""
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Paged K/V of every layer, indexed by slot = block_id * block_size + offset."""
 
-    k: jax.Array  # [num_layers, num_blocks * block_size, num_heads, head_dim] float32
-    v: jax.Array  # [num_layers, num_blocks * block_size, num_heads, head_dim] float32
+    k: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
+    v: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
 
     @classmethod
-    def zeros(cls, model: ModelConfig, num_blocks: int, block_size: int) -> KVCache:
-        shape = (model.num_layers, num_blocks * block_size, model.num_heads, model.head_dim)
+    def zeros(cls, model: ServingModel, num_blocks: int, block_size: int) -> KVCache:
+        shape = (model.num_layers, num_blocks * block_size, model.num_kv_heads, model.head_dim)
         return cls(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32))
 
 
@@ -122,7 +153,7 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
     num_slots = kv_cache.k.shape[1]
     # PAD_SLOT_ID -1 would wrap to the last slot even with mode='drop': send it past the end instead
     write_slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping, num_slots)
-    context_slots, mask = _context(inputs, block_size, max_model_len)
+    context_slots, mask = paged_context(inputs, block_size, max_model_len)
 
     def layer_step(carry, layer_in):
         x, k_cache, v_cache = carry
@@ -140,7 +171,7 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
     return KVCache(k=k_cache, v=v_cache), logits
 
 
-def _context(inputs: StepInputs, block_size: int, max_model_len: int):
+def paged_context(inputs: StepInputs, block_size: int, max_model_len: int):
     """Cache slot of every context position of every query token, and which of them it may see.
 
     Context position j of batch row b lives at slot block_table[b, j // B] * B + j % B; token t of
