@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep.metadata import StepInputs
-from jaxprep.serving.model import MASKED, KVCache, paged_context
+from jaxprep.serving.model import MASKED, KVCache, scan_dense_layers, scan_paged_layers
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -98,40 +98,19 @@ def paged_forward(params: dict, kv_cache: KVCache, inputs: StepInputs, *, model,
                   max_model_len: int) -> tuple[KVCache, jax.Array]:
     """One serving step over the padded batch: writes K/V at ``slot_mapping`` and returns
     ``(kv_cache, logits [R_pad, V])`` of the rows' ``logits_indices``. Scans over the layers."""
-    meta = inputs.attn_metadata
-    num_slots = kv_cache.k.shape[1]
-    # PAD_SLOT_ID -1 would wrap to the last slot even with mode='drop': send it past the end instead
-    write_slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping, num_slots)
-    context_slots, mask = paged_context(inputs, block_size, max_model_len)  # [T, S] each
-
-    def layer_step(carry, layer_in):
-        x, k_cache, v_cache = carry
-        index, layer = layer_in
-        q, k, v = _qkv(layer, x, inputs.positions, model)
-        k_cache = k_cache.at[index, write_slots].set(k, mode="drop")
-        v_cache = v_cache.at[index, write_slots].set(v, mode="drop")
-        attn = _attend(q, k_cache[index][context_slots], v_cache[index][context_slots], mask)
-        return (_output_and_mlp(layer, x, attn, model), k_cache, v_cache), None
-
-    layer_ids = jnp.arange(model.num_layers, dtype=jnp.int32)
-    carry = (_embed(params, inputs.input_ids), kv_cache.k, kv_cache.v)
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, carry, (layer_ids, params["layers"]))
-    return KVCache(k=k_cache, v=v_cache), _logits(params, x[inputs.logits_indices], model)
+    x, kv_cache = scan_paged_layers(_embed(params, inputs.input_ids), kv_cache, inputs, params["layers"],
+                                    block_size=block_size, max_model_len=max_model_len, **_layer_fns(model))
+    return kv_cache, _logits(params, x[inputs.logits_indices], model)
 
 
 def dense_forward(params: dict, token_ids: jax.Array, *, model) -> jax.Array:
     """Logits [L, V] of every position of one sequence [L], causal mask, no cache.
 
     Padding past the real length changes nothing before it (the mask is causal)."""
-    length = token_ids.shape[0]
-    positions = jnp.arange(length, dtype=jnp.int32)
-    causal = positions[None, :] <= positions[:, None]
+    return _logits(params, scan_dense_layers(_embed(params, token_ids), params["layers"], **_layer_fns(model)), model)
 
-    def layer_step(x, layer):
-        q, k, v = _qkv(layer, x, positions, model)
-        keys = jnp.broadcast_to(k[None], (length,) + k.shape)
-        values = jnp.broadcast_to(v[None], (length,) + v.shape)
-        return _output_and_mlp(layer, x, _attend(q, keys, values, causal), model), None
 
-    x, _ = jax.lax.scan(layer_step, _embed(params, token_ids), params["layers"])
-    return _logits(params, x, model)
+def _layer_fns(model) -> dict:
+    """The per-layer pieces `scan_paged_layers` and `scan_dense_layers` call."""
+    return {"qkv": lambda layer, x, positions: _qkv(layer, x, positions, model), "attend": _attend,
+            "finish": lambda layer, x, attn: _output_and_mlp(layer, x, attn, model)}

@@ -149,6 +149,22 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
                   block_size: int, max_model_len: int) -> tuple[KVCache, jax.Array]:
     """One step over the padded batch: writes K/V at ``slot_mapping``, returns logits [R_pad, V]
     of the rows' ``logits_indices``. Scans over the layers, carrying the whole cache."""
+    x, kv_cache = scan_paged_layers(
+        params["embed"][inputs.input_ids], kv_cache, inputs, _layers(params), block_size=block_size,
+        max_model_len=max_model_len, qkv=lambda layer, x, positions: _qkv(layer, x, positions, model),
+        attend=_attend, finish=_mlp_and_residual)
+    return kv_cache, _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
+
+
+def scan_paged_layers(x: jax.Array, kv_cache: KVCache, inputs: StepInputs, layers, *, block_size: int,
+                      max_model_len: int, qkv, attend, finish) -> tuple[jax.Array, KVCache]:
+    """The layers of a paged forward, scanned: hidden states x [T, D] -> (x, kv_cache).
+
+    Layer i computes ``q, k, v = qkv(layer, x, positions)``, writes k and v at ``slot_mapping`` in
+    the cache's layer i, attends over each token's context read back through its row's block table
+    (``attend(q, keys [T, S, ...], values, mask [T, S])``) and returns ``finish(layer, x, attn)``.
+    ``layers``: per-layer params stacked on a leading axis of kv_cache.k.shape[0] layers.
+    """
     meta = inputs.attn_metadata
     num_slots = kv_cache.k.shape[1]
     # PAD_SLOT_ID -1 would wrap to the last slot even with mode='drop': send it past the end instead
@@ -157,18 +173,16 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
 
     def layer_step(carry, layer_in):
         x, k_cache, v_cache = carry
-        layer, layer_params = layer_in
-        q, k, v = _qkv(layer_params, x, inputs.positions, model)
-        k_cache = k_cache.at[layer, write_slots].set(k, mode="drop")
-        v_cache = v_cache.at[layer, write_slots].set(v, mode="drop")
-        attn = _attend(q, k_cache[layer][context_slots], v_cache[layer][context_slots], mask)
-        return (_mlp_and_residual(layer_params, x, attn), k_cache, v_cache), None
+        index, layer = layer_in
+        q, k, v = qkv(layer, x, inputs.positions)
+        k_cache = k_cache.at[index, write_slots].set(k, mode="drop")
+        v_cache = v_cache.at[index, write_slots].set(v, mode="drop")
+        attn = attend(q, k_cache[index][context_slots], v_cache[index][context_slots], mask)
+        return (finish(layer, x, attn), k_cache, v_cache), None
 
-    layer_ids = jnp.arange(model.num_layers, dtype=jnp.int32)
-    carry = (params["embed"][inputs.input_ids], kv_cache.k, kv_cache.v)
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, carry, (layer_ids, _layers(params)))
-    logits = _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
-    return KVCache(k=k_cache, v=v_cache), logits
+    layer_ids = jnp.arange(kv_cache.k.shape[0], dtype=jnp.int32)
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, kv_cache.k, kv_cache.v), (layer_ids, layers))
+    return x, KVCache(k=k_cache, v=v_cache)
 
 
 def paged_context(inputs: StepInputs, block_size: int, max_model_len: int):
@@ -195,15 +209,23 @@ def dense_forward(params, token_ids: jax.Array, *, model: ModelConfig) -> jax.Ar
     """Logits [L, V] of every position of one sequence, recomputed with a causal mask, no cache.
 
     Padding past the real length changes nothing before it (the mask is causal)."""
-    length = token_ids.shape[0]
+    x = scan_dense_layers(params["embed"][token_ids], _layers(params), attend=_attend, finish=_mlp_and_residual,
+                          qkv=lambda layer, x, positions: _qkv(layer, x, positions, model))
+    return _rms_norm(x) @ params["lm_head"]
+
+
+def scan_dense_layers(x: jax.Array, layers, *, qkv, attend, finish) -> jax.Array:
+    """The layers of a cache-free forward over one sequence x [L, D] at positions 0..L-1, causal
+    mask; ``qkv``, ``attend`` and ``finish`` as in `scan_paged_layers`."""
+    length = x.shape[0]
     positions = jnp.arange(length, dtype=jnp.int32)
     causal = positions[None, :] <= positions[:, None]
 
-    def layer_step(x, layer_params):
-        q, k, v = _qkv(layer_params, x, positions, model)
+    def layer_step(x, layer):
+        q, k, v = qkv(layer, x, positions)
         keys = jnp.broadcast_to(k[None], (length,) + k.shape)
         values = jnp.broadcast_to(v[None], (length,) + v.shape)
-        return _mlp_and_residual(layer_params, x, _attend(q, keys, values, causal)), None
+        return finish(layer, x, attend(q, keys, values, causal)), None
 
-    x, _ = jax.lax.scan(layer_step, params["embed"][token_ids], _layers(params))
-    return _rms_norm(x) @ params["lm_head"]
+    x, _ = jax.lax.scan(layer_step, x, layers)
+    return x
