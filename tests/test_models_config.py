@@ -143,6 +143,9 @@ def test_simulate_model_check_passes(tmp_path, capsys):
     (["--prompt-ids", "1 96"], ("argument --prompt-ids: token id 96 of prompt 0 is outside the model's vocabulary "
                                 "[0, vocab_size=96)")),
     (["--prompt-ids", "1 2 3 4", "--max-model-len", "4"], "argument --max-model-len: 4 must exceed"),
+    (["--prompt-ids", "1 2 3 4 5", "--num-blocks", "3", "--block-size", "4", "--max-tokens", "8"],
+     ("argument --num-blocks: 3 blocks of 4 (one is the null block) cannot hold prompt 0: 5 tokens + up to 8 "
+      "generated need 4")),
     (["--prompt", "hello"], "argument --prompt: needs"),
 ])
 def test_generate_flag_errors(tmp_path, capsys, flags, message):

@@ -78,19 +78,23 @@ def run(args: argparse.Namespace) -> int:
     except (UnsupportedConfigError, CheckpointError, FileNotFoundError) as error:
         args.error(f"argument --model: {error}")
     prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
-    _check_prompts(args, prompts, model.vocab_size)
-    outputs, stats = generate(model, params, prompts, args)
+    _check_token_ids(args, prompts, model.vocab_size)
+    eos_ids = () if args.ignore_eos else model.eos_token_ids
+    config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
+    _check_fit(args, prompts, config)
+    outputs, stats = generate(model, params, prompts, config, args.max_tokens, eos_ids)
     _print(args, model, prompts, outputs, stats, tokenizer)
     return 0
 
 
-def generate(model, params, prompts: list[list[int]], args) -> tuple[list[list[int]], object]:
-    """Serves ``prompts`` together; returns each one's generated ids (in prompt order) and the loop stats."""
+def generate(model, params, prompts: list[list[int]], config, max_tokens: int,
+             eos_ids: tuple[int, ...]) -> tuple[list[list[int]], object]:
+    """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
+    first of ``eos_ids``) and the loop stats."""
     from jaxprep.serving import Engine, Request
 
-    eos_ids = () if args.ignore_eos else model.eos_token_ids
-    engine = Engine(serving_config(args, prompts, eos_ids[0] if eos_ids else -1), model, params=params)
-    engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=args.max_tokens)
+    engine = Engine(config, model, params=params)
+    engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens)
                    for i, p in enumerate(prompts)])
     finished = sorted(engine.run(), key=lambda request: request.request_id)
     return [_stop_at_eos(request.output_token_ids, eos_ids) for request in finished], engine.stats
@@ -103,11 +107,14 @@ def serving_config(args, prompts: list[list[int]], eos_token_id: int):
 
     block = args.block_size
     lengths = [min(len(p) + args.max_tokens, args.max_model_len or len(p) + args.max_tokens) for p in prompts]
-    max_model_len = args.max_model_len or cdiv(max(lengths), block) * block
-    num_blocks = args.num_blocks or 1 + sum(cdiv(length, block) for length in lengths)
-    prep = PrepConfig(max_num_reqs=args.max_num_reqs or len(prompts), max_model_len=max_model_len,
-                      max_num_batched_tokens=args.budget, block_size=block, num_blocks=num_blocks)
-    return ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
+    try:
+        prep = PrepConfig(max_num_reqs=args.max_num_reqs or len(prompts),
+                          max_model_len=args.max_model_len or cdiv(max(lengths), block) * block,
+                          max_num_batched_tokens=args.budget, block_size=block,
+                          num_blocks=args.num_blocks or 1 + sum(cdiv(length, block) for length in lengths))
+        return ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
+    except ValueError as error:  # the message names the field and its bound
+        args.error(str(error))
 
 
 def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
@@ -121,19 +128,28 @@ def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
     return tokens
 
 
-def _check_prompts(args, prompts: list[list[int]], vocab_size: int) -> None:
+def _check_token_ids(args, prompts: list[list[int]], vocab_size: int) -> None:
     for i, prompt in enumerate(prompts):
         if not prompt:
             args.error(f"prompt {i} has no tokens")
         if max(prompt) >= vocab_size:
             args.error(f"argument --prompt-ids: token id {max(prompt)} of prompt {i} is outside the model's "
                        f"vocabulary [0, vocab_size={vocab_size})")
-        if args.max_model_len is not None and len(prompt) >= args.max_model_len:
-            args.error(f"argument --max-model-len: {args.max_model_len} must exceed every prompt's length "
+
+
+def _check_fit(args, prompts: list[list[int]], config) -> None:
+    """Every prompt is shorter than max_model_len, and the cache holds its longest sequence
+    (the scheduler's admission bounds, as flag errors)."""
+    prep = config.prep
+    for i, prompt in enumerate(prompts):
+        if len(prompt) >= prep.max_model_len:
+            args.error(f"argument --max-model-len: {prep.max_model_len} must exceed every prompt's length "
                        f"(prompt {i} has {len(prompt)} tokens)")
-        if args.num_blocks is not None and cdiv(len(prompt) + 1, args.block_size) > args.num_blocks - 1:
-            args.error(f"argument --num-blocks: {args.num_blocks} blocks of {args.block_size} (one is the null "
-                       f"block) cannot hold prompt {i} of {len(prompt)} tokens")
+        needed = cdiv(min(len(prompt) + args.max_tokens, prep.max_model_len), prep.block_size)
+        if needed > prep.num_blocks - 1:
+            args.error(f"argument --num-blocks: {prep.num_blocks} blocks of {prep.block_size} (one is the null "
+                       f"block) cannot hold prompt {i}: {len(prompt)} tokens + up to {args.max_tokens} generated "
+                       f"need {needed}")
 
 
 def _tokenizer(args):
