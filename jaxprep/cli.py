@@ -14,6 +14,7 @@ import sys
 # subcommand -> module with add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "demo": "jaxprep.commands.demo",
+    "generate": "jaxprep.commands.generate",
     "simulate": "jaxprep.commands.simulate",
     "walkthrough": "jaxprep.commands.walkthrough",
 }

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in flags.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name],
                             help=f"{help_text} (default {DEFAULTS[name]})")
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="serve a Hugging Face checkpoint (config.json + *.safetensors: Llama, Qwen2, Qwen3) "
+                             "instead of the tiny random model; --layers, --d-model, --heads and --vocab-size are "
+                             "then the checkpoint's")
     parser.add_argument("--devices", type=int, default=1,
                         help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
                              "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
@@ -43,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or anything compiled after warm-up")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    parser.set_defaults(error=parser.error)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,15 +57,14 @@ def run(args: argparse.Namespace) -> int:
 
     prep = PrepConfig(max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.budget, block_size=args.block_size, num_blocks=args.num_blocks)
-    config = ServingConfig(prep=prep, eos_token_id=1, decode_steps=args.decode_steps)
-    model = ModelConfig(vocab_size=args.vocab_size, num_layers=args.layers, d_model=args.d_model,
-                        num_heads=args.heads, d_ff=2 * args.d_model)
-    workload = random_workload(args.seed, num_requests=args.requests, vocab_size=args.vocab_size,
+    model, params, eos_token_id = _model(args, ModelConfig)
+    config = ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
+    workload = random_workload(args.seed, num_requests=args.requests, vocab_size=model.vocab_size,
                                prompt_len=(4, min(args.max_prompt_len, args.max_model_len - 1)),
                                max_tokens=(1, args.max_tokens), arrival_spread=args.arrival_spread)
     if args.compile_cache:
         use_compile_cache(args.compile_cache)
-    engine = _engine(config, model, args)
+    engine = _engine(config, model, args, params)
     warmup_s = engine.warmup()
     progress = None if args.no_progress else _Progress(len(workload.requests))
     with count_compiles() as compiles:
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         wall_s = time.perf_counter() - start
     summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
     summary["devices"] = args.devices
+    summary["model"] = "tiny paged-KV model" if args.model is None else f"{model.model_type} from {args.model}"
     if args.check:
         check = check_against_dense(engine.params, model, finished, prep.max_model_len)
         summary.update(check_passed=check.passed and len(finished) == len(workload.requests),
@@ -79,16 +84,33 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _engine(config, model, args):
+def _model(args, tiny_config):
+    """``(model config, params, eos_token_id)``: the checkpoint in ``--model`` (params loaded, its first
+    EOS id), or the tiny model from the size flags (params None: the engine draws them from the seed)."""
+    if args.model is None:
+        model = tiny_config(vocab_size=args.vocab_size, num_layers=args.layers, d_model=args.d_model,
+                            num_heads=args.heads, d_ff=2 * args.d_model)
+        return model, None, 1
+    from jaxprep.models import CheckpointError, UnsupportedConfigError, load_model
+
+    try:
+        model, params = load_model(args.model)
+    except (UnsupportedConfigError, CheckpointError, FileNotFoundError) as error:
+        args.error(f"argument --model: {error}")
+    return model, params, model.eos_token_ids[0] if model.eos_token_ids else -1
+
+
+def _engine(config, model, args, params=None):
     """One `Engine`, or a `DataParallelEngine` over ``args.devices`` devices."""
     from jaxprep.serving import Engine
 
     if args.devices == 1:
-        return Engine(config, model, seed=args.seed, time_prep=True)
+        return Engine(config, model, seed=args.seed, time_prep=True, params=params)
     from jaxprep.serving.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
-    return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True)
+    return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
+                              params=params)
 
 
 def _serve(engine, workload, progress):
@@ -151,7 +173,7 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
 
 
 def _print(summary: dict, as_json: bool) -> None:
-    print("== jaxprep simulate: tiny paged-KV model, device-resident serving loop")
+    print(f"== jaxprep simulate: {summary['model']}, device-resident serving loop")
     for key, value in summary.items():
         if key != "prep_method":
             print(f"  {key:24s} {value}")

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxprep.compilation import compile_all
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.engine import Engine, LoopStats, split_updates
-from jaxprep.serving.model import ModelConfig, init_params
+from jaxprep.serving.model import ServingModel, init_params
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.sharded import (ShardedServingBatch, apply_updates_sharded, prepare_step_sharded, replicated,
                                      serve_step_sharded, sharded_kv_cache)
@@ -30,12 +30,12 @@ from jaxprep.sharding import dp_bucket
 class DataParallelEngine(Engine):
     """`Engine` with one `Scheduler` per device of ``mesh``; ``config`` describes one rank."""
 
-    def __init__(self, config: ServingConfig, model: ModelConfig, mesh: Mesh, *, seed: int = 0,
-                 time_prep: bool = False):
+    def __init__(self, config: ServingConfig, model: ServingModel, mesh: Mesh, *, seed: int = 0,
+                 time_prep: bool = False, params=None):
         self.config, self.model, self.mesh, self.time_prep = config, model, mesh, time_prep
         self.batch = ShardedServingBatch(config, mesh)
         self.schedulers = [Scheduler(config) for _ in range(mesh.size)]
-        self.params = replicated(init_params(model, seed), mesh)
+        self.params = replicated(init_params(model, seed) if params is None else params, mesh)
         self.kv_cache = sharded_kv_cache(model, config, mesh)
         self.stats = LoopStats()
         self.iteration = 0

@@ -14,7 +14,7 @@ import numpy as np
 from jaxprep.serving import transitions
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ModelConfig, init_params
+from jaxprep.serving.model import KVCache, ServingModel, init_params
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
@@ -41,13 +41,18 @@ class LoopStats:
 
 
 class Engine:
-    """A `Scheduler`, a `ServingBatch`, the tiny model's weights and its paged KV cache."""
+    """A `Scheduler`, a `ServingBatch`, a model's weights and its paged KV cache.
 
-    def __init__(self, config: ServingConfig, model: ModelConfig, *, seed: int = 0, time_prep: bool = False):
+    ``model`` is a model config with a ``forward`` (the tiny `ModelConfig`, or a checkpoint's
+    `jaxprep.models.DecoderConfig`); ``params`` defaults to the tiny model's random weights from ``seed``.
+    """
+
+    def __init__(self, config: ServingConfig, model: ServingModel, *, seed: int = 0, time_prep: bool = False,
+                 params=None):
         self.config, self.model, self.time_prep = config, model, time_prep
         self.batch = ServingBatch(config)
         self.scheduler = Scheduler(config)
-        self.params = init_params(model, seed)
+        self.params = init_params(model, seed) if params is None else params
         self.kv_cache = KVCache.zeros(model, config.num_blocks, config.block_size)
         self.stats = LoopStats()
         self.iteration = 0  # host iterations, the clock of request arrivals
