@@ -342,7 +342,24 @@ def other_field_checks() -> dict[str, bool]:
         and set(cam.logits_indices_padded.tolist()[2:]) <= {3},
         "num_logits_indices": cam.num_logits_indices == 2 and cam.max_logits_per_req == 1,
         "no_groups_error": _raises_value_error(lambda: bridge_vllm.common_attention_metadata(inputs, group=0)),
+        **spec_decode_fast_prefill_checks(),
     }
+
+
+def spec_decode_fast_prefill_checks() -> dict[str, bool]:
+    """With drafts, the fast-prefill indices are the sampled rows of every draft and bonus token."""
+    config = dataclasses.replace(CONFIG, features=jaxprep.FeatureConfig(num_speculative_tokens=2))
+    table = np.zeros((CONFIG.max_num_reqs, CONFIG.max_blocks_per_req), np.int32)
+    table[0, 0], table[1, 0] = 3, 4
+    state = jaxprep.BatchState.from_numpy(token_ids=np.ones((3, CONFIG.max_model_len), np.int32), block_table=table,
+                                          num_computed_tokens=[5, 0, 0], num_scheduled_tokens=[3, 4, 0],
+                                          num_draft_tokens=[2, 0, 0])
+    cam = bridge_vllm.common_attention_metadata(torch_bridge.to_torch(jaxprep.prepare_inputs(state, config, check=True)),
+                                                kv_sharing_fast_prefill=True)
+    # row 0: 3 tokens, 2 drafts -> rows 0, 1, 2 sampled; row 1: a 4-token prefill chunk -> row 6
+    return {"spec_logits_indices": cam.logits_indices_padded.tolist()[:4] == [0, 1, 2, 6]
+            and set(cam.logits_indices_padded.tolist()[4:]) <= {6},
+            "spec_counts": (cam.num_logits_indices, cam.max_logits_per_req) == (4, 3)}
 
 
 def _raises_value_error(call) -> bool:
