@@ -118,14 +118,15 @@ def common_attention_metadata(inputs, *, group: int | None = None, num_prompt_to
     """vLLM's ``CommonAttentionMetadata`` for one step (see the module docstring for every field).
 
     Args:
-      inputs: a `torch_bridge.TorchStepInputs` (from `torch_bridge.to_torch`).
+      inputs: a `torch_bridge.TorchStepInputs` from `torch_bridge.to_torch` (CPU or CUDA).
       group: a KV-cache group (``FeatureConfig.kv_groups``): its block table (in kernel blocks) and
         slot mapping replace the step's; ``None``: the step's own (group 0).
       num_prompt_tokens: host integers by state row (`BatchState.num_prompt_tokens`); fills
         ``is_prefilling``. ``None`` leaves it None.
       padded: False (vLLM V2 eager/piecewise): real request and token counts, the per-request fields
-        cut to the real requests. True (V2 FULL CUDA graphs, V1): the padded sizes; padded rows hold
-        zero query tokens and ``seq_len`` 0.
+        cut to the real requests. True (V2 FULL CUDA graphs; V1 always passes its padded sizes): the
+        bucket's sizes; padded rows hold zero query tokens and ``seq_len`` 0. ``block_table_tensor``,
+        ``slot_mapping`` and ``positions`` keep their padded length either way, as in both runners.
       causal: vLLM's ``causal`` (False for bidirectional layers).
       kv_sharing_fast_prefill: fill ``logits_indices_padded`` and its counts (vLLM
         ``cache_config.kv_sharing_fast_prefill``).
