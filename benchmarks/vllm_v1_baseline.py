@@ -88,7 +88,7 @@ class VllmV1HostPrep:
         self.seq_lens_np = make_buffer("seq_lens", (max_num_reqs,), np.int32)
         self.slot_mapping_np = make_buffer("slot_mapping", (max_num_batched_tokens,), np.int64)
         self.logits_indices_np = make_buffer("logits_indices", (max_num_reqs,), np.int64)
-        self.block_table_committed = make_buffer("block_table", block_table.shape, np.int32)
+        self.block_table_committed = make_buffer("block_table_committed", block_table.shape, np.int32)
         self.use_torch_gather = torch is not None if use_torch_gather is None else use_torch_gather
         if self.use_torch_gather:
             self.token_ids_flat_tensor = torch.from_numpy(token_ids).flatten()  # a view: no copy
@@ -120,8 +120,9 @@ class VllmV1HostPrep:
         7. ``torch.add(num_computed_tokens_cpu_tensor[:num_reqs], num_scheduled_tokens,
            out=optimistic_seq_lens_cpu[:num_reqs])``, the tail filled with 0;
         8. the slot mapping: `vllm/v1/worker/block_table.py::ComputeSlotMappingKernel`'s
-           ``block_table[req, pos // block_size] * block_size + pos % block_size`` over the
-           committed table, the tail ``[num_tokens, max_num_tokens)`` filled with PAD_SLOT_ID;
+           ``block_table[req, pos // block_size] * block_size + pos % block_size`` (the kernel
+           reads the committed device copy; the host table holds the same rows), the tail
+           ``[num_tokens, max_num_tokens)`` filled with PAD_SLOT_ID;
         9. ``logits_indices = query_start_loc[1:] - 1`` (no spec decode);
         10. padding for the padded shapes: positions ``[N, N_pad)`` zeroed
             (`GPUModelRunner._preprocess`), block-table rows ``[num_reqs, num_reqs_padded)`` set to
@@ -173,9 +174,9 @@ class VllmV1HostPrep:
 
     def _compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray, num_tokens: int) -> None:
         """Step 8 (block size 2): positions [0, 1, 2] of request 0, its blocks [4, 9] -> slots [8, 9, 18]."""
-        width = self.block_table_committed.shape[1]
+        width = self.block_table_np.shape[1]
         block_table_indices = req_indices * width + positions // self.block_size
-        block_numbers = self.block_table_committed.ravel()[block_table_indices]
+        block_numbers = self.block_table_np.ravel()[block_table_indices]
         np.add(block_numbers * self.block_size, positions % self.block_size, out=self.slot_mapping_np[:num_tokens])
         self.slot_mapping_np[num_tokens:].fill(PAD_SLOT_ID)
 
