@@ -14,8 +14,9 @@ Two steps (bench_prepare.py's batches): 256 decoding requests, and an 8192-token
   to the same shapes) plus its host-to-device copies, end to end until the copies are complete.
   With torch and CUDA: every buffer is pinned host memory with a device twin, copied with
   ``non_blocking=True`` as `vllm/v1/utils.py::CpuGpuBuffer.copy_to_gpu` does (the block-table rows
-  first, `BlockTable.commit_block_table`), then one synchronize. Otherwise: NumPy outputs to
-  ``jax.device_put``, as one packed buffer (one copy, tpu-inference's way) and field by field;
+  first, `vllm/v1/worker/block_table.py::BlockTable.commit_block_table`), then one synchronize.
+  Otherwise: NumPy outputs to ``jax.device_put``, as one packed buffer (one copy, tpu-inference's
+  way) and field by field;
   the faster counts;
 - MRV2 in torch: vLLM's model runner V2 device path with torch ops instead of its Triton kernels
   (`mrv2_torch_baseline.Mrv2TorchPrep`), state on torch's device (CUDA when there is one, else

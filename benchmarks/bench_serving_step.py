@@ -12,7 +12,7 @@ have every output on the host:
   int32 array, applies it and runs `prepare_step`; the outputs come back packed (one buffer plus
   the gathered block table, `jaxprep.host.unpack_host`);
 - baseline: the same update applied in place to the host tables of vLLM V1's persistent batch
-  (as `GPUModelRunner._update_states` writes them), then its host-side preparation
+  (as `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states` writes them), then its host-side preparation
   (`vllm_v1_baseline.VllmV1HostPrep.prepare`), padded to the same bucket.
 
 The shapes and batches are bench_prepare.py's. A sequence of `--steps` updates (rows restart as
@@ -86,7 +86,8 @@ def pack_edits(update: dict) -> np.ndarray:
 
 
 def apply_update_numpy(tables: dict, update: dict) -> None:
-    """The baseline's update: in place on the host tables (`GPUModelRunner._update_states`)."""
+    """The baseline's update: in place on the host tables
+    (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states`)."""
     tables["num_computed_tokens"][:] = update["num_computed_tokens"]
     tables["num_scheduled_tokens"][:] = update["num_scheduled_tokens"]
     tables["block_table"][update["block_rows"], update["block_cols"]] = update["block_values"]

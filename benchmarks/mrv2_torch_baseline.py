@@ -8,8 +8,9 @@ values with torch ops over all tokens at once (a ``searchsorted`` maps each toke
 row), so it runs on CPU torch (the tests) and on CUDA (`bench_gpu.py`) without Triton.
 
 Simplification: input ids are gathered from the token table for every token. V2 gathers only the
-prefill rows there (`gpu/input_batch.py::_prepare_prefill_inputs_kernel`) and writes decode rows
-from ``last_sampled_tokens`` (`_combine_sampled_and_draft_tokens_kernel`); the values are the
+prefill rows there (`vllm/v1/worker/gpu/input_batch.py::_prepare_prefill_inputs_kernel`) and writes
+decode rows from ``last_sampled_tokens``
+(`vllm/v1/worker/gpu/input_batch.py::_combine_sampled_and_draft_tokens_kernel`); the values are the
 same when the table holds the sampled tokens, as jaxprep's `BatchState` does.
 """
 
@@ -39,8 +40,9 @@ def async_h2d(array: np.ndarray, out: torch.Tensor) -> torch.Tensor:
 
 
 class Mrv2TorchPrep:
-    """Device state (`gpu/states.py::RequestState`, `gpu/block_table.py::BlockTables`) and the
-    per-step buffers (`gpu/input_batch.py::InputBuffers`), all torch tensors on ``device``.
+    """Device state (`vllm/v1/worker/gpu/states.py::RequestState`,
+    `vllm/v1/worker/gpu/block_table.py::BlockTables`) and the per-step buffers
+    (`vllm/v1/worker/gpu/input_batch.py::InputBuffers`), all torch tensors on ``device``.
 
     State: ``all_token_ids`` [max_num_reqs, max_model_len] int32, ``block_tables``
     [max_num_reqs, max_blocks_per_req] int32, ``num_computed_tokens`` [max_num_reqs] int32 and its
@@ -76,7 +78,8 @@ class Mrv2TorchPrep:
 
     def load(self, token_ids: np.ndarray, block_table: np.ndarray, num_computed_tokens: np.ndarray) -> None:
         """Overwrites the whole device state in place (V2 writes it request by request:
-        `gpu/states.py::RequestState.add_request`, `BlockTables.append_block_ids`)."""
+        `vllm/v1/worker/gpu/states.py::RequestState.add_request`,
+        `vllm/v1/worker/gpu/block_table.py::BlockTables.append_block_ids`)."""
         self.all_token_ids.copy_(torch.from_numpy(token_ids))
         self.block_tables.copy_(torch.from_numpy(block_table))
         self.num_computed_tokens.copy_(torch.from_numpy(num_computed_tokens))
@@ -92,12 +95,13 @@ class Mrv2TorchPrep:
 
         1. ``idx_mapping`` and ``query_start_loc`` (host cumsum, tail = total) to the device;
         2. each token's batch row and state row, positions and input ids
-           (`_prepare_pos_seq_lens_kernel`, `_prepare_prefill_inputs_kernel`);
-        3. ``seq_lens`` = computed + query length, tail 0 (`_prepare_pos_seq_lens_kernel`);
-        4. slot mapping, tail PAD_SLOT_ID (`gpu/block_table.py::_compute_slot_mappings_kernel`);
+           (`vllm/v1/worker/gpu/input_batch.py::_prepare_pos_seq_lens_kernel`, ``_prepare_prefill_inputs_kernel``);
+        3. ``seq_lens`` = computed + query length, tail 0 (the same ``_prepare_pos_seq_lens_kernel``);
+        4. slot mapping, tail PAD_SLOT_ID (`vllm/v1/worker/gpu/block_table.py::_compute_slot_mappings_kernel`);
         5. block-table rows gathered by ``idx_mapping``, padded rows null
-           (`gpu/block_table.py::_gather_block_tables_kernel`);
-        6. ``logits_indices = query_start_loc[1:] - 1`` (`_combine_sampled_and_draft_tokens_kernel`).
+           (`vllm/v1/worker/gpu/block_table.py::_gather_block_tables_kernel`);
+        6. ``logits_indices = query_start_loc[1:] - 1``
+           (`vllm/v1/worker/gpu/input_batch.py::_combine_sampled_and_draft_tokens_kernel`).
         """
         num_reqs = len(idx_mapping_np)
         idx_mapping = async_h2d(idx_mapping_np, self.idx_mapping[:num_reqs])

@@ -6,8 +6,9 @@ For each of bench_prepare.py's shapes, in one process:
 
 - the compiled `jaxprep.host.prepare_packed` executable: its kernel count (the instructions of the
   entry computation that run as thunks: fusions, gathers, scatters, dots, copies ...);
-- per step (wall times: best of 5 interleaved medians): the kernels' summed time in a `jax.profiler` trace (XLA:CPU runs them on the host, so
-  a trace event per kernel) and the most expensive ones; the call alone (dispatch and
+- per step (wall times: best of 5 interleaved medians): the kernels' summed time in a
+  `jax.profiler` trace (XLA:CPU runs them on the host, so a trace event per kernel) and the most
+  expensive ones; the call alone (dispatch and
   ``block_until_ready``, no fetch); the whole `prepare_to_host` (fetch and unpack included); and
   the floor of any call with this signature: a jitted function of the same state returning two
   small arrays;

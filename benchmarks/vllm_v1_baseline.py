@@ -54,14 +54,16 @@ def padded_views(buffers: dict, num_tokens_padded: int, num_reqs_padded: int, **
 class VllmV1HostPrep:
     """The persistent state and per-step buffers of vLLM V1's ``GPUModelRunner`` + ``InputBatch``.
 
-    Persistent per-request tables (`InputBatch.__init__`), adopted without a copy so that a
-    caller's in-place updates (the scheduler's step, `GPUModelRunner._update_states`) are seen:
+    Persistent per-request tables (`vllm/v1/worker/gpu_input_batch.py::InputBatch.__init__`),
+    adopted without a copy so that a caller's in-place updates (the scheduler's step,
+    `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states`) are seen:
     ``token_ids_cpu`` [max_num_reqs, max_model_len] int32, ``block_table_np`` [max_num_reqs,
     max_blocks_per_req] int32 (``BlockTable.block_table.np``), ``num_computed_tokens_cpu``
     [max_num_reqs] int32.
 
-    Per-step buffers (`GPUModelRunner.__init__`), from ``make_buffer(name, shape, dtype)``
-    (`numpy_buffer` by default; a caller may hand pinned torch memory's NumPy views):
+    Per-step buffers (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.__init__`), from
+    ``make_buffer(name, shape, dtype)`` (`numpy_buffer` by default; a caller may hand pinned torch
+    memory's NumPy views):
     ``arange_np``, ``query_pos_np`` [max(max_num_reqs + 1, max_num_tokens)] int64,
     ``input_ids_np`` [max_num_tokens] int32, ``positions_np`` [max_num_tokens] int64,
     ``query_start_loc_np`` [max_num_reqs + 1] int32, ``seq_lens_np`` [max_num_reqs] int32
@@ -125,9 +127,11 @@ class VllmV1HostPrep:
            ``[num_tokens, max_num_tokens)`` filled with PAD_SLOT_ID;
         9. ``logits_indices = query_start_loc[1:] - 1`` (no spec decode);
         10. padding for the padded shapes: positions ``[N, N_pad)`` zeroed
-            (`GPUModelRunner._preprocess`), block-table rows ``[num_reqs, num_reqs_padded)`` set to
-            the null block (`GPUModelRunner._build_attention_metadata`); vLLM leaves the input-id
-            tail stale, zeroed here to match jaxprep's padding contract (at most N_pad - N entries).
+            (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._preprocess`), block-table rows
+            ``[num_reqs, num_reqs_padded)`` set to the null block
+            (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._build_attention_metadata`); vLLM
+            leaves the input-id tail stale, zeroed here to match jaxprep's padding contract (at
+            most N_pad - N entries).
         """
         num_reqs = len(num_scheduled_tokens)
         self.commit_block_table(num_reqs)  # step 1
@@ -146,7 +150,7 @@ class VllmV1HostPrep:
         return self._padded(num_reqs, num_tokens, num_scheduled_tokens, num_tokens_padded, num_reqs_padded)
 
     def _get_cumsum_and_arange(self, num_scheduled_tokens: np.ndarray) -> np.ndarray:
-        """`GPUModelRunner._get_cumsum_and_arange`: [2, 5, 3] -> cu [2, 7, 10], and
+        """`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_cumsum_and_arange`: [2, 5, 3] -> cu [2, 7, 10], and
         query_pos[:10] = [0, 1, 0, 1, 2, 3, 4, 0, 1, 2] = arange - [0, 0, 2, 2, 2, 2, 2, 7, 7, 7]."""
         cu_num_tokens = np.cumsum(num_scheduled_tokens)
         total = cu_num_tokens[-1]
