@@ -108,25 +108,26 @@ class VllmV1HostPrep:
         scheduled (InputBatch holds exactly the scheduled requests, condensed). Returns the padded
         views of the persistent buffers (valid until the next call) and the step's counts.
 
-        Steps, each as vLLM writes it:
-        1. ``self.input_batch.block_table.commit_block_table(num_reqs)`` first, "to overlap the
+        Steps, each as vLLM writes it (line numbers: vLLM 0.33.0's ``gpu_model_runner.py`` unless said):
+        1. (l. 1944) ``self.input_batch.block_table.commit_block_table(num_reqs)`` first, "to overlap the
            copy with the following CPU operations";
-        2. ``req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)``;
-        3. ``_get_cumsum_and_arange(num_scheduled_tokens, self.query_pos.np)``: ``np.cumsum``,
+        2. (l. 1948) ``req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)``;
+        3. (l. 1952, 1699-1723) ``_get_cumsum_and_arange(num_scheduled_tokens, self.query_pos.np)``: ``np.cumsum``,
            ``np.repeat`` of the offsets, ``np.subtract(arange_np, offsets, out=query_pos)``;
-        4. positions ``num_computed_tokens_cpu[req_indices] + query_pos`` (here with ``out=``);
-        5. ``token_indices = positions + req_indices * max_model_len`` and the input ids
+        4. (l. 1957) positions ``num_computed_tokens_cpu[req_indices] + query_pos`` (here with ``out=``);
+        5. (l. 1971-1984) ``token_indices = positions + req_indices * max_model_len`` and the input ids
            ``torch.index_select(token_ids_cpu_tensor.flatten(), 0, token_indices, out=input_ids.cpu)``;
-        6. ``query_start_loc.np[0] = 0; [1:num_reqs + 1] = cu_num_tokens``, the tail filled with
+        6. (l. 2033-2037) ``query_start_loc.np[0] = 0; [1:num_reqs + 1] = cu_num_tokens``, the tail filled with
            the total (kept non-decreasing for FlashAttention);
-        7. ``torch.add(num_computed_tokens_cpu_tensor[:num_reqs], num_scheduled_tokens,
+        7. (l. 2045-2050) ``torch.add(num_computed_tokens_cpu_tensor[:num_reqs], num_scheduled_tokens,
            out=optimistic_seq_lens_cpu[:num_reqs])``, the tail filled with 0;
-        8. the slot mapping: `vllm/v1/worker/block_table.py::ComputeSlotMappingKernel`'s
+        8. (l. 2148; ``block_table.py`` l. 318-376) the slot mapping:
+           `vllm/v1/worker/block_table.py::ComputeSlotMappingKernel`'s
            ``block_table[req, pos // block_size] * block_size + pos % block_size`` (the kernel
            reads the committed device copy; the host table holds the same rows), the tail
            ``[num_tokens, max_num_tokens)`` filled with PAD_SLOT_ID;
-        9. ``logits_indices = query_start_loc[1:] - 1`` (no spec decode);
-        10. padding for the padded shapes: positions ``[N, N_pad)`` zeroed
+        9. (l. 2195) ``logits_indices = query_start_loc[1:] - 1`` (no spec decode);
+        10. (l. 3375, 2309) padding for the padded shapes: positions ``[N, N_pad)`` zeroed
             (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._preprocess`), block-table rows
             ``[num_reqs, num_reqs_padded)`` set to the null block
             (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._build_attention_metadata`); vLLM
