@@ -1,6 +1,6 @@
 """NumPy reference of vLLM V1's input preparation (SPEC §2.1-§2.7), written for reading.
 
-The oracle of the tests and the baseline of the benchmarks. It works on unpadded host arrays,
+The oracle of the tests (the benchmarks measure vLLM's own code path instead). It works on unpadded host arrays,
 the way vLLM's ``_prepare_inputs`` does, and `pad_reference` lays the result out in jaxprep's
 padded shapes with the padding constants.
 """
