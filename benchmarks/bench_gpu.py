@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -46,7 +47,9 @@ import numpy as np  # noqa: E402
 
 from bench_prepare import make_batch, v1_baseline  # noqa: E402
 from common import add_runtime_argument, assert_same_step, interleaved_us, load_line, machine_line  # noqa: E402
-from jaxprep import BatchState, prepare_padded  # noqa: E402
+from bench_features import batch as feature_batch  # noqa: E402
+from jaxprep import (BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_padded,  # noqa: E402
+                     validate)
 from vllm_v1_baseline import VllmV1HostPrep  # noqa: E402
 
 try:
@@ -208,10 +211,60 @@ def bench_step(name, num_reqs, num_tokens, max_model_len, block_size, decode_onl
                 speedup=v1_us / times["ours"])
 
 
+DISPATCH_GOAL = 15.0  # µs of the calling thread per step, flat in batch size and features
+DISPATCH_SHAPES = [("64 req / 512 tok", 64, 512, 64), ("256 req / 8192 tok", 256, 8192, 256),
+                   ("1024 req / 16384 tok", 1024, 16384, 1024)]
+EVERY_FEATURE = FeatureConfig(num_speculative_tokens=3, discard_request_mask=True, mrope=True, prompt_embeds=True,
+                              kv_groups=(KVCacheGroupSpec(16), KVCacheGroupSpec(32)), dcp=DCPConfig(2, 0, 1),
+                              async_tokens=True, attn_state=True, request_distribution=True, reorder="v2")
+
+
+def dispatch_us(call, steps: int) -> float:
+    """Calling-thread µs per step with the steps queued back to back (async dispatch; the final
+    wait is not counted). Best of 5 rounds."""
+    jax.block_until_ready(call())
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        outputs = [call() for _ in range(steps)]
+        best = min(best, (time.perf_counter() - start) / steps * 1e6)
+        jax.block_until_ready(outputs)
+    return best
+
+
+def dispatch_rows(steps: int) -> list[dict]:
+    """Dispatch cost of the plain step and of the step with every feature on, per shape."""
+    rows = []
+    for name, num_reqs, num_tokens, max_num_reqs in DISPATCH_SHAPES:
+        row = dict(name=name)
+        for label, features in (("plain", FeatureConfig()), ("every feature", EVERY_FEATURE)):
+            config = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=2048, max_num_batched_tokens=num_tokens,
+                                block_size=16, features=features)
+            arrays = feature_batch(config, num_reqs, num_tokens, np.random.default_rng(0))
+            state = jax.device_put(BatchState.from_numpy(**arrays))
+            validate(state, config)
+            row[label] = dispatch_us(lambda: prepare_padded(state, config, num_tokens), steps)
+        rows.append(row)
+    return rows
+
+
+def print_dispatch_table(rows: list[dict]) -> None:
+    print("| dispatch (calling thread) | plain µs | every feature µs | every feature / plain | goals |")
+    print("|---|---:|---:|---:|---|")
+    worst = max(max(r["plain"], r["every feature"]) for r in rows)
+    for r in rows:
+        ratio = r["every feature"] / r["plain"]
+        goals = (f"≤{DISPATCH_GOAL:.0f} µs: {'met' if max(r['plain'], r['every feature']) <= DISPATCH_GOAL else 'missed'}"
+                 f"; features ≤1.5x: {'met' if ratio <= 1.5 else 'missed'}")
+        print(f"| {r['name']} | {r['plain']:.1f} | {r['every feature']:.1f} | {ratio:.2f}x | {goals} |")
+    print(f"dispatch flatness: worst {worst:.1f} µs over batch sizes and feature sets")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=100, help="calls per round (best of 5 rounds)")
     parser.add_argument("--profile-steps", type=int, default=50, help="steps in the profiler trace")
+    parser.add_argument("--dispatch-steps", type=int, default=100, help="steps queued per dispatch round")
     add_runtime_argument(parser)
     args = parser.parse_args()
     backend = jax.default_backend()
@@ -224,6 +277,7 @@ def main() -> int:
         print(f"measured: {backend} ({kind}); device time = kernel time on the device's streams")
     print(f"vLLM V1 copies: {'pinned torch buffers, non_blocking' if has_cuda() else 'jax.device_put'}; "
           f"MRV2 torch on: {'none (no torch)' if torch is None else 'cuda' if has_cuda() else 'cpu'}")
+    print_dispatch_table(dispatch_rows(args.dispatch_steps))
     rows = [bench_step(*step, repeats=args.repeats, profile_steps=args.profile_steps) for step in STEPS]
     print("| step | jaxprep device µs | jaxprep host µs (end to end) | vLLM V1 + copies µs (each way) "
           "| MRV2 torch µs | speedup vs V1 | jaxprep / MRV2 | goals |")
