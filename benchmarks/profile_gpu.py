@@ -99,6 +99,34 @@ def scan_variants(steps: int) -> None:
         print("| " + " | ".join(map(str, row)) + " |")
 
 
+def call_floor(steps: int) -> None:
+    """What a jitted call costs with no work to speak of, by its number of array inputs and outputs."""
+    print("| jitted call | dispatch µs | end to end µs |")
+    print("|---|---:|---:|")
+    for count in (1, 4, 13, 32):
+        arrays = [jnp.full((256,), i, jnp.int32) for i in range(count)]
+        fn = jax.jit(lambda *xs: tuple(x + 1 for x in xs))
+        print(f"| {count} int32[256] in, {count} out | {dispatch_us(lambda: fn(*arrays), 100):.1f} "
+              f"| {end_to_end_us(lambda: fn(*arrays), steps):.1f} |")
+    one = jax.jit(lambda *xs: sum(xs))
+    arrays = [jnp.full((256,), i, jnp.int32) for i in range(13)]
+    print(f"| 13 in, 1 out | {dispatch_us(lambda: one(*arrays), 100):.1f} | {end_to_end_us(lambda: one(*arrays), steps):.1f} |")
+
+
+def packed_prepare(steps: int) -> None:
+    """`prepare_padded` (13 outputs) against `jaxprep.host.prepare_packed` (2 outputs), same step."""
+    from jaxprep.host import prepare_packed
+
+    for name, *shape in SHAPES:
+        config, arrays = make_batch(*shape)
+        state = jax.device_put(BatchState.from_numpy(**arrays))
+        bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
+        for label, fn in (("prepare_padded", prepare_padded), ("prepare_packed", prepare_packed)):
+            call = lambda fn=fn: fn(state, config, bucket)  # noqa: E731
+            print(f"{name}, {label}: dispatch {dispatch_us(call, 100):.1f} µs, "
+                  f"end to end {end_to_end_us(call, steps):.1f} µs")
+
+
 def dlpack_waits() -> None:
     """Does torch.from_dlpack of a still-running JAX array return before the array is ready?"""
     try:
@@ -149,6 +177,8 @@ def main() -> int:
         for kernel, us, count in table[:12]:
             print(f"  {us:7.2f} µs  x{count}  {kernel[:110]}")
     print()
+    call_floor(args.steps)
+    packed_prepare(args.steps)
     scan_variants(args.steps)
     dlpack_waits()
     return 0
