@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprep._expect import expect_bucket, expect_state_and_config
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import AttentionMetadata, StepInputs
 from jaxprep.prepare import prepare_step
@@ -94,5 +95,7 @@ def _packed_slices(num_tokens_padded: int, num_reqs_padded: int) -> tuple[tuple[
 
 def prepare_to_host(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
     """`prepare_padded`'s step as host NumPy arrays, fetched in two transfers instead of twelve."""
+    expect_state_and_config("prepare_to_host", state, config)
+    expect_bucket("prepare_to_host", num_tokens_padded, optional=False)
     words, block_table = prepare_packed(state, config, num_tokens_padded)
     return unpack_host(np.asarray(words), np.asarray(block_table), num_tokens_padded)

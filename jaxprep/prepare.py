@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION,
                                 PAD_STATE_ROW)
+from jaxprep._expect import expect_bucket, expect_state_and_config
 from jaxprep.config import PrepConfig
 from jaxprep.feature_step import StepLayout, with_features
 from jaxprep.masks import compressed_causal_mask
@@ -41,6 +42,8 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
         error word after it (`jaxprep.step_errors`); raises `InvalidBatchError` naming the field
         and the bound. Without it nothing is read back: a loop reads ``step.errors`` when it likes.
     """
+    expect_state_and_config("prepare_inputs", state, config)
+    expect_bucket("prepare_inputs", num_tokens_padded)
     if num_tokens_padded is None:
         total = int(np.asarray(state.num_scheduled_tokens, dtype=np.int64).sum())
         if check:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._expect import expect_bucket, expect_state_and_config
 from jaxprep.config import PrepConfig, cdiv
 
 
@@ -30,6 +31,8 @@ def validate(state, config: PrepConfig, *, num_tokens_padded: int | None = None)
     """
     from jaxprep import validate_features as features  # feature inputs (jaxprep.FeatureConfig)
 
+    expect_state_and_config("validate", state, config)
+    expect_bucket("validate", num_tokens_padded)
     host = {name: np.asarray(getattr(state, name)) for name in CORE_FIELDS}
     optional = features.feature_fields(state)
     _check_shapes(host, config)

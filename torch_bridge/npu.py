@@ -30,7 +30,8 @@ from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._typing import Array
 from torch_bridge._torch import device_type, import_torch_npu
 from torch_bridge.packing import INT32, INT64
-from torch_bridge.step import HOST_MIRRORED, SCALARS, TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs
+from torch_bridge.step import (HOST_MIRRORED, SCALARS, TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs,
+                               expect_step)
 from torch_bridge.transfer import PackSpec, bridge_packed
 
 FIA_PAD_SEQ_LEN = 1
@@ -91,6 +92,7 @@ def to_npu(step_inputs, device="npu", *, attn_state=None, attn_mask=None) -> Tor
     attention-state function). A mask that is not already on the NPU is copied there on every
     call: create the constant mask on the NPU once and pass that tensor.
     """
+    expect_step("to_npu", step_inputs)
     import_torch_npu()
     if device_type(device) != "npu":
         raise ValueError(f"to_npu needs an npu device, got {device!r}")

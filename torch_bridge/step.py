@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from jaxprep._expect import expect
+from jaxprep.metadata import StepInputs
 from torch_bridge._torch import device_type, torch
 from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
 from torch_bridge.packing import INT32, INT64
@@ -87,12 +89,19 @@ class TorchStepInputs:
 
 def step_arrays(step_inputs) -> dict[str, jax.Array]:
     """The step's arrays under vLLM's names (``block_table`` becomes ``block_table_tensor``)."""
+    expect_step("step_arrays", step_inputs)
     meta = step_inputs.attn_metadata
     arrays = {name: getattr(step_inputs, name) for name in ("input_ids", "positions", "logits_indices", "idx_mapping")}
     arrays.update({name: getattr(meta, name) for name in ("query_start_loc", "seq_lens", "slot_mapping") + SCALARS})
     arrays["block_table_tensor"] = meta.block_table
     check_live(arrays)
     return arrays
+
+
+def expect_step(function: str, step_inputs) -> None:
+    """A `jaxprep.StepInputs` (what `prepare_inputs` returns), not its `BatchState` or a dict of arrays."""
+    expect(function, "step_inputs", step_inputs, StepInputs, "a jaxprep.StepInputs",
+           "prepare one with jaxprep.prepare_inputs(state, config)")
 
 
 def bridge_inputs(step_inputs, pack_spec: PackSpec) -> tuple[dict[str, jax.Array], PackSpec, FeatureFields]:
@@ -114,6 +123,7 @@ def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn
     goes through `torch_bridge.to_npu` (host staging, FIA padding). ``attn_state`` and ``attn_mask``
     override the step's own attributes of those names, if it has any.
     """
+    expect_step("to_torch", step_inputs)
     if device_type(device) == "npu":
         from torch_bridge.npu import to_npu
 
