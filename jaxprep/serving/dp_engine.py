@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxprep.compilation import compile_all
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.dispatch_log import dispatch_record
 from jaxprep.serving.engine import Engine, LoopStats, split_updates
 from jaxprep.serving.model import ServingModel, init_params
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
@@ -46,21 +46,16 @@ class DataParallelEngine(Engine):
     def num_ranks(self) -> int:
         return self.mesh.size
 
-    def warmup(self, threads: int | None = None) -> float:
-        """Compiles every executable the loop can use (lowered from the live arrays, so with their
-        shardings); returns the seconds taken."""
-        start = time.perf_counter()
+    def _lowered(self):
+        """Every executable the loop can use, lowered from the live arrays (so with their shardings)."""
         config, mesh, state = self.config, self.mesh, self.batch.state
         packed = self.batch.packed([StepUpdates.build(config)] * self.num_ranks)
-        lowered = [apply_updates_sharded.lower(state, packed, config=config, mesh=mesh)]
+        yield apply_updates_sharded.lower(state, packed, config=config, mesh=mesh)
         for bucket in config.prep.token_buckets:
-            lowered.append(serve_step_sharded.lower(state, self.kv_cache, self.params, packed, config=config,
-                                                    model=self.model, num_tokens_padded=bucket, mesh=mesh))
+            yield serve_step_sharded.lower(state, self.kv_cache, self.params, packed, config=config,
+                                           model=self.model, num_tokens_padded=bucket, mesh=mesh)
             if self.time_prep:
-                lowered.append(prepare_step_sharded.lower(state, packed, config=config, num_tokens_padded=bucket,
-                                                          mesh=mesh))
-        compile_all(lowered, threads)
-        return time.perf_counter() - start
+                yield prepare_step_sharded.lower(state, packed, config=config, num_tokens_padded=bucket, mesh=mesh)
 
     def add_request(self, request: Request) -> None:
         """Routes ``request`` to the least loaded rank (fewest unfinished requests; ties: lowest rank)."""
@@ -119,3 +114,4 @@ class DataParallelEngine(Engine):
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
         stats.model_steps += max(iterations)
+        stats.dispatches_log.append(dispatch_record([out.num_scheduled_tokens for out in outs], tokens, bucket))

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
-import os
+import threading
 import time
 
 import jax
 import numpy as np
 
+from jaxprep.compilation import compile_all
 from jaxprep.serving import transitions
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.dispatch_log import DispatchRecord, dispatch_record
 from jaxprep.serving.model import KVCache, ServingModel, init_params
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
@@ -33,6 +34,7 @@ class LoopStats:
     output_tokens: int = 0
     preemptions: int = 0
     prep_us: list[float] = dataclasses.field(default_factory=list)
+    dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)  # one per dispatch
 
     @property
     def padding_waste(self) -> float:
@@ -59,25 +61,32 @@ class Engine:
         self._arrivals: list[tuple[int, int, Request]] = []  # (arrival iteration, submit order, request)
         self._order = itertools.count()
 
-    def warmup(self, threads: int | None = None) -> float:
+    def warmup(self, threads: int | None = None, on_compiled=None) -> float:
         """Compiles every executable the loop can use; returns the seconds taken.
 
-        Lowers each one (ahead of time, nothing runs, nothing is donated), then compiles them on
-        ``threads`` threads (default: the CPU count); XLA compiles outside the GIL, and an ahead-of-time
-        compile fills the same cache the jitted calls read.
+        Lowers each one (ahead of time, nothing runs, nothing is donated) and compiles it on one of
+        ``threads`` threads (default: the CPU count) while the next is lowered; XLA compiles outside
+        the GIL, and an ahead-of-time compile fills the same cache the jitted calls read.
+        ``on_compiled(done, total)`` is called after each compile (a progress display).
         """
         start = time.perf_counter()
+        compile_all(self._lowered(), threads, _counter(self.num_executables, on_compiled))
+        return time.perf_counter() - start
+
+    @property
+    def num_executables(self) -> int:
+        """What `warmup` compiles: the updates alone, and per bucket the step (and the timed prep)."""
+        return 1 + len(self.config.prep.token_buckets) * (2 if self.time_prep else 1)
+
+    def _lowered(self):
         packed = pack_updates(StepUpdates.build(self.config))
         state, config = self.batch.state, self.config
-        lowered = [transitions.apply_updates_jit.lower(state, StepUpdates.build(config))]
+        yield transitions.apply_updates_jit.lower(state, StepUpdates.build(config))
         for bucket in config.prep.token_buckets:
-            lowered.append(serve_step.lower(state, self.kv_cache, self.params, packed, config=config,
-                                            model=self.model, num_tokens_padded=bucket))
+            yield serve_step.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
+                                   num_tokens_padded=bucket)
             if self.time_prep:
-                lowered.append(prepare_step.lower(state, packed, config=config, num_tokens_padded=bucket))
-        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            list(pool.map(lambda stage: stage.compile(), lowered))
-        return time.perf_counter() - start
+                yield prepare_step.lower(state, packed, config=config, num_tokens_padded=bucket)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -151,6 +160,7 @@ class Engine:
         stats.model_steps += iterations
         stats.scheduled_tokens += out.total_num_scheduled_tokens + int(later.sum())
         stats.padded_tokens += bucket * iterations
+        stats.dispatches_log.append(dispatch_record([out.num_scheduled_tokens], [tokens], bucket))
 
 
 def split_updates(config: ServingConfig, out: SchedulerOutput) -> tuple[list[StepUpdates], StepUpdates]:
@@ -180,3 +190,17 @@ def _take_blocks(appends: list[tuple[int, list[int]]], size: int):
         if len(taken) < len(blocks):
             rest.append((row, blocks[len(taken):]))
     return chunk, rest
+
+
+def _counter(total: int, on_compiled):
+    """``on_compiled(done, total)`` wrapped as the no-argument, thread-safe callback of `compile_all`."""
+    if on_compiled is None:
+        return None
+    lock, done = threading.Lock(), [0]
+
+    def count() -> None:
+        with lock:
+            done[0] += 1
+            on_compiled(done[0], total)
+
+    return count
