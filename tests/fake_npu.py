@@ -38,7 +38,11 @@ class FakeNpu:
 
 @pytest.fixture
 def fake_npu(monkeypatch):
-    npu = FakeNpu()
+    return install(FakeNpu(), monkeypatch)
+
+
+def install(npu: FakeNpu, monkeypatch) -> FakeNpu:
+    """Puts ``npu`` in place of torch_npu until ``monkeypatch`` undoes it."""
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
     real_to = torch.Tensor.to
 
