@@ -37,7 +37,7 @@ FLAGS = {
     "heads": (1, "", "attention heads"),
     "vocab_size": (3, "0 pads, 1 is EOS, prompts use 2 and up", "vocabulary size"),
     "decode_steps": (1, "", "decode steps per multi-step dispatch (K)"),
-    "max_prompt_len": (1, "", f"longest prompt (prompts are {MIN_PROMPT_LEN}..this long)"),
+    "max_prompt_len": (1, "", f"longest prompt (prompts are {MIN_PROMPT_LEN}..this long; all this long if shorter)"),
     "max_tokens": (1, "", "largest max_tokens (requests ask for 1..this many)"),
     "arrival_spread": (0, "", "requests arrive over this many steps"),
     "seed": (0, "", "seed of the workload and the weights"),
@@ -51,12 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help_text, default = f"{help_text} (default {default}, or --max-model-len - 1 if smaller)", None
         else:
             help_text = f"{help_text} (default {default})"
-        parser.add_argument(flag(name), type=int_in(minimum, why=why), default=default, help=help_text)
+        parser.add_argument(flag(name), type=int_in(minimum, why=why), default=default, metavar="N", help=help_text)
     parser.add_argument("--model", metavar="DIR", default=None,
                         help="serve a Hugging Face checkpoint (config.json + *.safetensors: Llama, Qwen2, Qwen3) "
                              "instead of the tiny random model; --layers, --d-model, --heads and --vocab-size are "
                              "then the checkpoint's")
-    parser.add_argument("--devices", type=int_in(1), default=1,
+    parser.add_argument("--devices", type=int_in(1), default=1, metavar="N",
                         help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
                              "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,

@@ -34,10 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      ("max_model_len", 2, "longest sequence"),
                                      ("budget", 1, "token budget per step (max_num_batched_tokens)")):
         parser.add_argument(flag(name), type=int_in(minimum, MAX_SIZE), default=getattr(default, name),
+                            metavar="N",
                             help=f"{help_text} (default {getattr(default, name)})")
-    parser.add_argument("--steps", type=int_in(1), default=None, help="stop after this many steps (default: until "
-                                                                      "every request has finished)")
+    parser.add_argument("--steps", type=int_in(1), default=None, metavar="N",
+                        help="stop after this many steps (default: until every request has finished)")
     parser.add_argument("--max-columns", type=int_in(MIN_COLUMNS, why="the first and the last columns"), default=24,
+                        metavar="N",
                         help="widest token and block tables before the middle is cut (default 24)")
     parser.add_argument("--plot-dir", metavar="DIR", default=None,
                         help="also draw every step (token table, block table, KV cache, attention) as "
