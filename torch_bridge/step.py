@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from jaxprep._expect import expect
+from jaxprep._expect import type_name
 from jaxprep.metadata import StepInputs
 from torch_bridge._torch import device_type, torch
 from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
@@ -98,10 +98,18 @@ def step_arrays(step_inputs) -> dict[str, jax.Array]:
     return arrays
 
 
+STEP_FIELDS = ("input_ids", "positions", "logits_indices", "idx_mapping", "attn_metadata", "num_tokens_padded")
+"""What the bridge reads from a step: a `jaxprep.StepInputs`, or any object with these attributes."""
+
+
 def expect_step(function: str, step_inputs) -> None:
-    """A `jaxprep.StepInputs` (what `prepare_inputs` returns), not its `BatchState` or a dict of arrays."""
-    expect(function, "step_inputs", step_inputs, StepInputs, "a jaxprep.StepInputs",
-           "prepare one with jaxprep.prepare_inputs(state, config)")
+    """A prepared step (what `prepare_inputs` returns, or an object with its fields), not its
+    `BatchState` or a dict of arrays."""
+    if isinstance(step_inputs, StepInputs) or all(hasattr(step_inputs, name) for name in STEP_FIELDS):
+        return
+    missing = [name for name in STEP_FIELDS if not hasattr(step_inputs, name)]
+    raise TypeError(f"{function}: step_inputs must be a jaxprep.StepInputs, got {type_name(step_inputs)} "
+                    f"(without {', '.join(missing)}; prepare one with jaxprep.prepare_inputs(state, config))")
 
 
 def bridge_inputs(step_inputs, pack_spec: PackSpec) -> tuple[dict[str, jax.Array], PackSpec, FeatureFields]:
