@@ -33,6 +33,8 @@ class ArgumentParser(argparse.ArgumentParser):
         # "--progress invalid choice: 'x' (choose from 'a', 'b')" -> "--progress x: must be one of a, b"
         message = re.sub(r"^(\S+) invalid choice: '(.*)' \(choose from (.*)\)$",
                          lambda m: f"{m[1]} {m[2]}: must be one of {m[3].replace(chr(39), '')}", message)
+        # "the following arguments are required: --model" -> "--model: required"
+        message = re.sub(r"^the following arguments are required: (.*)$", r"\1: required", message)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

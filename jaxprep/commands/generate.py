@@ -14,33 +14,20 @@ import argparse
 import json
 import os
 
+from jaxprep.commands._args import INT32_MAX, int_in, require
 from jaxprep.config import cdiv
-
-
-def _at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {text!r}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
 
 
 def _token_ids(text: str) -> list[int]:
     """'1 2 3' (or '1,2,3') -> [1, 2, 3]."""
     parts = text.replace(",", " ").split()
-    if not parts or not all(part.isdigit() for part in parts):
-        raise argparse.ArgumentTypeError(f"must be token ids >= 0 separated by spaces, got {text!r}")
+    if not parts or not all(part.isdigit() and int(part) <= INT32_MAX for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be token ids >= 0 separated by spaces")
     return [int(part) for part in parts]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    positive = _at_least(1)
+    positive = int_in(1)
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="Hugging Face checkpoint directory: config.json + *.safetensors")
     parser.add_argument("--prompt-ids", dest="prompts", action="append", type=_token_ids, default=[],
@@ -54,9 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive, default=16, help="KV-cache block size (default 16)")
     parser.add_argument("--max-num-reqs", type=positive, default=None,
                         help="rows of the batch (default: the number of prompts)")
-    parser.add_argument("--num-blocks", type=_at_least(2), default=None,
+    parser.add_argument("--num-blocks", type=int_in(2, why="block 0 is the null block"), default=None,
                         help="KV-cache blocks, the null block included (default: every prompt at once)")
-    parser.add_argument("--max-model-len", type=positive, default=None,
+    parser.add_argument("--max-model-len", type=int_in(2, why="one prompt token and one output token"), default=None,
                         help="longest sequence (default: longest prompt + max tokens, rounded up to a block)")
     parser.add_argument("--decode-steps", type=positive, default=8,
                         help="decode steps per multi-step dispatch (default 8)")
@@ -65,18 +52,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(error=parser.error)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """What the flags alone decide: a checkpoint folder, at least one prompt, a tokenizer for text."""
+    require(os.path.isdir(args.model), f"--model {args.model}: is not a folder")
+    require(bool(args.prompts), "--prompt-ids: give at least one prompt (--prompt-ids or --prompt)")
+    if args.num_blocks is not None:
+        require(args.num_blocks * args.block_size <= INT32_MAX, f"--num-blocks {args.num_blocks}: times "
+                f"--block-size {args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
+    args.tokenizer = _tokenizer(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxprep.models import CheckpointError, UnsupportedConfigError, load_model
 
-    if not args.prompts:
-        args.error("give at least one prompt: --prompt-ids or --prompt")
-    if not os.path.isdir(args.model):
-        args.error(f"argument --model: {args.model!r} is not a directory")
-    tokenizer = _tokenizer(args)
+    tokenizer = args.tokenizer
     try:
         model, params = load_model(args.model)
     except (UnsupportedConfigError, CheckpointError, FileNotFoundError) as error:
-        args.error(f"argument --model: {error}")
+        args.error(f"--model {args.model}: {error}")
     prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
     _check_token_ids(args, prompts, model.vocab_size)
     eos_ids = () if args.ignore_eos else model.eos_token_ids
@@ -131,9 +124,9 @@ def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
 def _check_token_ids(args, prompts: list[list[int]], vocab_size: int) -> None:
     for i, prompt in enumerate(prompts):
         if not prompt:
-            args.error(f"prompt {i} has no tokens")
+            args.error(f"--prompt {args.prompts[i]!r}: encodes to no tokens")
         if max(prompt) >= vocab_size:
-            args.error(f"argument --prompt-ids: token id {max(prompt)} of prompt {i} is outside the model's "
+            args.error(f"--prompt-ids {' '.join(map(str, prompt))}: token id {max(prompt)} is outside the model's "
                        f"vocabulary [0, vocab_size={vocab_size})")
 
 
@@ -143,28 +136,26 @@ def _check_fit(args, prompts: list[list[int]], config) -> None:
     prep = config.prep
     for i, prompt in enumerate(prompts):
         if len(prompt) >= prep.max_model_len:
-            args.error(f"argument --max-model-len: {prep.max_model_len} must exceed every prompt's length "
+            args.error(f"--max-model-len {prep.max_model_len}: must exceed every prompt's length "
                        f"(prompt {i} has {len(prompt)} tokens)")
         needed = cdiv(min(len(prompt) + args.max_tokens, prep.max_model_len), prep.block_size)
         if needed > prep.num_blocks - 1:
-            args.error(f"argument --num-blocks: {prep.num_blocks} blocks of {prep.block_size} (one is the null "
-                       f"block) cannot hold prompt {i}: {len(prompt)} tokens + up to {args.max_tokens} generated "
-                       f"need {needed}")
+            args.error(f"--num-blocks {prep.num_blocks}: must be >= {needed + 1}: blocks of {prep.block_size} "
+                       f"(one is the null block) for prompt {i}: {len(prompt)} tokens + up to {args.max_tokens} "
+                       f"generated need {needed}")
 
 
 def _tokenizer(args):
     """The tokenizer of DIR if it has one and ``tokenizers`` is installed; an error if a text prompt needs it."""
     path = os.path.join(args.model, "tokenizer.json")
-    needed = any(isinstance(p, str) for p in args.prompts)
+    text = next((p for p in args.prompts if isinstance(p, str)), None)
     try:
         import tokenizers
     except ImportError:
-        if needed:
-            args.error("argument --prompt: needs the tokenizers package (pip install 'jaxprep[models]')")
+        require(text is None, f"--prompt {text!r}: needs the tokenizers package (pip install 'jaxprep[models]')")
         return None
     if not os.path.exists(path):
-        if needed:
-            args.error(f"argument --prompt: needs a tokenizer, and {path} does not exist (use --prompt-ids)")
+        require(text is None, f"--prompt {text!r}: needs a tokenizer, and {path} does not exist (use --prompt-ids)")
         return None
     return tokenizers.Tokenizer.from_file(path)
 
