@@ -1,12 +1,16 @@
 """Per-step cost of each optional feature: a plain step against the same step with one feature on.
 
     PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 100] [--rounds 5]
+        [--default-runtime]
 
-Runs on one CPU thread (``PJRT_NPROC=1``) with synchronous dispatch, the way the CLI does. Every
-configuration is compiled first (compile time reported apart), then timed call by call with
-``block_until_ready`` inside the clock, in rounds that sweep every configuration (each keeps its
-best median, so load from other processes hits all alike); the plain step is measured in the same
-process, and the table gives each feature's time, its extra microseconds over plain, and the ratio.
+Runs on one CPU thread (``PJRT_NPROC=1``) with synchronous dispatch, the way the CLI does, unless
+``--default-runtime``. Every configuration is compiled first (compile time reported apart), then
+timed call by call with ``block_until_ready`` inside the clock, in rounds that sweep every
+configuration (each keeps its best median, so load from other processes hits all alike); the plain
+step and vLLM V1's host-side preparation of the plain batch (`vllm_v1_baseline.VllmV1HostPrep`, the
+benchmarks' baseline, checked equal to jaxprep's plain step) are measured in the same process. The
+table gives each feature's time, its extra microseconds over plain, the ratio to plain and the
+ratio to the vLLM V1 baseline.
 """
 
 from __future__ import annotations
@@ -19,18 +23,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from jaxprep.cli import configure_runtime
+from common import configure_benchmark_runtime
 
-configure_runtime()
+RUNTIME = configure_benchmark_runtime()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from common import interleaved_us, load_line, machine_line  # noqa: E402
+from bench_prepare import v1_baseline  # noqa: E402
+from common import add_runtime_argument, assert_same_step, interleaved_us, load_line, machine_line  # noqa: E402
 
 from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_inputs, validate  # noqa: E402
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
 
 K = 3  # draft tokens per decode when spec decode is on
+BASELINE = "vLLM V1 host path (plain)"
 BLOCK_SIZE = 16
 FEATURES = {
     "plain": FeatureConfig(),
@@ -107,11 +113,20 @@ def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
 def setup_step(state, config, num_tokens: int):
     """(compile seconds, the call to time: one step with its outputs ready)."""
     def call():
-        jax.block_until_ready(prepare_inputs(state, config, num_tokens))
+        return jax.block_until_ready(prepare_inputs(state, config, num_tokens))
 
     start = time.perf_counter()
     call()
     return time.perf_counter() - start, call
+
+
+def baseline_step(config: PrepConfig, num_tokens: int, plain_call):
+    """vLLM V1's host path over the plain batch, checked equal to jaxprep's plain step."""
+    arrays = batch(config, config.max_num_reqs, num_tokens, np.random.default_rng(0))
+    baseline = v1_baseline(config, arrays)
+    scheduled, num_reqs_padded = arrays["num_scheduled_tokens"], config.num_reqs_padded(num_tokens)
+    assert_same_step(plain_call(), baseline.prepare(scheduled, num_tokens, num_reqs_padded))
+    return lambda: baseline.prepare(scheduled, num_tokens, num_reqs_padded)
 
 
 def main() -> None:
@@ -121,6 +136,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=100, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds over all features; each keeps its best median")
+    add_runtime_argument(parser)
     args = parser.parse_args()
     base = PrepConfig(max_num_reqs=args.reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.tokens, block_size=BLOCK_SIZE)
@@ -130,15 +146,19 @@ def main() -> None:
         state = BatchState.from_numpy(**batch(config, args.reqs, args.tokens, np.random.default_rng(0)))
         validate(state, config)
         compile_s[name], calls[name] = setup_step(state, config, args.tokens)
+    calls[BASELINE] = baseline_step(base, args.tokens, calls["plain"])
     medians = interleaved_us(calls, args.iters, args.rounds)
     print(f"# jaxprep feature costs: {args.reqs} requests, {args.tokens} tokens (bucket {args.tokens}), "
           f"max_model_len {args.max_model_len}, best of {args.rounds} medians of {args.iters} calls, rounds "
-          f"sweeping every feature; PJRT_NPROC=1, sync dispatch")
+          f"sweeping every feature")
     print(f"# {machine_line()}; {load_line()}")
-    print(f"{'feature':30s} {'compile s':>9s} {'median us':>10s} {'extra us':>9s} {'ratio':>6s}")
-    plain = medians["plain"]
+    print(f"# {RUNTIME}")
+    print(f"{'feature':30s} {'compile s':>9s} {'median us':>10s} {'extra us':>9s} {'ratio':>6s} {'vs V1':>6s}")
+    plain, v1 = medians["plain"], medians.pop(BASELINE)
+    print(f"{BASELINE:30s} {'-':>9s} {v1:10.1f} {v1 - plain:+9.1f} {v1 / plain:6.2f} {1:6.2f}")
     for name, median in medians.items():
-        print(f"{name:30s} {compile_s[name]:9.2f} {median:10.1f} {median - plain:+9.1f} {median / plain:6.2f}")
+        print(f"{name:30s} {compile_s[name]:9.2f} {median:10.1f} {median - plain:+9.1f} {median / plain:6.2f} "
+              f"{median / v1:6.2f}")
 
 
 if __name__ == "__main__":

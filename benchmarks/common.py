@@ -6,7 +6,47 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
+
+import numpy as np
+
+DEFAULT_RUNTIME_FLAG = "--default-runtime"
+
+
+def uses_default_runtime() -> bool:
+    return DEFAULT_RUNTIME_FLAG in sys.argv[1:]
+
+
+def configure_benchmark_runtime() -> str:
+    """Call before JAX starts. `jaxprep.cli.configure_runtime()` (one XLA:CPU thread, synchronous
+    dispatch, as the CLI) unless ``--default-runtime`` is on the command line, which keeps JAX's
+    defaults (XLA:CPU's thread pool over every core, asynchronous dispatch). Returns a line naming
+    the settings, for the report."""
+    if uses_default_runtime():
+        return "runtime: JAX defaults (XLA:CPU thread pool, async dispatch; --default-runtime)"
+    from jaxprep.cli import configure_runtime
+
+    configure_runtime()
+    return "runtime: PJRT_NPROC=1, synchronous dispatch (jaxprep.cli.configure_runtime)"
+
+
+def add_runtime_argument(parser) -> None:
+    parser.add_argument(DEFAULT_RUNTIME_FLAG, action="store_true",
+                        help="keep JAX's default CPU runtime instead of jaxprep.cli.configure_runtime()")
+
+
+STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table",
+               "logits_indices", "num_actual_tokens", "num_reqs", "max_query_len", "max_seq_len")
+
+
+def assert_same_step(step, baseline: dict) -> None:
+    """A jaxprep `StepInputs` (host or device arrays) equals a baseline's padded step, field by field."""
+    meta = step.attn_metadata
+    ours = {"input_ids": step.input_ids, "positions": step.positions, "logits_indices": step.logits_indices,
+            **{name: getattr(meta, name) for name in STEP_FIELDS if hasattr(meta, name)}}
+    for name in STEP_FIELDS:
+        np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(baseline[name]), err_msg=name)
 
 
 def median_us(fn, repeats: int, warmup: int = 5) -> float:
@@ -37,33 +77,38 @@ def interleaved_us(fns: dict, repeats: int, rounds: int = 5) -> dict:
 def add_timing_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=100, help="calls per round")
     parser.add_argument("--rounds", type=int, default=7, help="rounds over all shapes; each cell keeps its best")
+    add_runtime_argument(parser)
 
 
 def time_rows(setups, repeats: int, rounds: int) -> list[dict]:
     """Times every shape's callables together; ``setups`` holds (row, {key: fn}) per shape.
 
-    Each row gains ``<key>_us`` for each of its callables and ``ratio`` = ours / ref. A round sweeps
-    every shape, so the rounds spread over the whole run (`interleaved_us`).
+    Each row gains ``<key>_us`` for each of its callables and ``ratio`` = ours / base (jaxprep's
+    time over the vLLM baseline's). A round sweeps every shape, so the rounds spread over the whole
+    run (`interleaved_us`).
     """
     fns = {(row["name"], key): fn for row, shape_fns in setups for key, fn in shape_fns.items()}
     times = interleaved_us(fns, repeats, rounds)
     rows = []
     for row, shape_fns in setups:
         row = dict(row, **{f"{key}_us": times[row["name"], key] for key in shape_fns})
-        row["ratio"] = row["ours_us"] / row["ref_us"]
+        row["ratio"] = row["ours_us"] / row["base_us"]
         rows.append(row)
     return rows
 
 
 def print_goal_table(columns: list[tuple[str, str]], rows: list[dict], extra: tuple[str, str]) -> None:
-    """A Markdown table: shape, one column per (title, row key) in µs, the ratio against its goal,
-    then ``extra`` = (title, row key) in seconds."""
+    """A Markdown table: shape, one column per (title, row key) in µs, the ratio against its goal
+    (``None``: no goal at this shape), then ``extra`` = (title, row key) in seconds."""
     titles = ["shape", *(title for title, _ in columns), "ratio", "goal", "met", extra[0]]
     print("| " + " | ".join(titles) + " |")
     print("|---|" + "---:|" * (len(columns) + 2) + ":-:|---:|")
     for r in rows:
-        cells = [r["name"], *(f"{r[key]:.0f}" for _, key in columns), f"{r['ratio']:.2f}x", f"≤{r['goal']}x",
-                 "yes" if r["ratio"] <= r["goal"] else "no", f"{r[extra[1]]:.2f}"]
+        goal, met = "-", "-"
+        if r["goal"] is not None:
+            goal, met = f"≤{r['goal']}x", "yes" if r["ratio"] <= r["goal"] else "no"
+        cells = [r["name"], *(f"{r[key]:.0f}" for _, key in columns), f"{r['ratio']:.2f}x", goal, met,
+                 f"{r[extra[1]]:.2f}"]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -74,7 +119,6 @@ def load_line() -> str:
 
 def machine_line() -> str:
     import jax
-    import numpy as np
 
     commit = os.environ.get("JAXPREP_COMMIT")  # set where the checkout's .git is not the one measured
     try:
@@ -88,5 +132,11 @@ def machine_line() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    try:
+        import torch
+
+        torch_version = f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    except ImportError:
+        torch_version = ""
     return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, jax {jax.__version__}, "
-            f"numpy {np.__version__}, backend {jax.default_backend()}; commit {commit}")
+            f"numpy {np.__version__}{torch_version}, backend {jax.default_backend()}; commit {commit}")

@@ -62,9 +62,11 @@ def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max
     has_work = scheduled > 0
     counts, ends_state = prefix_sum(stack([has_work.astype(jnp.int32), scheduled]),
                                     max(max_total, max_num_reqs))
-    batch_row = jnp.where(has_work, counts - 1, num_reqs_padded)
-    rows = jnp.full((num_reqs_padded,), max_num_reqs, jnp.int32)
-    rows = rows.at[batch_row].set(jnp.arange(max_num_reqs, dtype=jnp.int32), mode="drop")
+    # rows without work (and, on bad input, rows past the bucket) write the spare last entry
+    batch_row = jnp.where(has_work, jnp.minimum(counts - 1, num_reqs_padded), num_reqs_padded)
+    rows = jnp.full((num_reqs_padded + 1,), max_num_reqs, jnp.int32)
+    rows = rows.at[batch_row].set(jnp.arange(max_num_reqs, dtype=jnp.int32), mode="promise_in_bounds")
+    rows = rows[:num_reqs_padded]
     is_real_req = rows < max_num_reqs
     per_row = stack([scheduled, computed, ends_state], axis=1)
     batch_rows = take_rows(per_row, rows, fill_value=0)

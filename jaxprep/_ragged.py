@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._constants import PAD_SLOT_ID
+from jaxprep._constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from jaxprep._typing import Array, Bool, Float32, Int32
 
 SCAN_BLOCK = 32
@@ -129,23 +129,25 @@ def token_request_index(request_ends: Int32[Array, " num_reqs_padded"],
     """Batch row of every token: ``r`` with ``ends[r-1] <= t < ends[r]``, clipped to the last row.
 
     Counts, for each token, the request ends at or before it (a scatter and a scan, O(T + R)).
-    Ends at or past ``num_tokens_padded`` are dropped by the scatter, so no write leaves the array.
+    Ends at or past ``num_tokens_padded`` land in one spare column past the tokens (in bounds,
+    and counted by no token); on bad input a negative end is clipped to 0.
     # ends (= query_start_loc[1:]) [2, 7, 10, 10], 12 tokens -> [0,0,1,1,1,1,1,2,2,2,3,3]
     """
     num_reqs = request_ends.shape[0]
+    columns = jnp.clip(request_ends, 0, num_tokens_padded)
 
-    def integer_count(ends):
-        ends_per_token = jnp.zeros((1, num_tokens_padded), jnp.int32).at[0, ends].add(1, mode="drop")
-        return _int_prefix_sum(ends_per_token)[0]
+    def integer_count(columns):
+        ends_per_token = jnp.zeros((1, num_tokens_padded + 1), jnp.int32).at[0, columns].add(
+            1, mode="promise_in_bounds")
+        return _int_prefix_sum(ends_per_token)[0, :num_tokens_padded]
 
-    def float_count(ends):  # counted in float32 from the start: the scan's input needs no conversion pass
-        ends_per_token = jnp.zeros((1, num_tokens_padded), jnp.float32).at[0, ends].add(1.0, mode="drop")
-        return _scan_f32(ends_per_token)[0].astype(jnp.int32)
+    def float_count(columns):  # counted in float32 from the start: the scan's input needs no conversion pass
+        ends_per_token = jnp.zeros((1, num_tokens_padded + 1), jnp.float32).at[0, columns].add(
+            1.0, mode="promise_in_bounds")
+        return _scan_f32(ends_per_token)[0, :num_tokens_padded].astype(jnp.int32)
 
-    if num_reqs >= F32_EXACT_BOUND:
-        count = integer_count(request_ends)
-    else:
-        count = on_cpu_else(float_count, integer_count, request_ends)
+    exact_in_float = num_reqs < F32_EXACT_BOUND
+    count = on_cpu_else(float_count, integer_count, columns) if exact_in_float else integer_count(columns)
     return jnp.minimum(count, num_reqs - 1)
 
 
@@ -154,11 +156,25 @@ def token_mask(num_actual_tokens: Int32[Array, ""], num_tokens_padded: int) -> B
     return jnp.arange(num_tokens_padded, dtype=jnp.int32) < num_actual_tokens
 
 
-def slot_mapping(block_table, token_rows, positions, is_real_token, block_size: int):
-    """``block_table[row, pos // B] * B + pos % B`` per token; padded tokens get PAD_SLOT_ID.
+def token_blocks(block_table: Int32[Array, "rows width"], token_rows: Int32[Array, " n"],
+                 positions: Int32[Array, " n"], tokens_per_column: int) -> Int32[Array, " n"]:
+    """``block_table[row, pos // tokens_per_column]`` per token, the column clipped into the table.
+
+    The clip changes nothing for valid input (a position below max_model_len has its column); on
+    the unchecked path it keeps a bad position's read inside the table on every backend.
+    # tokens_per_column 2, row [1, 2], positions [0, 1, 2, 9] -> columns [0, 0, 1, 1] -> [1, 1, 2, 2]
+    """
+    columns = jnp.clip(positions // tokens_per_column, 0, block_table.shape[1] - 1)
+    return block_table[token_rows, columns]
+
+
+def slot_mapping(block_table, token_rows, positions, is_real_token, block_size: int, max_block_id: int):
+    """``block_table[row, pos // B] * B + pos % B`` per token; padded tokens get PAD_SLOT_ID, and so
+    does a token whose block id is the null block or outside ``[1, max_block_id]`` (bad input on
+    the unchecked path: its slot would write into another request's or no block).
 
     # B=2, row [1, 2], positions [0, 1, 2] -> blocks [1, 1, 2] -> slots [2, 3, 4]
     """
-    block_numbers = block_table[token_rows, positions // block_size]
-    slots = block_numbers * block_size + positions % block_size
-    return jnp.where(is_real_token, slots, PAD_SLOT_ID)
+    blocks = token_blocks(block_table, token_rows, positions, block_size)
+    writable = is_real_token & (blocks > NULL_BLOCK_ID) & (blocks <= max_block_id)
+    return jnp.where(writable, blocks * block_size + positions % block_size, PAD_SLOT_ID)

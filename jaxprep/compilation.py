@@ -59,8 +59,10 @@ def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = Non
     ``cache_dir``: turn on JAX's persistent compilation cache there first (`use_compile_cache`),
     so a later process warms up from disk.
     """
+    from jaxprep._expect import CONFIG_HINT, expect
     from jaxprep.prepare import prepare_padded
 
+    expect("warmup", "config", config, PrepConfig, "a jaxprep.PrepConfig", CONFIG_HINT)
     start = time.perf_counter()
     if cache_dir is not None:
         use_compile_cache(cache_dir)
@@ -78,15 +80,23 @@ def _empty_state_shapes(config: PrepConfig):
     return jax.eval_shape(lambda: BatchState.empty(config))
 
 
-def compile_all(lowered, threads: int | None = None) -> None:
+def compile_all(lowered, threads: int | None = None, on_compiled=None) -> None:
     """Compiles ``jax.stages.Lowered`` modules on ``threads`` threads (default: the CPU count).
 
     ``lowered`` may be a generator: each module starts compiling as soon as it is lowered, so the
     tracing and lowering of the next one (Python, under the GIL) overlaps the compiles.
+    ``on_compiled()`` is called (from a worker thread) each time one module has compiled.
     """
     with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-        for future in [pool.submit(stage.compile) for stage in lowered]:
+        futures = [pool.submit(_compile, stage, on_compiled) for stage in lowered]
+        for future in futures:
             future.result()
+
+
+def _compile(stage, on_compiled) -> None:
+    stage.compile()
+    if on_compiled is not None:
+        on_compiled()
 
 
 def use_compile_cache(cache_dir: str | os.PathLike) -> None:

@@ -51,6 +51,7 @@ class StepInputs:
     logits_indices: Int32[StepArray, " num_reqs_padded"]  # last scheduled token of each request; pad: 0
     idx_mapping: Int32[StepArray, " num_reqs_padded"]  # state row of each batch row; pad: -1
     attn_metadata: AttentionMetadata
+    errors: Int32[StepArray, ""]  # bit flags of the bounds the input broke, 0 if none (jaxprep.step_errors)
     num_tokens_padded: int = dataclasses.field(metadata=dict(static=True))
     # Optional features (jaxprep.FeatureConfig): None (an empty pytree node) when off.
     spec_decode: SpecDecodeMetadata | None = None  # §2.8
@@ -85,16 +86,18 @@ _FIELD_DIMS: dict[str, tuple[str, ...]] = {
 STEP_FIELDS: tuple[str, ...] = tuple(_FIELD_DIMS)
 """Names of the arrays every step has (`StepInputs` fields, then `AttentionMetadata` fields),
 read from the dataclasses: the one list of a step's core fields."""
-SCALAR_FIELDS: tuple[str, ...] = tuple(name for name, dims in _FIELD_DIMS.items() if not dims)
-"""The 0-d fields of `STEP_FIELDS`: ``num_actual_tokens``, ``num_reqs``, ``max_query_len``, ``max_seq_len``."""
 _METADATA_FIELDS = tuple(f.name for f in _core_fields(AttentionMetadata))
+SCALAR_FIELDS: tuple[str, ...] = tuple(name for name in _METADATA_FIELDS if not _FIELD_DIMS[name])
+"""The 0-d fields of the attention metadata: ``num_actual_tokens``, ``num_reqs``, ``max_query_len``,
+``max_seq_len`` (the step's other 0-d field is its error word, ``errors``)."""
 _STEP_ONLY_FIELDS = tuple(name for name in STEP_FIELDS if name not in _METADATA_FIELDS)
 
 
 def step_fields(step) -> dict[str, StepArray]:
     """The `STEP_FIELDS` arrays of ``step`` (a `StepInputs`, or anything with its fields) by name;
-    its optional feature outputs are left out."""
-    fields = {name: getattr(step, name) for name in _STEP_ONLY_FIELDS}
+    its optional feature outputs are left out. A step-like object without ``errors`` gives None there."""
+    fields = {name: getattr(step, name, None) if name == "errors" else getattr(step, name)
+              for name in _STEP_ONLY_FIELDS}
     meta = step.attn_metadata
     fields.update({name: getattr(meta, name) for name in _METADATA_FIELDS})
     return fields

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_STATE_ROW
+from jaxprep._expect import expect_bucket, expect_state_and_config
 from jaxprep._layout import batch_layout
 from jaxprep._ragged import slot_mapping as _slot_mapping
-from jaxprep._ragged import stack, take_rows
+from jaxprep._ragged import stack, take_rows, token_blocks
 from jaxprep._typing import Array, Int32
 from jaxprep.config import PrepConfig
 from jaxprep.features import with_features
@@ -33,6 +34,7 @@ from jaxprep.metadata import (
 )
 from jaxprep.packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.state import BatchState
+from jaxprep.step_errors import check_static, error_word, raise_for_errors
 from jaxprep.validate import validate
 
 
@@ -47,9 +49,12 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
         from the device and picks the smallest bucket of ``config.token_buckets`` that holds it;
         a serving loop that knows its total passes ``config.bucket_for(total)`` and stays
         asynchronous (and may call this inside its own ``jax.jit``).
-      check: validate the state on the host first (`jaxprep.validate`); raises
-        `InvalidBatchError` naming the field and the bound.
+      check: validate the state on the host first (`jaxprep.validate`), and read the step's
+        error word after it (`jaxprep.step_errors`); raises `InvalidBatchError` naming the field
+        and the bound. Without it nothing is read back: a loop reads ``step.errors`` when it likes.
     """
+    expect_state_and_config("prepare_inputs", state, config)
+    expect_bucket("prepare_inputs", num_tokens_padded)
     if num_tokens_padded is None:
         total = int(np.asarray(state.num_scheduled_tokens, dtype=np.int64).sum())
         if check:
@@ -58,13 +63,20 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
     elif check:
         validate(state, config, num_tokens_padded=num_tokens_padded)
     step = prepare_padded(state, config, int(num_tokens_padded))
+    if check:
+        raise_for_errors(step, config)
     if config.features.attn_mask == "compressed":  # one constant, not a per-step jit output
         step = dataclasses.replace(step, attn_mask=compressed_causal_mask())
     return step
 
 
 def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
-    """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further."""
+    """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further.
+
+    Raises at trace time (no cost per call) if the state's shapes do not match ``config`` or
+    ``num_tokens_padded`` is not a rung of ``config.token_buckets``.
+    """
+    check_static(state, config, num_tokens_padded)
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features
     order = reordered_rows(state, num_reqs_padded, features) if features.reorder else None
@@ -75,9 +87,14 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     # position = t + shift[owner]: shift = computed - first token index of the owning request
     positions = jnp.where(is_real_token, jnp.arange(num_tokens_padded, dtype=jnp.int32) + layout.token_shift,
                           PAD_POSITION)
-    # 2-D gathers: no flattened row * max_model_len index that could overflow int32
-    input_ids = jnp.where(is_real_token, state.token_ids[layout.token_rows, positions], PAD_INPUT_ID)
-    slot_mapping = _slot_mapping(state.block_table, layout.token_rows, positions, is_real_token, config.block_size)
+    # 2-D gathers: no flattened row * max_model_len index that could overflow int32; the clip only
+    # matters for bad input on the unchecked path (a position past the table), see jaxprep.step_errors
+    read_positions = jnp.clip(positions, 0, config.max_model_len - 1)
+    input_ids = jnp.where(is_real_token, state.token_ids[layout.token_rows, read_positions], PAD_INPUT_ID)
+    slot_mapping = _slot_mapping(state.block_table, layout.token_rows, positions, is_real_token, config.block_size,
+                                 config.max_block_id)
+    blocks = token_blocks(state.block_table, layout.token_rows, positions,
+                          config.block_size * config.features.dcp_world_size)
     seq_lens = layout.computed + layout.scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
     maxima = _maxima(state)
     attn_metadata = AttentionMetadata(
@@ -96,6 +113,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
         logits_indices=jnp.where(layout.is_real_req, layout.ends - 1, PAD_LOGITS_INDEX),
         idx_mapping=jnp.where(layout.is_real_req, layout.rows, PAD_STATE_ROW),
         attn_metadata=attn_metadata,
+        errors=error_word(state, config, num_tokens_padded, blocks, is_real_token),
         num_tokens_padded=num_tokens_padded,
     )
     if not features.any_on:
@@ -144,6 +162,8 @@ def host_layout(num_tokens_padded: int, num_reqs_padded: int) -> tuple[Span, ...
 def prepare_to_host(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
     """`prepare_padded`'s step as host NumPy arrays (scalars 0-d), views of one fetched buffer:
     two transfers instead of twelve."""
+    expect_state_and_config("prepare_to_host", state, config)
+    expect_bucket("prepare_to_host", num_tokens_padded, optional=False)
     words, block_table = prepare_packed(state, config, num_tokens_padded)
     return unpack_to_host(words, block_table, config, num_tokens_padded)
 

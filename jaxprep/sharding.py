@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxprep._expect import expect, expect_bucket, expect_state_and_config
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import StepInputs
 from jaxprep.prepare import prepare_body
@@ -90,6 +91,9 @@ def prepare_data_parallel(state: BatchState, config: PrepConfig, mesh: Mesh, num
     counts, so on several hosts pass the agreed bucket and validate each host's rows yourself
     (README, "Multi-host").
     """
+    expect_state_and_config("prepare_data_parallel", state, config)
+    expect("prepare_data_parallel", "mesh", mesh, Mesh, "a jax.sharding.Mesh", "data_mesh(n) makes one")
+    expect_bucket("prepare_data_parallel", num_tokens_padded)
     rows = state.num_scheduled_tokens.shape[0]
     if rows != config.max_num_reqs * mesh.size:
         raise ValueError(f"BatchState has {rows} rows; {mesh.size} ranks of max_num_reqs={config.max_num_reqs} "

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxprep import features
 from jaxprep._checks import InvalidBatchError, check_blocks, check_row_bound
+from jaxprep._expect import expect_bucket, expect_state_and_config
 from jaxprep.config import PrepConfig
 from jaxprep.state import OPTIONAL_FIELDS
 
@@ -25,6 +26,8 @@ def validate(state, config: PrepConfig, *, num_tokens_padded: int | None = None)
     (not the null block 0); every block id a request uses in ``[1, config.max_block_id]``; and the
     inputs of every feature ``config.features`` turns on (`jaxprep.features.inputs`).
     """
+    expect_state_and_config("validate", state, config)
+    expect_bucket("validate", num_tokens_padded)
     fields = state.to_numpy()
     host = {name: fields[name] for name in CORE_FIELDS}
     optional = {name: fields[name] for name in OPTIONAL_FIELDS if name in fields}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxprep._expect import expect
 from torch_bridge._torch import device_type, torch
 
 JAX_ALIGNMENT = 64
@@ -28,6 +29,7 @@ def jax_to_torch(array: jax.Array, name: str = "array") -> torch.Tensor:
     While torch holds it, PJRT sees an external reference and will not reuse the buffer for a
     donated argument (see `torch_bridge.inputs`, *Lifetime*).
     """
+    expect("jax_to_torch", name, array, jax.Array, "a jax.Array", "jax.numpy.asarray(x) makes one")
     if array.is_deleted():
         raise ValueError(f"{name} was deleted (donated to a jitted update?) before it reached torch")
     if next(iter(array.devices())).platform == "cpu":
@@ -50,6 +52,8 @@ def from_torch(tensor: torch.Tensor, *, name: str = "tensor", copy: bool | None 
     int32 raises `ValueError` naming the tensor and the bound, never wraps. On CUDA the check
     reads two scalars back to the host.
     """
+    expect("from_torch", name, tensor, torch.Tensor, "a torch.Tensor",
+           "torch.from_numpy(array) wraps a NumPy array; jax.numpy.asarray(array) takes one without torch")
     if tensor.dtype in (torch.bool,) or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         raise TypeError(f"{name} must hold integers, got dtype {tensor.dtype}")
     reason = _copy_reason(tensor)

@@ -17,15 +17,17 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, step_fields
+from jaxprep._expect import type_name
+from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, StepInputs, step_fields
 from jaxprep.packing import INT32, INT64
 from torch_bridge._torch import torch
 from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
 from torch_bridge.transfer import Bridged, PackSpec, check_live, convert_leaf, with_fields
 
-SCALARS = SCALAR_FIELDS
-"""Read back as Python ints."""
+SCALARS = SCALAR_FIELDS + ("errors",)
+"""Read back as Python ints (the metadata's, then the step's error word)."""
 HOST_MIRRORED = ("query_start_loc", "seq_lens")
 """On the target device and on the host (vLLM's ``query_start_loc_cpu``, ``seq_lens_cpu``)."""
 TORCH_NAMES = {"block_table": "block_table_tensor"}
@@ -70,6 +72,7 @@ class TorchStepInputs:
     idx_mapping: torch.Tensor  # [num_reqs_padded] int32; pad -1
     attn_metadata: TorchAttentionMetadata
     num_tokens_padded: int
+    errors: int = 0  # the step's error word (`jaxprep.step_errors`), read with the other host scalars
     spec_decode: Any = None  # the step's SpecDecodeMetadata with int32 torch leaves
     discard_request_mask: torch.Tensor | None = None  # [num_reqs_padded] bool; pad True
     kv_groups: tuple[TorchGroupMetadata, ...] | None = None  # one per KV-cache group
@@ -88,9 +91,26 @@ class TorchStepInputs:
                                    slot_mapping=chosen.slot_mapping)
 
 
+STEP_ATTRIBUTES = ("input_ids", "positions", "logits_indices", "idx_mapping", "attn_metadata", "num_tokens_padded")
+"""What the bridge reads from a step: a `jaxprep.StepInputs`, or any object with these attributes."""
+
+
+def expect_step(function: str, step_inputs) -> None:
+    """A prepared step (what `prepare_inputs` returns, or an object with its fields), not its
+    `BatchState` or a dict of arrays; raises TypeError naming what is missing."""
+    if isinstance(step_inputs, StepInputs) or all(hasattr(step_inputs, name) for name in STEP_ATTRIBUTES):
+        return
+    missing = [name for name in STEP_ATTRIBUTES if not hasattr(step_inputs, name)]
+    raise TypeError(f"{function}: step_inputs must be a jaxprep.StepInputs, got {type_name(step_inputs)} "
+                    f"(without {', '.join(missing)}; prepare one with jaxprep.prepare_inputs(state, config))")
+
+
 def step_arrays(step_inputs) -> dict[str, jax.Array]:
     """The step's arrays under vLLM's names (``block_table`` becomes ``block_table_tensor``)."""
+    expect_step("step_arrays", step_inputs)
     arrays = {TORCH_NAMES.get(name, name): value for name, value in step_fields(step_inputs).items()}
+    if arrays["errors"] is None:  # a step-like object built without jaxprep's error word
+        arrays["errors"] = jnp.zeros((), jnp.int32)
     check_live(arrays)
     return arrays
 
@@ -114,17 +134,19 @@ def assemble(step_inputs, bridged: Bridged, features: FeatureFields, device, *, 
     attn_mask = _feature(step_inputs, "attn_mask", attn_mask)
     step_features = torch_features(features, tensors, device)
     metadata_features = {name: step_features.pop(name, None) for name in METADATA_FEATURES}
+    scalars = dict(bridged.scalars)
+    errors = scalars.pop("errors", 0)
     metadata = metadata_cls(
         query_start_loc=tensors["query_start_loc"], query_start_loc_cpu=host["query_start_loc"],
         seq_lens=tensors["seq_lens"], seq_lens_cpu=host["seq_lens"],
         block_table_tensor=tensors["block_table_tensor"], slot_mapping=tensors["slot_mapping"],
         attn_state=int(attn_state) if isinstance(attn_state, jax.Array) else attn_state,
         attn_mask=None if attn_mask is None else convert_leaf(attn_mask, device),
-        **metadata_features, **bridged.scalars, **metadata_extras)
+        **metadata_features, **scalars, **metadata_extras)
     return TorchStepInputs(
         input_ids=tensors["input_ids"], positions=tensors["positions"],
         logits_indices=tensors["logits_indices"], idx_mapping=tensors["idx_mapping"],
-        attn_metadata=metadata, num_tokens_padded=step_inputs.num_tokens_padded,
+        attn_metadata=metadata, num_tokens_padded=step_inputs.num_tokens_padded, errors=errors,
         jax_buffers=bridged.jax_buffers, **step_features)
 
 

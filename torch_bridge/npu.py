@@ -29,7 +29,14 @@ from jax import Array
 
 from jaxprep import NULL_BLOCK_ID
 from torch_bridge._torch import device_type, import_torch_npu
-from torch_bridge.inputs import TorchAttentionMetadata, TorchStepInputs, assemble, bridge_inputs, core_pack_spec
+from torch_bridge.inputs import (
+    TorchAttentionMetadata,
+    TorchStepInputs,
+    assemble,
+    bridge_inputs,
+    core_pack_spec,
+    expect_step,
+)
 from torch_bridge.transfer import bridge_packed
 
 FIA_PAD_SEQ_LEN = 1
@@ -87,6 +94,7 @@ def to_npu(step_inputs, device="npu", *, attn_state=None, attn_mask=None) -> Tor
     attention-state function). A mask that is not already on the NPU is copied there on every
     call: create the constant mask on the NPU once and pass that tensor.
     """
+    expect_step("to_npu", step_inputs)
     import_torch_npu()
     if device_type(device) != "npu":
         raise ValueError(f"to_npu needs an npu device, got {device!r}")

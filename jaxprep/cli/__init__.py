@@ -6,7 +6,6 @@ for the command-line process only, never by the library on import.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
@@ -14,6 +13,7 @@ import sys
 # subcommand -> module with add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "demo": "jaxprep.cli.demo",
+    "generate": "jaxprep.cli.generate",
     "simulate": "jaxprep.cli.simulate",
     "walkthrough": "jaxprep.cli.walkthrough",
 }
@@ -39,19 +39,34 @@ def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None =
 
 
 def main(argv: list[str] | None = None) -> int:
+    module, args = parse_args(argv)
+    return module.run(args)
+
+
+def parse_args(argv: list[str] | None = None):
+    """(subcommand module, checked arguments); a bad flag exits 2 with one line naming it, before
+    anything is compiled (`jaxprep.cli._args`)."""
+    from jaxprep.cli._args import ArgumentParser, UsageError
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="jaxprep", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="jaxprep", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command")
-    modules = {}
+    modules, parsers = {}, {}
     for name, module_path in COMMANDS.items():
-        module = importlib.import_module(module_path)
-        modules[name] = module
-        module.add_arguments(subparsers.add_parser(name, help=module.__doc__.splitlines()[0]))
+        modules[name] = importlib.import_module(module_path)
+        parsers[name] = subparsers.add_parser(name, help=modules[name].__doc__.splitlines()[0])
+        modules[name].add_arguments(parsers[name])
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv.insert(0, DEFAULT_COMMAND)
     args = parser.parse_args(argv)
     configure_runtime(host_devices=getattr(args, "devices", None))
-    return modules[args.command].run(args)
+    check = getattr(modules[args.command], "check_arguments", None)
+    try:
+        if check is not None:
+            check(args)
+    except UsageError as error:
+        parsers[args.command].error(str(error))
+    return modules[args.command], args
 
 
 if __name__ == "__main__":

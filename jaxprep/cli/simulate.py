@@ -9,31 +9,54 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
 import time
 
 import numpy as np
 
+from jaxprep.cli._args import INT32_MAX, check_folder, check_plot_path, flag, int_in, require
+from jaxprep.cli._progress import add_progress_argument, progress_bar
+from jaxprep.config import cdiv
+
 DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_model_len=256, num_blocks=64,
                 layers=2, d_model=64, heads=4, vocab_size=512, decode_steps=8, max_prompt_len=96, max_tokens=64,
                 arrival_spread=30, seed=0)
+MIN_PROMPT_LEN = 4
+"""Prompts are MIN_PROMPT_LEN..--max-prompt-len tokens long (or all --max-prompt-len, if shorter)."""
+
+# flag -> (lowest value, why that bound, help)
+FLAGS = {
+    "requests": (1, "", "number of requests"),
+    "budget": (1, "", "token budget per step (max_num_batched_tokens)"),
+    "block_size": (1, "", "KV-cache block size"),
+    "max_num_reqs": (1, "", "rows of the batch (max_num_seqs)"),
+    "max_model_len": (2, "one prompt token and one output token", "longest sequence"),
+    "num_blocks": (2, "block 0 is the null block", "KV-cache blocks, the null block included"),
+    "layers": (1, "", "model layers"),
+    "d_model": (2, "RoPE rotates pairs", "model width"),
+    "heads": (1, "", "attention heads"),
+    "vocab_size": (3, "0 pads, 1 is EOS, prompts use 2 and up", "vocabulary size"),
+    "decode_steps": (1, "", "decode steps per multi-step dispatch (K)"),
+    "max_prompt_len": (1, "", f"longest prompt (prompts are {MIN_PROMPT_LEN}..this long; all this long if shorter)"),
+    "max_tokens": (1, "", "largest max_tokens (requests ask for 1..this many)"),
+    "arrival_spread": (0, "", "requests arrive over this many steps"),
+    "seed": (0, "", "seed of the workload and the weights"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    flags = {
-        "requests": "number of requests", "budget": "token budget per step (max_num_batched_tokens)",
-        "block_size": "KV-cache block size", "max_num_reqs": "rows of the batch (max_num_seqs)",
-        "max_model_len": "longest sequence", "num_blocks": "KV-cache blocks, the null block included",
-        "layers": "model layers", "d_model": "model width", "heads": "attention heads",
-        "vocab_size": "vocabulary size", "decode_steps": "decode steps per multi-step dispatch (K)",
-        "max_prompt_len": "longest prompt (prompts are 4..this long)",
-        "max_tokens": "largest max_tokens (requests ask for 1..this many)",
-        "arrival_spread": "requests arrive over this many steps", "seed": "seed of the workload and the weights",
-    }
-    for name, help_text in flags.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name],
-                            help=f"{help_text} (default {DEFAULTS[name]})")
-    parser.add_argument("--devices", type=int, default=1,
+    for name, (minimum, why, help_text) in FLAGS.items():
+        default = DEFAULTS[name]
+        if name == "max_prompt_len":  # resolved in check_arguments, once --max-model-len is known
+            help_text, default = f"{help_text} (default {default}, or --max-model-len - 1 if smaller)", None
+        else:
+            help_text = f"{help_text} (default {default})"
+        parser.add_argument(flag(name), type=int_in(minimum, why=why), default=default, metavar="N", help=help_text)
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="serve a Hugging Face checkpoint (config.json + *.safetensors: Llama, Qwen2, Qwen3) "
+                             "instead of the tiny random model; --layers, --d-model, --heads and --vocab-size are "
+                             "then the checkpoint's")
+    parser.add_argument("--devices", type=int_in(1), default=1, metavar="N",
                         help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
                              "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
@@ -42,84 +65,136 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check the greedy tokens against a dense recomputation; exit 1 if they differ "
                              "or anything compiled after warm-up")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
-    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="save a chart of every forward pass: tokens run vs the bucket (the padding), "
+                             "prefill and decode tokens, and the prep time (needs matplotlib)")
+    add_progress_argument(parser)
+    parser.set_defaults(error=parser.error)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Combinations of flags that cannot work, before anything is compiled; fills --max-prompt-len."""
+    if args.max_prompt_len is None:
+        args.max_prompt_len = min(DEFAULTS["max_prompt_len"], args.max_model_len - 1)
+    require(args.max_prompt_len < args.max_model_len, f"--max-prompt-len {args.max_prompt_len}: must be < "
+            f"--max-model-len {args.max_model_len} (a request needs room for one output token)")
+    if args.model is None:
+        require(args.d_model % args.heads == 0 and args.d_model // args.heads % 2 == 0,
+                f"--d-model {args.d_model}: must split into --heads {args.heads} heads of an even size "
+                "(RoPE rotates pairs)")
+    else:
+        require(os.path.isdir(args.model), f"--model {args.model}: is not a folder")
+    longest = min(args.max_prompt_len + args.max_tokens, args.max_model_len)
+    needed = 1 + cdiv(longest, args.block_size)
+    require(args.num_blocks >= needed, f"--num-blocks {args.num_blocks}: must be >= {needed} (the null block "
+            f"and the longest request: {longest} tokens in blocks of --block-size {args.block_size})")
+    require(args.num_blocks * args.block_size <= INT32_MAX, f"--num-blocks {args.num_blocks}: times --block-size "
+            f"{args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
+    import jax
+
+    visible = jax.device_count()
+    require(args.devices <= visible, f"--devices {args.devices}: must be <= {visible}, the "
+            f"{jax.default_backend()} devices JAX sees")
+    if args.compile_cache:
+        check_folder("--compile-cache", args.compile_cache)
+    if args.plot:
+        check_plot_path("--plot", args.plot)
 
 
 def run(args: argparse.Namespace) -> int:
     from jaxprep.compilation import count_compiles, use_compile_cache
-    from jaxprep.config import PrepConfig
-    from jaxprep.serving import ModelConfig, ServingConfig, check_against_dense, random_workload
+    from jaxprep.serving import check_against_dense
 
-    prep = PrepConfig(max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
-                      max_num_batched_tokens=args.budget, block_size=args.block_size, num_blocks=args.num_blocks)
-    config = ServingConfig(prep=prep, eos_token_id=1, decode_steps=args.decode_steps)
-    model = ModelConfig(vocab_size=args.vocab_size, num_layers=args.layers, d_model=args.d_model,
-                        num_heads=args.heads, d_ff=2 * args.d_model)
-    workload = random_workload(args.seed, num_requests=args.requests, vocab_size=args.vocab_size,
-                               prompt_len=(4, min(args.max_prompt_len, args.max_model_len - 1)),
-                               max_tokens=(1, args.max_tokens), arrival_spread=args.arrival_spread)
+    config, model, params, workload = _setup(args)
     if args.compile_cache:
         use_compile_cache(args.compile_cache)
-    engine = _engine(config, model, args)
-    warmup_s = engine.warmup()
-    progress = None if args.no_progress else _Progress(len(workload.requests))
+    engine = _engine(config, model, args, params)
+    warmup_s = _warmup(engine, args.progress)
     with count_compiles() as compiles:
         start = time.perf_counter()
-        finished = _serve(engine, workload, progress)
+        finished = _serve(engine, workload, args.progress)
         wall_s = time.perf_counter() - start
     summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
     summary["devices"] = args.devices
+    summary["model"] = "tiny paged-KV model" if args.model is None else f"{model.model_type} from {args.model}"
     if args.check:
-        check = check_against_dense(engine.params, model, finished, prep.max_model_len)
+        requests = progress_bar(args.progress, "check: dense recompute", "req", iterable=finished)
+        check = check_against_dense(engine.params, model, requests, config.max_model_len)
         summary.update(check_passed=check.passed and len(finished) == len(workload.requests),
                        check_tokens=check.num_tokens, check_mismatches=check.mismatches,
                        check_near_ties=check.near_ties)
+    if args.plot:
+        _plot(engine, args.plot)
     _print(summary, args.json)
     failed = args.check and (not summary["check_passed"] or summary["compiles_after_warmup"] > 0)
     return 1 if failed else 0
 
 
-def _engine(config, model, args):
+def _setup(args: argparse.Namespace):
+    """(ServingConfig, model config, params or None, Workload) from checked arguments."""
+    from jaxprep.config import PrepConfig
+    from jaxprep.serving import ModelConfig, ServingConfig, random_workload
+
+    prep = PrepConfig(max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
+                      max_num_batched_tokens=args.budget, block_size=args.block_size, num_blocks=args.num_blocks)
+    model, params, eos_token_id = _model(args, ModelConfig)
+    config = ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
+    workload = random_workload(args.seed, num_requests=args.requests, vocab_size=model.vocab_size,
+                               prompt_len=(min(MIN_PROMPT_LEN, args.max_prompt_len), args.max_prompt_len),
+                               max_tokens=(1, args.max_tokens), arrival_spread=args.arrival_spread)
+    return config, model, params, workload
+
+
+def _model(args, tiny_config):
+    """``(model config, params, eos_token_id)``: the checkpoint in ``--model`` (params loaded, its first
+    EOS id), or the tiny model from the size flags (params None: the engine draws them from the seed)."""
+    if args.model is None:
+        model = tiny_config(vocab_size=args.vocab_size, num_layers=args.layers, d_model=args.d_model,
+                            num_heads=args.heads, d_ff=2 * args.d_model)
+        return model, None, 1
+    from jaxprep.models import CheckpointError, UnsupportedConfigError, load_model
+
+    try:
+        model, params = load_model(args.model)
+    except (UnsupportedConfigError, CheckpointError, FileNotFoundError) as error:
+        args.error(f"argument --model: {error}")
+    return model, params, model.eos_token_ids[0] if model.eos_token_ids else -1
+
+
+def _engine(config, model, args, params=None):
     """One `Engine`, or a `DataParallelEngine` over ``args.devices`` devices."""
     from jaxprep.serving import Engine
 
     if args.devices == 1:
-        return Engine(config, model, seed=args.seed, time_prep=True)
+        return Engine(config, model, seed=args.seed, time_prep=True, params=params)
     from jaxprep.serving.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
-    return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True)
+    return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
+                              params=params)
 
 
-def _serve(engine, workload, progress):
+def _warmup(engine, when: str) -> float:
+    buckets = len(engine.config.prep.token_buckets)
+    with progress_bar(when, f"warm-up: {buckets} buckets", "compile", total=engine.num_executables) as bar:
+        return engine.warmup(on_compiled=lambda done, total: bar.update(1))
+
+
+def _serve(engine, workload, when: str):
     engine.submit(workload.requests, workload.arrival_steps)
-    on_step = None if progress is None else (
-        lambda engine: progress.update(engine.stats.model_steps, len(engine.finished)))
-    finished = engine.run(on_step=on_step)
-    if progress:
-        progress.close()
-    return finished
+    with progress_bar(when, "serving", "req", total=len(workload.requests)) as bar:
+        def on_step(engine) -> None:
+            bar.set_postfix(steps=engine.stats.model_steps, refresh=False)
+            bar.update(len(engine.finished) - bar.n)
+
+        return engine.run(on_step=on_step)
 
 
-class _Progress:
-    """A one-line progress display on stderr, redrawn at most every 0.1 s."""
+def _plot(engine, path: str) -> None:
+    from jaxprep.serving.chart import plot_dispatches
 
-    def __init__(self, total: int):
-        self.total, self.last = total, 0.0
-
-    def update(self, steps: int, done: int) -> None:
-        now = time.perf_counter()
-        if now - self.last >= 0.1 or done == self.total:
-            self.last = now
-            width = 30
-            filled = width * done // max(self.total, 1)
-            sys.stderr.write(f"\rsimulate [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} requests, "
-                             f"{steps} steps")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+    plot_dispatches(engine.stats).savefig(path, dpi=80)
+    print(f"jaxprep simulate: wrote {path}")
 
 
 def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compiles) -> dict:
@@ -151,7 +226,7 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
 
 
 def _print(summary: dict, as_json: bool) -> None:
-    print("== jaxprep simulate: tiny paged-KV model, device-resident serving loop")
+    print(f"== jaxprep simulate: {summary['model']}, device-resident serving loop")
     for key, value in summary.items():
         if key != "prep_method":
             print(f"  {key:24s} {value}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxprep._checks import check_positive_int
+from jaxprep._checks import check_positive_int, max_block_id
 
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
@@ -55,6 +55,11 @@ class KVCacheGroupSpec:
         if self.kernel_block_size is not None and self.block_size % self.kernel_block_size:
             raise ValueError(f"KVCacheGroupSpec.kernel_block_size={self.kernel_block_size} must divide "
                              f"block_size={self.block_size}")
+
+    @property
+    def max_block_id(self) -> int:
+        """Largest valid block id of the group: ``num_blocks - 1``, or what keeps slots in int32."""
+        return max_block_id(self.num_blocks, self.block_size)
 
     @property
     def blocks_per_kernel_block(self) -> int:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxprep._constants import PAD_SEQ_LEN, PAD_SLOT_ID
+from jaxprep._constants import NULL_BLOCK_ID, PAD_SEQ_LEN, PAD_SLOT_ID
+from jaxprep._ragged import token_blocks
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import DCPConfig
 
 
 def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: Int32[Array, " num_tokens_padded"],
                      positions: Int32[Array, " num_tokens_padded"], is_real_token: Bool[Array, " num_tokens_padded"],
-                     block_size: int, dcp: DCPConfig) -> Int32[Array, " num_tokens_padded"]:
-    """This rank's slot of every token, ``PAD_SLOT_ID`` for tokens stored on other ranks.
+                     block_size: int, dcp: DCPConfig, max_block_id: int) -> Int32[Array, " num_tokens_padded"]:
+    """This rank's slot of every token, ``PAD_SLOT_ID`` for tokens stored on other ranks (and, as
+    in `jaxprep._ragged.slot_mapping`, for a block id outside ``[1, max_block_id]``).
 
     # B=2, W=2, row [10, 11], positions 0..7:
     #   I=1: rank 0 [20,-1,21,-1,22,-1,23,-1], rank 1 [-1,20,-1,21,-1,22,-1,23]
@@ -25,12 +27,12 @@ def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: In
     """
     world, interleave = dcp.world_size, dcp.interleave
     virtual_block_size = block_size * world
-    virtual_index = positions // virtual_block_size
     virtual_offset = positions % virtual_block_size
     is_local = (virtual_offset // interleave) % world == dcp.rank
     local_offset = (virtual_offset // (world * interleave)) * interleave + virtual_offset % interleave
-    slots = block_table[token_rows, virtual_index] * block_size + local_offset
-    return jnp.where(is_real_token & is_local, slots, PAD_SLOT_ID)
+    blocks = token_blocks(block_table, token_rows, positions, virtual_block_size)
+    writable = is_real_token & is_local & (blocks > NULL_BLOCK_ID) & (blocks <= max_block_id)
+    return jnp.where(writable, blocks * block_size + local_offset, PAD_SLOT_ID)
 
 
 def dcp_local_seq_lens(seq_lens: Int32[Array, " num_reqs_padded"], is_real_req: Bool[Array, " num_reqs_padded"],

@@ -67,7 +67,7 @@ def _attention_outputs(step, state, config, layout: Layout, drafts) -> dict:
         meta = dataclasses.replace(
             meta,
             slot_mapping=dcp_slot_mapping(state.block_table, layout.token_rows, step.positions, layout.is_real_token,
-                                          config.block_size, features.dcp),
+                                          config.block_size, features.dcp, config.max_block_id),
             dcp_local_seq_lens=dcp_local_seq_lens(meta.seq_lens, layout.is_real_req, features.dcp))
     if features.kv_groups:
         out["kv_groups"] = _kv_groups(step, state, config, layout)
@@ -87,12 +87,14 @@ def _kv_groups(step, state, config, layout: Layout) -> tuple[KVGroupMetadata, ..
     features = config.features
     tables = (state.block_table, *(state.extra_block_tables or ()))
     groups = []
-    for spec, table in zip(features.kv_groups, tables, strict=True):
+    for g, (spec, table) in enumerate(zip(features.kv_groups, tables, strict=True)):
+        max_block_id = config.max_block_id if g == 0 else spec.max_block_id  # group 0 is the step's own table
         if features.dcp is not None:
             slots = dcp_slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token,
-                                     spec.block_size, features.dcp)
+                                     spec.block_size, features.dcp, max_block_id)
         else:
-            slots = slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token, spec.block_size)
+            slots = slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token, spec.block_size,
+                                 max_block_id)
         gathered = take_rows(table, layout.rows, fill_value=NULL_BLOCK_ID)
         groups.append(KVGroupMetadata(block_table=group_block_table(gathered, layout.computed, spec),
                                       slot_mapping=slots, block_size=spec.block_size,

@@ -1,6 +1,6 @@
 """NumPy reference of vLLM V1's input preparation (SPEC §2.1-§2.7), written for reading.
 
-The oracle of the tests and the baseline of the benchmarks. It works on unpadded host arrays,
+The oracle of the tests (the benchmarks measure vLLM's own code path instead). It works on unpadded host arrays,
 the way vLLM's ``_prepare_inputs`` does, and `pad_reference` lays the result out in jaxprep's
 padded shapes with the padding constants.
 """
@@ -57,7 +57,8 @@ def prepare_reference(token_ids, block_table, num_computed_tokens, num_scheduled
 
 
 def pad_reference(ref: dict, num_tokens_padded: int, num_reqs_padded: int) -> dict:
-    """Lays out `prepare_reference` results in padded shapes with jaxprep's padding constants."""
+    """Lays out `prepare_reference` results in padded shapes with jaxprep's padding constants (and the
+    error word of a valid batch, 0)."""
     num_tokens, num_reqs = ref["num_actual_tokens"], ref["num_reqs"]
 
     def pad(array, length, value):
@@ -78,4 +79,5 @@ def pad_reference(ref: dict, num_tokens_padded: int, num_reqs_padded: int) -> di
         "num_reqs": num_reqs,
         "max_query_len": ref["max_query_len"],
         "max_seq_len": ref["max_seq_len"],
+        "errors": 0,  # the reference takes valid batches only: no bound is broken
     }

@@ -12,7 +12,7 @@ from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.checks import HostRows, InvalidUpdateError
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.engine import Engine, LoopStats
-from jaxprep.serving.model import KVCache, ModelConfig, dense_forward, init_params, paged_forward
+from jaxprep.serving.model import KVCache, ModelConfig, ServingModel, dense_forward, init_params, paged_forward
 from jaxprep.serving.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import (PAD_ROW, AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState,
                                    StepUpdates)
@@ -22,7 +22,7 @@ from jaxprep.serving.workload import DenseCheck, Workload, check_against_dense, 
 __all__ = [
     "AddRequests", "AppendBlocks", "BlockAllocator", "DenseCheck", "Engine", "FinishRequests", "HostRows",
     "InvalidUpdateError", "KVCache", "LoopStats", "ModelConfig", "NO_TOKEN", "PAD_ROW", "Request", "Schedule",
-    "Scheduler", "SchedulerOutput", "ServingBatch", "ServingConfig", "ServingState", "StepUpdates",
+    "Scheduler", "SchedulerOutput", "ServingBatch", "ServingConfig", "ServingModel", "ServingState", "StepUpdates",
     "Workload", "check_against_dense", "dense_forward", "init_params", "paged_forward", "update_and_prepare",
     "random_workload", "serve_step",
 ]

@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxprep.serving import checks, transitions
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ModelConfig
+from jaxprep.serving.model import KVCache, ServingModel
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.state import AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState, StepUpdates
 from jaxprep.serving.step import AppendedTokens, serve_step
@@ -51,7 +51,7 @@ class ServingBatch:
         self.state = transitions.record_sampled(self.state, idx_mapping, sampled_token_ids, num_sampled)
         self.rows = rows
 
-    def serve(self, kv_cache: KVCache, params, updates: StepUpdates, *, model: ModelConfig,
+    def serve(self, kv_cache: KVCache, params, updates: StepUpdates, *, model: ServingModel,
               num_tokens_padded: int, packed: np.ndarray | None = None) -> tuple[KVCache, np.ndarray]:
         """Checks ``updates``, runs `serve_step` (donating the state and ``kv_cache``) and reads back
         the appended tokens [config.decode_steps, max_num_reqs] (-1 = none).

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.engine import Engine
-from jaxprep.serving.model import ModelConfig, init_params
+from jaxprep.serving.model import ServingModel, init_params
 from jaxprep.serving.sharded import (
     ShardedServingBatch,
     apply_updates_sharded,
@@ -28,11 +28,12 @@ from jaxprep.serving.state import StepUpdates
 class DataParallelEngine(Engine):
     """`Engine` with one `Scheduler` per device of ``mesh``; ``config`` describes one rank."""
 
-    def __init__(self, config: ServingConfig, model: ModelConfig, mesh: Mesh, *, seed: int = 0,
-                 time_prep: bool = False):
+    def __init__(self, config: ServingConfig, model: ServingModel, mesh: Mesh, *, seed: int = 0,
+                 time_prep: bool = False, params=None):
         self.mesh = mesh
+        params = init_params(model, seed) if params is None else params
         self._start(config, model, time_prep, batch=ShardedServingBatch(config, mesh), num_ranks=mesh.size,
-                    params=replicated(init_params(model, seed), mesh), kv_cache=sharded_kv_cache(model, config, mesh))
+                    params=replicated(params, mesh), kv_cache=sharded_kv_cache(model, config, mesh))
 
     def _pack(self, updates: list[StepUpdates]):
         return self.batch.packed(updates)

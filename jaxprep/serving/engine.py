@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 
 import jax
@@ -13,7 +14,8 @@ from jaxprep.compilation import compile_all
 from jaxprep.serving import transitions
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ModelConfig, init_params
+from jaxprep.serving.dispatch_log import DispatchRecord, dispatch_record
+from jaxprep.serving.model import KVCache, ServingModel, init_params
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
@@ -33,6 +35,7 @@ class LoopStats:
     output_tokens: int = 0
     preemptions: int = 0
     prep_us: list[float] = dataclasses.field(default_factory=list)
+    dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)  # one per dispatch
 
     @property
     def padding_waste(self) -> float:
@@ -41,7 +44,10 @@ class LoopStats:
 
 
 class Engine:
-    """A `Scheduler`, a `ServingBatch`, the tiny model's weights and its paged KV cache, on one device.
+    """A `Scheduler`, a `ServingBatch`, a model's weights and its paged KV cache, on one device.
+
+    ``model`` is a model config with a ``forward`` (the tiny `ModelConfig`, or a checkpoint's
+    `jaxprep.models.DecoderConfig`); ``params`` defaults to the tiny model's random weights from ``seed``.
 
     The loop itself (arrivals, scheduling, the fused dispatch, counting) is written for any number
     of DP ranks, each with its own scheduler; `DataParallelEngine` overrides only the device hooks
@@ -49,11 +55,13 @@ class Engine:
     one sharded dispatch.
     """
 
-    def __init__(self, config: ServingConfig, model: ModelConfig, *, seed: int = 0, time_prep: bool = False):
-        self._start(config, model, time_prep, batch=ServingBatch(config), num_ranks=1, params=init_params(model, seed),
+    def __init__(self, config: ServingConfig, model: ServingModel, *, seed: int = 0, time_prep: bool = False,
+                 params=None):
+        self._start(config, model, time_prep, batch=ServingBatch(config), num_ranks=1,
+                    params=init_params(model, seed) if params is None else params,
                     kv_cache=KVCache.zeros(model, config.num_blocks, config.block_size))
 
-    def _start(self, config: ServingConfig, model: ModelConfig, time_prep: bool, *, batch, num_ranks: int, params,
+    def _start(self, config: ServingConfig, model: ServingModel, time_prep: bool, *, batch, num_ranks: int, params,
                kv_cache: KVCache) -> None:
         self.config, self.model, self.time_prep, self.batch = config, model, time_prep, batch
         self.schedulers = [Scheduler(config) for _ in range(num_ranks)]
@@ -72,20 +80,29 @@ class Engine:
     def num_ranks(self) -> int:
         return len(self.schedulers)
 
-    def warmup(self, threads: int | None = None) -> float:
+    def warmup(self, threads: int | None = None, on_compiled=None) -> float:
         """Compiles every executable the loop can use; returns the seconds taken.
 
-        Lowers each one (ahead of time, nothing runs, nothing is donated), then compiles them on
-        ``threads`` threads (default: the CPU count); XLA compiles outside the GIL, and an ahead-of-time
-        compile fills the same cache the jitted calls read.
+        Lowers each one (ahead of time, nothing runs, nothing is donated) and compiles it on one of
+        ``threads`` threads (default: the CPU count) while the next is lowered; XLA compiles outside
+        the GIL, and an ahead-of-time compile fills the same cache the jitted calls read.
+        ``on_compiled(done, total)`` is called after each compile (a progress display).
         """
         start = time.perf_counter()
-        empty = [StepUpdates.build(self.config)] * self.num_ranks
-        lowered = [self._lowered_updates(empty)]
-        for bucket in self.config.prep.token_buckets:
-            lowered += self._lowered(self._pack(empty), bucket)
-        compile_all(lowered, threads)
+        compile_all(self._all_lowered(), threads, _counter(self.num_executables, on_compiled))
         return time.perf_counter() - start
+
+    @property
+    def num_executables(self) -> int:
+        """What `warmup` compiles: the updates alone, and per bucket the step (and the timed prep)."""
+        return 1 + len(self.config.prep.token_buckets) * (2 if self.time_prep else 1)
+
+    def _all_lowered(self):
+        empty = [StepUpdates.build(self.config)] * self.num_ranks
+        yield self._lowered_updates(empty)
+        packed = self._pack(empty)
+        for bucket in self.config.prep.token_buckets:
+            yield from self._lowered(packed, bucket)
 
     def add_request(self, request: Request) -> None:
         """Routes ``request`` to the least loaded rank (fewest unfinished requests; ties: lowest rank)."""
@@ -167,6 +184,7 @@ class Engine:
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
         stats.model_steps += max(iterations)
+        stats.dispatches_log.append(dispatch_record([out.num_scheduled_tokens for out in outs], tokens, bucket))
 
     # --- device hooks: one rank on one device ---------------------------------------------------
 
@@ -224,3 +242,17 @@ def _take_blocks(appends: list[tuple[int, list[int]]], size: int):
         if len(taken) < len(blocks):
             rest.append((row, blocks[len(taken):]))
     return chunk, rest
+
+
+def _counter(total: int, on_compiled):
+    """``on_compiled(done, total)`` wrapped as the no-argument, thread-safe callback of `compile_all`."""
+    if on_compiled is None:
+        return None
+    lock, done = threading.Lock(), [0]
+
+    def count() -> None:
+        with lock:
+            done[0] += 1
+            on_compiled(done[0], total)
+
+    return count

@@ -10,6 +10,7 @@ Both share the embedding, RoPE, norms and MLP; only attention and the cache diff
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from jaxprep._ragged import token_request_index
 from jaxprep.metadata import StepInputs
 
 MODEL_SCOPE = "model"
-"""Named scope of the model's own float products (exempt from the index-math precision test)."""
+"""Named scope of the models' own float products (exempt from the index-math precision test)."""
 
 MASKED = -1e30
 """Score of a masked key: exp(MASKED - max) is exactly 0, and a fully masked (padded) query stays finite."""
@@ -45,18 +46,48 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def num_kv_heads(self) -> int:
+        """Heads of the KV cache: one per attention head (no grouped-query attention here)."""
+        return self.num_heads
+
+    # A model config of the serving loop: `forward` is what the step runs, `dense_forward` the
+    # loop's oracle (`jaxprep.models.DecoderConfig` is another one).
+    def forward(self, params, kv_cache: KVCache, inputs: StepInputs, *, block_size: int, max_model_len: int):
+        return paged_forward(params, kv_cache, inputs, model=self, block_size=block_size, max_model_len=max_model_len)
+
+    def dense_forward(self, params, token_ids: jax.Array) -> jax.Array:
+        return dense_forward(params, token_ids, model=self)
+
+
+@typing.runtime_checkable
+class ServingModel(typing.Protocol):
+    """What the serving loop needs of a model config (static, hashable): the tiny `ModelConfig`, or a
+    checkpoint's `jaxprep.models.DecoderConfig`."""
+
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int  # KVCache.zeros: [num_layers, slots, num_kv_heads, head_dim]
+    head_dim: int
+
+    def forward(self, params, kv_cache, inputs, *, block_size: int, max_model_len: int):
+        """``(kv_cache, logits [R_pad, vocab_size])`` of one paged step."""
+
+    def dense_forward(self, params, token_ids):
+        """Logits [L, vocab_size] of one sequence without a cache."""
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Paged K/V of every layer, indexed by slot = block_id * block_size + offset."""
 
-    k: jax.Array  # [num_layers, num_blocks * block_size, num_heads, head_dim] float32
-    v: jax.Array  # [num_layers, num_blocks * block_size, num_heads, head_dim] float32
+    k: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
+    v: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
 
     @classmethod
-    def zeros(cls, model: ModelConfig, num_blocks: int, block_size: int) -> KVCache:
-        shape = (model.num_layers, num_blocks * block_size, model.num_heads, model.head_dim)
+    def zeros(cls, model: ServingModel, num_blocks: int, block_size: int) -> KVCache:
+        shape = (model.num_layers, num_blocks * block_size, model.num_kv_heads, model.head_dim)
         return cls(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32))
 
 
@@ -124,30 +155,44 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
                   block_size: int, max_model_len: int) -> tuple[KVCache, jax.Array]:
     """One step over the padded batch: writes K/V at ``slot_mapping``, returns logits [R_pad, V]
     of the rows' ``logits_indices``. Scans over the layers, carrying the whole cache."""
+    x, kv_cache = scan_paged_layers(
+        params["embed"][inputs.input_ids], kv_cache, inputs, _layers(params), block_size=block_size,
+        max_model_len=max_model_len, qkv=lambda layer, x, positions: _qkv(layer, x, positions, model),
+        attend=_attend, finish=_mlp_and_residual)
+    with jax.named_scope(MODEL_SCOPE):
+        return kv_cache, _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
+
+
+def scan_paged_layers(x: jax.Array, kv_cache: KVCache, inputs: StepInputs, layers, *, block_size: int,
+                      max_model_len: int, qkv, attend, finish) -> tuple[jax.Array, KVCache]:
+    """The layers of a paged forward, scanned: hidden states x [T, D] -> (x, kv_cache).
+
+    Layer i computes ``q, k, v = qkv(layer, x, positions)``, writes k and v at ``slot_mapping`` in
+    the cache's layer i, attends over each token's context read back through its row's block table
+    (``attend(q, keys [T, S, ...], values, mask [T, S])``) and returns ``finish(layer, x, attn)``.
+    ``layers``: per-layer params stacked on a leading axis of kv_cache.k.shape[0] layers.
+    """
     meta = inputs.attn_metadata
     num_slots = kv_cache.k.shape[1]
     # PAD_SLOT_ID -1 would wrap to the last slot even with mode='drop': send it past the end instead
     write_slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping, num_slots)
-    context_slots, mask = _context(inputs, block_size, max_model_len)
+    context_slots, mask = paged_context(inputs, block_size, max_model_len)
 
     def layer_step(carry, layer_in):
         x, k_cache, v_cache = carry
-        layer, layer_params = layer_in
-        q, k, v = _qkv(layer_params, x, inputs.positions, model)
-        k_cache = k_cache.at[layer, write_slots].set(k, mode="drop")
-        v_cache = v_cache.at[layer, write_slots].set(v, mode="drop")
-        attn = _attend(q, k_cache[layer][context_slots], v_cache[layer][context_slots], mask)
-        return (_mlp_and_residual(layer_params, x, attn), k_cache, v_cache), None
+        index, layer = layer_in
+        q, k, v = qkv(layer, x, inputs.positions)
+        k_cache = k_cache.at[index, write_slots].set(k, mode="drop")
+        v_cache = v_cache.at[index, write_slots].set(v, mode="drop")
+        attn = attend(q, k_cache[index][context_slots], v_cache[index][context_slots], mask)
+        return (finish(layer, x, attn), k_cache, v_cache), None
 
-    layer_ids = jnp.arange(model.num_layers, dtype=jnp.int32)
-    carry = (params["embed"][inputs.input_ids], kv_cache.k, kv_cache.v)
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, carry, (layer_ids, _layers(params)))
-    with jax.named_scope(MODEL_SCOPE):
-        logits = _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
-    return KVCache(k=k_cache, v=v_cache), logits
+    layer_ids = jnp.arange(kv_cache.k.shape[0], dtype=jnp.int32)
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, kv_cache.k, kv_cache.v), (layer_ids, layers))
+    return x, KVCache(k=k_cache, v=v_cache)
 
 
-def _context(inputs: StepInputs, block_size: int, max_model_len: int):
+def paged_context(inputs: StepInputs, block_size: int, max_model_len: int):
     """Cache slot of every context position of every query token, and which of them it may see.
 
     Context position j of batch row b lives at slot block_table[b, j // B] * B + j % B; token t of
@@ -171,16 +216,24 @@ def dense_forward(params, token_ids: jax.Array, *, model: ModelConfig) -> jax.Ar
     """Logits [L, V] of every position of one sequence, recomputed with a causal mask, no cache.
 
     Padding past the real length changes nothing before it (the mask is causal)."""
-    length = token_ids.shape[0]
+    x = scan_dense_layers(params["embed"][token_ids], _layers(params), attend=_attend, finish=_mlp_and_residual,
+                          qkv=lambda layer, x, positions: _qkv(layer, x, positions, model))
+    with jax.named_scope(MODEL_SCOPE):
+        return _rms_norm(x) @ params["lm_head"]
+
+
+def scan_dense_layers(x: jax.Array, layers, *, qkv, attend, finish) -> jax.Array:
+    """The layers of a cache-free forward over one sequence x [L, D] at positions 0..L-1, causal
+    mask; ``qkv``, ``attend`` and ``finish`` as in `scan_paged_layers`."""
+    length = x.shape[0]
     positions = jnp.arange(length, dtype=jnp.int32)
     causal = positions[None, :] <= positions[:, None]
 
-    def layer_step(x, layer_params):
-        q, k, v = _qkv(layer_params, x, positions, model)
+    def layer_step(x, layer):
+        q, k, v = qkv(layer, x, positions)
         keys = jnp.broadcast_to(k[None], (length,) + k.shape)
         values = jnp.broadcast_to(v[None], (length,) + v.shape)
-        return _mlp_and_residual(layer_params, x, _attend(q, keys, values, causal)), None
+        return finish(layer, x, attend(q, keys, values, causal)), None
 
-    x, _ = jax.lax.scan(layer_step, params["embed"][token_ids], _layers(params))
-    with jax.named_scope(MODEL_SCOPE):
-        return _rms_norm(x) @ params["lm_head"]
+    x, _ = jax.lax.scan(layer_step, x, layers)
+    return x

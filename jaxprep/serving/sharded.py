@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxprep.serving import checks
 from jaxprep.serving.batch import advance_rows
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ModelConfig
+from jaxprep.serving.model import KVCache, ServingModel
 from jaxprep.serving.packing import pack_updates, unpack_updates
 from jaxprep.serving.state import ServingState, StepUpdates
 from jaxprep.serving.step import serve_body, update_and_prepare_body
@@ -40,7 +40,7 @@ def _per_rank(fn, mesh: Mesh, in_specs, out_specs):
 @functools.partial(jax.jit, static_argnames=("config", "model", "num_tokens_padded", "mesh"),
                    donate_argnames=("state", "kv_cache"))
 def serve_step_sharded(state: ServingState, kv_cache: KVCache, params, packed: jax.Array, *, config: ServingConfig,
-                       model: ModelConfig, num_tokens_padded: int, mesh: Mesh):
+                       model: ServingModel, num_tokens_padded: int, mesh: Mesh):
     """`serve_step` on every rank at once; ``packed`` [num_ranks, packed_size]. Returns the state, the
     KV cache and the tokens [config.decode_steps, num_ranks * max_num_reqs] by global row."""
 
@@ -95,7 +95,7 @@ class ShardedServingBatch:
         self.state = apply_updates_sharded(self.state, self.packed(updates), config=self.config, mesh=self.mesh)
         self.rows = rows
 
-    def serve(self, kv_cache: KVCache, params, updates: list[StepUpdates], *, model: ModelConfig,
+    def serve(self, kv_cache: KVCache, params, updates: list[StepUpdates], *, model: ServingModel,
               num_tokens_padded: int, packed: jax.Array | None = None) -> tuple[KVCache, np.ndarray]:
         """Runs `serve_step_sharded`; returns the KV cache and the tokens [decode_steps, num_ranks * R]."""
         rows = self._checked(updates)
@@ -135,7 +135,7 @@ def _global(config: ServingConfig, num_ranks: int) -> ServingConfig:
     return dataclasses.replace(config, prep=prep)
 
 
-def sharded_kv_cache(model: ModelConfig, config: ServingConfig, mesh: Mesh) -> KVCache:
+def sharded_kv_cache(model: ServingModel, config: ServingConfig, mesh: Mesh) -> KVCache:
     """Zeros for every rank's ``config.num_blocks`` blocks, each rank's slots on its device."""
     cache = KVCache.zeros(model, config.num_blocks * mesh.size, config.block_size)
     return jax.device_put(cache, NamedSharding(mesh, SLOTS))

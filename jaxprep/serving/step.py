@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ModelConfig, paged_forward
+from jaxprep.serving.model import KVCache, ServingModel
 from jaxprep.serving.packing import unpack_updates
 from jaxprep.serving.state import ServingState
 from jaxprep.serving.transitions import apply_updates_body, record_sampled_body, row_index
@@ -65,7 +65,7 @@ class AppendedTokens:
 @functools.partial(jax.jit, static_argnames=("config", "model", "num_tokens_padded"),
                    donate_argnames=("state", "kv_cache"))
 def serve_step(state: ServingState, kv_cache: KVCache, params, packed_updates: jax.Array, *,
-               config: ServingConfig, model: ModelConfig, num_tokens_padded: int):
+               config: ServingConfig, model: ServingModel, num_tokens_padded: int):
     """Applies the `StepUpdates` in ``packed_updates`` (`pack_updates`), then runs the step
     (1 iteration, or up to ``updates.decode_steps`` decode iterations).
 
@@ -76,7 +76,7 @@ def serve_step(state: ServingState, kv_cache: KVCache, params, packed_updates: j
 
 
 def serve_body(state: ServingState, kv_cache: KVCache, params, packed_updates: jax.Array, config: ServingConfig,
-               model: ModelConfig, num_tokens_padded: int):
+               model: ServingModel, num_tokens_padded: int):
     """The traced body of `serve_step` (no jit of its own), for callers that wrap it further
     (`jaxprep.serving.data_parallel` runs it on every device of a mesh)."""
     updates = unpack_updates(packed_updates, config)
@@ -100,10 +100,10 @@ def update_and_prepare_body(state: ServingState, packed_updates: jax.Array, conf
     return prepare_padded(state.batch, config.prep, num_tokens_padded)
 
 
-def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: ModelConfig, num_tokens_padded: int):
+def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: ServingModel, num_tokens_padded: int):
     """prepare -> model -> greedy sample -> record; tokens [max_num_reqs] per state row."""
     inputs = prepare_padded(state.batch, config.prep, num_tokens_padded)
-    kv_cache, logits = paged_forward(params, kv_cache, inputs, model=model, block_size=config.block_size,
+    kv_cache, logits = model.forward(params, kv_cache, inputs, block_size=config.block_size,
                                      max_model_len=config.max_model_len)
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R_pad]
     num_tokens_before = state.num_tokens
@@ -116,7 +116,7 @@ def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: M
 
 
 def _run_iterations(state, kv_cache, params, num_iterations: jax.Array, config: ServingConfig,
-                    model: ModelConfig, num_tokens_padded: int):
+                    model: ServingModel, num_tokens_padded: int):
     """Runs the scheduled batch, then single-token decodes of the rows still active, while
     ``iteration < num_iterations``; schedules each next iteration on the device."""
     block_size = config.block_size

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep.serving.model import ModelConfig, dense_forward
+from jaxprep.serving.model import ServingModel
 from jaxprep.serving.scheduler import Request
 
 FIRST_PROMPT_TOKEN = 2
@@ -52,7 +52,7 @@ class DenseCheck:
         return self.mismatches == 0 and self.num_tokens > 0
 
 
-def check_against_dense(params, model: ModelConfig, requests, max_model_len: int, *,
+def check_against_dense(params, model: ServingModel, requests, max_model_len: int, *,
                         tie_tolerance: float = 1e-3) -> DenseCheck:
     """Recomputes every request densely (no cache, teacher-forced on its own tokens) and checks that
     each generated token is the greedy pick: the argmax of the dense logits at the position before it.
@@ -80,6 +80,6 @@ def check_against_dense(params, model: ModelConfig, requests, max_model_len: int
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def dense_logits(params, token_ids, *, model: ModelConfig):
-    """`dense_forward` of one sequence, jitted per model."""
-    return dense_forward(params, jnp.asarray(token_ids, jnp.int32), model=model)
+def dense_logits(params, token_ids, *, model: ServingModel):
+    """The model's dense (cache-free) logits of one sequence, jitted per model."""
+    return model.dense_forward(params, jnp.asarray(token_ids, jnp.int32))

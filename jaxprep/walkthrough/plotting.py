@@ -3,13 +3,16 @@ table, the KV-cache slots and the attention pattern, as matplotlib heatmaps.
 
 Needs the ``notebooks`` extra (``pip install 'jaxprep[notebooks]'``); matplotlib is imported on
 first use. Figures are built with ``matplotlib.figure.Figure`` (no pyplot, no global state, no GUI
-backend): show one in Jupyter by ending a cell with it, or ``fig.savefig(path)``.
+backend): Jupyter shows one as a PNG when a cell ends with it (``_repr_png_``); or ``fig.savefig(path)``.
 
 Colours: one per request; a light shade is K/V cached by earlier steps, the full colour is what this
 step schedules or writes, grey is known but not yet scheduled, white is empty.
 """
 
 from __future__ import annotations
+
+import functools
+import io
 
 import numpy as np
 
@@ -30,7 +33,21 @@ def _matplotlib():
         from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError("jaxprep.walkthrough.plotting needs matplotlib: pip install 'jaxprep[notebooks]'") from error
-    return matplotlib, Figure
+    return matplotlib, _shown_as_png(Figure)
+
+
+@functools.cache
+def _shown_as_png(base):
+    """``Figure`` with ``_repr_png_``: Jupyter draws it when a cell ends with it, whatever the backend
+    (a Figure built without pyplot has no display hook of its own and shows as ``<Figure size ...>``)."""
+
+    class Figure(base):
+        def _repr_png_(self) -> bytes:
+            buffer = io.BytesIO()
+            self.savefig(buffer, format="png", dpi=80)
+            return buffer.getvalue()
+
+    return Figure
 
 
 def request_rgba(request: int, alpha: float = 1.0) -> tuple[float, float, float, float]:

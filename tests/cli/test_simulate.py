@@ -36,4 +36,31 @@ def test_simulate_check_json_summary():
     assert summary["finished"] == summary["requests"] == 10
     assert summary["steps"] >= summary["dispatches"] > 0
     assert summary["prep_us_median"] > 0 and 0 <= summary["padding_waste"] < 1
-    assert "10/10 requests" in result.stderr  # the progress line
+    assert result.stderr == ""  # stderr is a pipe, not a terminal: no progress bars
+
+
+def test_progress_bars_and_plot(tmp_path, capsys):
+    """Forced bars show the warm-up's buckets and compiles, the served requests and the check;
+    --plot writes a PNG chart of every forward pass."""
+    path = tmp_path / "steps.png"
+    assert cli.main(["simulate", *SMALL, "--check", "--progress", "always", "--plot", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "warm-up: 2 buckets" in err and "5/5" in err  # buckets (8, 16): the updates + 2 steps + 2 timed preps
+    assert "serving" in err and "10/10" in err
+    assert "check: dense recompute" in err
+    with open(path, "rb") as file:
+        data = file.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_no_bars_when_stderr_is_not_a_terminal(capsys):
+    from jaxprep.cli import _progress
+
+    bar = _progress.progress_bar("auto", "warm-up: 2 buckets", "compile", total=5)
+    bar.update(5)
+    bar.close()
+    assert capsys.readouterr().err == ""
+    bar = _progress.progress_bar("always", "warm-up: 2 buckets", "compile", total=5)
+    bar.update(5)
+    bar.close()
+    assert "warm-up: 2 buckets" in capsys.readouterr().err

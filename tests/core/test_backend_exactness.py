@@ -132,13 +132,20 @@ def _jitted_functions() -> set[str]:
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             if info.name.endswith("__main__"):  # importing it runs the CLI
                 continue
-            module = importlib.import_module(info.name)
+            try:
+                module = importlib.import_module(info.name)
+            except ImportError as error:  # an optional extra (vllm) that is not installed: it defines no jit
+                assert info.name in OPTIONAL_MODULES, f"{info.name}: {error}"
+                continue
             for name, value in vars(module).items():
                 defined_here = getattr(getattr(value, "__wrapped__", None), "__module__", None) == info.name
                 if isinstance(value, jitted_type) and defined_here:  # not where it is imported
                     found.add(f"{info.name}.{name}")
     return found
 
+
+OPTIONAL_MODULES = {"torch_bridge.vllm"}
+"""Modules that import an optional extra; they hold no jitted function."""
 
 COVERED = {
     "jaxprep.prepare.prepare_padded", "jaxprep.prepare.prepare_packed", "jaxprep.serving.step.serve_step",

@@ -33,8 +33,8 @@ def test_host_layout_example():
     spans = host_layout(8, 3)
     assert [(s.name, s.offset, s.shape) for s in spans] == [
         ("input_ids", 0, (8,)), ("positions", 8, (8,)), ("logits_indices", 16, (3,)), ("idx_mapping", 19, (3,)),
-        ("query_start_loc", 22, (4,)), ("seq_lens", 26, (3,)), ("slot_mapping", 29, (8,)),
-        ("num_actual_tokens", 37, ()), ("num_reqs", 38, ()), ("max_query_len", 39, ()), ("max_seq_len", 40, ())]
+        ("errors", 22, ()), ("query_start_loc", 23, (4,)), ("seq_lens", 27, (3,)), ("slot_mapping", 30, (8,)),
+        ("num_actual_tokens", 38, ()), ("num_reqs", 39, ()), ("max_query_len", 40, ()), ("max_seq_len", 41, ())]
 
 
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 63, 64, 127, 1000, 1024, 1025, 4096, 33000])

@@ -7,6 +7,13 @@ fixture that installs it is ``fake_npu`` in tests/torch_bridge/conftest.py.
 
 from __future__ import annotations
 
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
 
 class FakeNpu:
     """Records host->NPU staging; 'NPU' tensors are CPU copies kept in ``on_npu``."""
@@ -28,3 +35,19 @@ class FakeNpu:
 
     def is_on_npu(self, tensor) -> bool:
         return any(tensor.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in self.on_npu)
+
+
+def install(npu: FakeNpu, monkeypatch) -> FakeNpu:
+    """Puts ``npu`` in place of torch_npu until ``monkeypatch`` undoes it."""
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        device = args[0] if args else kwargs.get("device")
+        if isinstance(device, str) and device.split(":")[0] == "npu":
+            return npu.to(self, device, non_blocking=kwargs.get("non_blocking", False))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: npu.pin_memory(self))
+    return npu

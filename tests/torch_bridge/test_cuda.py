@@ -23,13 +23,13 @@ from jaxprep.walkthrough.examples import example_b, example_b_config  # noqa: E4
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
                                 reason="needs CUDA torch and JAX on a CUDA GPU")
 STRATEGIES = ("packed", "per_field")
-SLOW_STEPS = 400  # ~tens of ms of matrix products on a GPU: long enough to still be running when torch reads
+SLOW_STEPS = 300  # 2048x2048 products: milliseconds on an H100, still running when torch reads
 
 
 @jax.jit
 def slow_token_ids(token_ids, seed):
     """``token_ids`` unchanged, returned only after a long chain of products that depends on ``seed``."""
-    x = jnp.full((1024, 1024), seed, jnp.float32) * 1e-3
+    x = jnp.full((2048, 2048), seed, jnp.float32) * 1e-3
 
     def body(_, x):
         return jnp.tanh(x @ x)
@@ -54,9 +54,12 @@ def test_dlpack_handoff_returns_before_jax_finishes_and_torch_reads_the_finished
     """
     arrays, config, expected = expected_step()
     state = jaxprep.BatchState.from_numpy(**arrays)
-    jax.block_until_ready(slow_token_ids(state.token_ids, 1.0))  # compile outside the checked path
+    bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
+    # compile both outside the checked path: a compile would outlast the slow step
+    jax.block_until_ready(jaxprep.prepare_inputs(dataclasses.replace(
+        state, token_ids=slow_token_ids(state.token_ids, 1.0)), config, bucket))
     state = dataclasses.replace(state, token_ids=slow_token_ids(state.token_ids, 1.0))
-    step = jaxprep.prepare_inputs(state, config, config.bucket_for(int(arrays["num_scheduled_tokens"].sum())))
+    step = jaxprep.prepare_inputs(state, config, bucket)
     input_ids = torch_bridge.jax_to_torch(step.input_ids)
     still_running = not step.input_ids.is_ready()
     copied = (input_ids.to(torch.int64) + 0).cpu()  # a torch kernel on the current stream, then a copy

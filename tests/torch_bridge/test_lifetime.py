@@ -68,7 +68,7 @@ def test_tensors_survive_donating_the_state_they_came_from(strategy):
     new_state = scramble_state(state)
     jax.block_until_ready(new_state)
     assert state.token_ids.is_deleted(), "the update must really have consumed the donated state"
-    jax.block_until_ready(jaxprep.prepare_inputs(new_state, example_b_config(), 256))  # reuse freed memory
+    jax.block_until_ready(jaxprep.prepare_inputs(new_state, example_b_config(), 200))  # reuse freed memory
     assert_unchanged(inputs)
 
 
@@ -77,8 +77,8 @@ def test_a_shared_buffer_is_never_reused_by_a_donated_update(strategy):
     _, step, inputs = bridged_step(strategy)
     shared = {tensor.data_ptr() for tensor in (inputs.input_ids, inputs.attn_metadata.block_table_tensor)}
     if strategy == "per_field" and JAX_TORCH_DEVICE != "cpu":  # the step's own buffers are held: refused
-        with pytest.raises(jax.errors.JaxRuntimeError, match=HELD_BUFFER_DONATION):
-            scramble_step(step)
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match=HELD_BUFFER_DONATION):
+            jax.block_until_ready(scramble_step(step))  # raised at the call or at the wait, by jax version
         assert_unchanged(inputs)
         return
     scrambled = jax.block_until_ready(scramble_step(step))
@@ -95,8 +95,8 @@ def test_per_field_external_reference_blocks_donation():
     if JAX_TORCH_DEVICE == "cpu":
         scramble_step(step)
     else:
-        with pytest.raises(jax.errors.JaxRuntimeError, match=HELD_BUFFER_DONATION):
-            scramble_step(step)
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match=HELD_BUFFER_DONATION):
+            jax.block_until_ready(scramble_step(step))
     assert not step.input_ids.is_deleted()
     assert inputs.input_ids.data_ptr() == step.input_ids.unsafe_buffer_pointer()
     assert_unchanged(inputs)

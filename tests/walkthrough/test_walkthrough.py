@@ -3,6 +3,8 @@ requests and limits, and the tables the command prints."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -122,8 +124,20 @@ def test_command_takes_options(capsys):
 
 
 def test_command_rejects_bad_options(capsys):
-    assert cli.main(["walkthrough", "--prompt-lens", "3", "0"]) == 2
-    assert "prompt_lens[1]=0 must lie in [1, max_model_len=12)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["walkthrough", "--prompt-lens", "3", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "jaxprep walkthrough: error: --prompt-lens 0: must be >= 1\n"
+
+
+def test_command_draws_every_step(tmp_path, capsys):
+    assert cli.main(["walkthrough", "--steps", "2", "--plot-dir", str(tmp_path / "figures")]) == 0
+    assert "figures: " in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "figures")) == ["step_1.png", "step_2.png"]
+    for name in ("step_1.png", "step_2.png"):
+        with open(tmp_path / "figures" / name, "rb") as file:
+            data = file.read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
 def test_free_rows_are_empty_in_the_token_table():

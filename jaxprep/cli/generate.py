@@ -1,0 +1,175 @@
+"""Generate greedily from a local Hugging Face checkpoint: all prompts served together by the serving loop.
+
+    jaxprep generate --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8 --json
+
+DIR holds config.json and *.safetensors (a Llama, Qwen2 or Qwen3 model). With a tokenizer.json in DIR
+and the ``tokenizers`` package, ``--prompt "text"`` is accepted too and outputs are decoded. The
+prompts go through the same scheduler and jitted serving step as ``jaxprep simulate`` (chunked
+prefill, preemption, mixed batches) and are printed in the order given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from jaxprep.cli._args import INT32_MAX, int_in, require
+from jaxprep.config import cdiv
+
+
+def _token_ids(text: str) -> list[int]:
+    """'1 2 3' (or '1,2,3') -> [1, 2, 3]."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(part.isdigit() and int(part) <= INT32_MAX for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be token ids >= 0 separated by spaces")
+    return [int(part) for part in parts]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    positive = int_in(1)
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="Hugging Face checkpoint directory: config.json + *.safetensors")
+    parser.add_argument("--prompt-ids", dest="prompts", action="append", type=_token_ids, default=[],
+                        metavar='"ID ID ..."', help="a prompt as token ids; repeat for more prompts")
+    parser.add_argument("--prompt", dest="prompts", action="append", type=str, metavar="TEXT",
+                        help="a prompt as text (needs DIR/tokenizer.json and the tokenizers package); repeatable")
+    parser.add_argument("--max-tokens", type=positive, default=16, help="tokens to generate per prompt (default 16)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
+    parser.add_argument("--budget", type=positive, default=256,
+                        help="token budget per step (max_num_batched_tokens; default 256)")
+    parser.add_argument("--block-size", type=positive, default=16, help="KV-cache block size (default 16)")
+    parser.add_argument("--max-num-reqs", type=positive, default=None,
+                        help="rows of the batch (default: the number of prompts)")
+    parser.add_argument("--num-blocks", type=int_in(2, why="block 0 is the null block"), default=None,
+                        help="KV-cache blocks, the null block included (default: every prompt at once)")
+    parser.add_argument("--max-model-len", type=int_in(2, why="one prompt token and one output token"), default=None,
+                        help="longest sequence (default: longest prompt + max tokens, rounded up to a block)")
+    parser.add_argument("--decode-steps", type=positive, default=8,
+                        help="decode steps per multi-step dispatch (default 8)")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"outputs": [[ids...], ...]} as one JSON object on the last line')
+    parser.set_defaults(error=parser.error)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What the flags alone decide: a checkpoint folder, at least one prompt, a tokenizer for text."""
+    require(os.path.isdir(args.model), f"--model {args.model}: is not a folder")
+    require(bool(args.prompts), "--prompt-ids: give at least one prompt (--prompt-ids or --prompt)")
+    if args.num_blocks is not None:
+        require(args.num_blocks * args.block_size <= INT32_MAX, f"--num-blocks {args.num_blocks}: times "
+                f"--block-size {args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
+    args.tokenizer = _tokenizer(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxprep.models import CheckpointError, UnsupportedConfigError, load_model
+
+    tokenizer = args.tokenizer
+    try:
+        model, params = load_model(args.model)
+    except (UnsupportedConfigError, CheckpointError, FileNotFoundError) as error:
+        args.error(f"--model {args.model}: {error}")
+    prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
+    _check_token_ids(args, prompts, model.vocab_size)
+    eos_ids = () if args.ignore_eos else model.eos_token_ids
+    config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
+    _check_fit(args, prompts, config)
+    outputs, stats = generate(model, params, prompts, config, args.max_tokens, eos_ids)
+    _print(args, model, prompts, outputs, stats, tokenizer)
+    return 0
+
+
+def generate(model, params, prompts: list[list[int]], config, max_tokens: int,
+             eos_ids: tuple[int, ...]) -> tuple[list[list[int]], object]:
+    """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
+    first of ``eos_ids``) and the loop stats."""
+    from jaxprep.serving import Engine, Request
+
+    engine = Engine(config, model, params=params)
+    engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens)
+                   for i, p in enumerate(prompts)])
+    finished = sorted(engine.run(), key=lambda request: request.request_id)
+    return [_stop_at_eos(request.output_token_ids, eos_ids) for request in finished], engine.stats
+
+
+def serving_config(args, prompts: list[list[int]], eos_token_id: int):
+    """Sizes from the flags; unset ones fit every prompt at once (no preemption)."""
+    from jaxprep.config import PrepConfig
+    from jaxprep.serving import ServingConfig
+
+    block = args.block_size
+    lengths = [min(len(p) + args.max_tokens, args.max_model_len or len(p) + args.max_tokens) for p in prompts]
+    try:
+        prep = PrepConfig(max_num_reqs=args.max_num_reqs or len(prompts),
+                          max_model_len=args.max_model_len or cdiv(max(lengths), block) * block,
+                          max_num_batched_tokens=args.budget, block_size=block,
+                          num_blocks=args.num_blocks or 1 + sum(cdiv(length, block) for length in lengths))
+        return ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
+    except ValueError as error:  # the message names the field and its bound
+        args.error(str(error))
+
+
+def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    """The tokens up to and including the first EOS: the loop stops only at the first EOS id, so a
+    model with several (Llama 3 instruct) may decode past another one.
+    # eos (2, 7), [5, 7, 9, 2] -> [5, 7]
+    """
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _check_token_ids(args, prompts: list[list[int]], vocab_size: int) -> None:
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            args.error(f"--prompt {args.prompts[i]!r}: encodes to no tokens")
+        if max(prompt) >= vocab_size:
+            args.error(f"--prompt-ids {' '.join(map(str, prompt))}: token id {max(prompt)} is outside the model's "
+                       f"vocabulary [0, vocab_size={vocab_size})")
+
+
+def _check_fit(args, prompts: list[list[int]], config) -> None:
+    """Every prompt is shorter than max_model_len, and the cache holds its longest sequence
+    (the scheduler's admission bounds, as flag errors)."""
+    prep = config.prep
+    for i, prompt in enumerate(prompts):
+        if len(prompt) >= prep.max_model_len:
+            args.error(f"--max-model-len {prep.max_model_len}: must exceed every prompt's length "
+                       f"(prompt {i} has {len(prompt)} tokens)")
+        needed = cdiv(min(len(prompt) + args.max_tokens, prep.max_model_len), prep.block_size)
+        if needed > prep.num_blocks - 1:
+            args.error(f"--num-blocks {prep.num_blocks}: must be >= {needed + 1}: blocks of {prep.block_size} "
+                       f"(one is the null block) for prompt {i}: {len(prompt)} tokens + up to {args.max_tokens} "
+                       f"generated need {needed}")
+
+
+def _tokenizer(args):
+    """The tokenizer of DIR if it has one and ``tokenizers`` is installed; an error if a text prompt needs it."""
+    path = os.path.join(args.model, "tokenizer.json")
+    text = next((p for p in args.prompts if isinstance(p, str)), None)
+    try:
+        import tokenizers
+    except ImportError:
+        require(text is None, f"--prompt {text!r}: needs the tokenizers package (pip install 'jaxprep[models]')")
+        return None
+    if not os.path.exists(path):
+        require(text is None, f"--prompt {text!r}: needs a tokenizer, and {path} does not exist (use --prompt-ids)")
+        return None
+    return tokenizers.Tokenizer.from_file(path)
+
+
+def _print(args, model, prompts, outputs, stats, tokenizer) -> None:
+    print(f"== jaxprep generate: {model.model_type} ({model.num_layers} layers, vocab {model.vocab_size}) from "
+          f"{args.model}: {len(prompts)} prompts served together in {stats.dispatches} dispatches, "
+          f"{stats.preemptions} preemptions")
+    texts = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        print(f"[{i}] prompt ({len(prompt)} ids): {' '.join(map(str, prompt))}")
+        print(f"    output ({len(output)} ids): {' '.join(map(str, output))}")
+        if tokenizer is not None:
+            texts.append(tokenizer.decode(output, skip_special_tokens=True))
+            print(f"    text: {texts[-1]!r}")
+    if args.json:
+        print(json.dumps({"outputs": outputs, **({"texts": texts} if tokenizer is not None else {})}))

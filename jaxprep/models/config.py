@@ -1,0 +1,165 @@
+"""`DecoderConfig`: the static description of a Llama-family checkpoint, parsed from its config.json.
+
+Supported ``model_type``s and how they differ (everything else is shared: RMSNorm, RoPE, GQA,
+SwiGLU, tied or untied embeddings):
+
+    llama  q/k/v/o biases iff ``attention_bias``; MLP biases iff ``mlp_bias``
+    qwen2  q/k/v biases always, no o bias
+    qwen3  q/k/v/o biases iff ``attention_bias``; RMSNorm of q and k over each head (``q_norm``, ``k_norm``)
+
+A field that would change the math in a way not implemented here (sliding-window layers, an unknown
+RoPE type, quantization, ...) raises `UnsupportedConfigError` naming the field, never a silent guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from jaxprep.models import llama
+from jaxprep.models.errors import UnsupportedConfigError
+from jaxprep.models.rope import RopeConfig, parse_rope
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Sizes and switches of a Llama-family decoder; hashable, a static jit argument.
+
+    It is a model config for the serving loop like `jaxprep.serving.ModelConfig`: the step calls
+    `forward`, `KVCache.zeros` reads ``num_layers``, ``num_kv_heads`` and ``head_dim``.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim // 2] float32 (a trace-time constant)."""
+        return self.rope.inv_freq(self.head_dim)
+
+    def forward(self, params, kv_cache, inputs, *, block_size: int, max_model_len: int):
+        """The paged forward of one serving step: ``(kv_cache, logits [R_pad, vocab_size])``."""
+        return llama.paged_forward(params, kv_cache, inputs, model=self, block_size=block_size,
+                                   max_model_len=max_model_len)
+
+    def dense_forward(self, params, token_ids):
+        """Logits [L, vocab_size] of every position of one sequence, no cache (the loop's oracle)."""
+        return llama.dense_forward(params, token_ids, model=self)
+
+
+def read_config(directory: str) -> DecoderConfig:
+    """Parses ``directory``/config.json (and the EOS ids of generation_config.json, if present)."""
+    raw = _read_json(os.path.join(directory, "config.json"))
+    generation = os.path.join(directory, "generation_config.json")
+    if os.path.exists(generation):
+        eos = _read_json(generation).get("eos_token_id")
+        if eos is not None:
+            raw = dict(raw, eos_token_id=eos)
+    return parse_config(raw)
+
+
+def parse_config(raw: dict) -> DecoderConfig:
+    """A `DecoderConfig` from the dict of a config.json; raises `UnsupportedConfigError` naming the field."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedConfigError(f"config.json: model_type={model_type!r} is not supported "
+                                     f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    _check_unsupported(raw)
+    heads = _int(raw, "num_attention_heads")
+    hidden = _int(raw, "hidden_size")
+    default_head_dim = 128 if model_type == "qwen3" else hidden // heads  # the transformers class defaults
+    config = DecoderConfig(
+        model_type=model_type, vocab_size=_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size"), num_layers=_int(raw, "num_hidden_layers"),
+        num_heads=heads, num_kv_heads=_int(raw, "num_key_value_heads", heads),
+        head_dim=_int(raw, "head_dim", default_head_dim), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(raw), max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_ids=_eos_ids(raw),
+        **_family_switches(model_type, raw))
+    _check_shapes(config)
+    return config
+
+
+def _family_switches(model_type: str, raw: dict) -> dict[str, bool]:
+    attention_bias = bool(raw.get("attention_bias", False))
+    if model_type == "qwen2":
+        return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False}
+    return {"qkv_bias": attention_bias, "o_bias": attention_bias, "qk_norm": model_type == "qwen3",
+            "mlp_bias": model_type == "llama" and bool(raw.get("mlp_bias", False))}
+
+
+def _check_unsupported(raw: dict) -> None:
+    """Fields whose values would change the math in ways not implemented here."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedConfigError(f"config.json: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
+    if raw.get("use_sliding_window"):
+        raise UnsupportedConfigError("config.json: use_sliding_window=true is not supported (full attention only)")
+    if raw.get("model_type") == "llama" and raw.get("sliding_window") is not None:
+        raise UnsupportedConfigError(f"config.json: sliding_window={raw['sliding_window']!r} is not supported "
+                                     "(full attention only)")
+    for i, layer_type in enumerate(raw.get("layer_types") or ()):
+        if layer_type != "full_attention":
+            raise UnsupportedConfigError(f"config.json: layer_types[{i}]={layer_type!r} is not supported "
+                                         "(only 'full_attention')")
+    if raw.get("quantization_config") is not None:
+        raise UnsupportedConfigError("config.json: quantization_config is set; quantized checkpoints are not supported")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"config.json: partial_rotary_factor={raw['partial_rotary_factor']!r} is not "
+                                     "supported (only 1.0)")
+
+
+def _check_shapes(config: DecoderConfig) -> None:
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings"):
+        if getattr(config, name) <= 0:
+            raise UnsupportedConfigError(f"config.json: {name}={getattr(config, name)} must be positive")
+    if config.num_heads % config.num_kv_heads:
+        raise UnsupportedConfigError(f"config.json: num_attention_heads={config.num_heads} must be a multiple of "
+                                     f"num_key_value_heads={config.num_kv_heads}")
+    if config.head_dim % 2:
+        raise UnsupportedConfigError(f"config.json: head_dim={config.head_dim} must be even (RoPE rotates pairs)")
+
+
+def _int(raw: dict, name: str, default: int | None = None) -> int:
+    value = raw.get(name, default)
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UnsupportedConfigError(f"config.json: {name}={value!r} must be an int")
+    return value
+
+
+def _eos_ids(raw: dict) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = tuple(eos) if isinstance(eos, list) else (eos,)
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise UnsupportedConfigError(f"config.json: eos_token_id={eos!r} must be an int >= 0 or a list of them")
+    return ids
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: a model directory holds config.json and *.safetensors")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

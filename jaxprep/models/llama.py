@@ -1,0 +1,119 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3) in float32, paged like the serving loop's tiny model.
+
+`paged_forward` consumes one step's `StepInputs` as `jaxprep.serving.model.paged_forward` does:
+each layer's K/V is written at ``slot_mapping``, a token's context is read back through its row's
+``block_table`` up to ``positions`` and ``seq_lens``, RoPE rotates at ``positions`` and logits are
+taken at ``logits_indices``. `dense_forward` recomputes one whole sequence with a causal mask and no
+cache: the oracle of ``jaxprep simulate --check``.
+
+Weights keep the checkpoint's dtype and layout (``[out, in]`` linear weights, per-layer tensors stacked
+on a leading layer axis, named by their transformers suffix, e.g. ``self_attn.q_proj.weight``); each
+is upcast to float32 where it is used, and every product runs at float32 precision
+(``Precision.HIGHEST``: no TF32 or bf16 passes on GPU/TPU), so greedy tokens match transformers in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxprep.metadata import StepInputs
+from jaxprep.serving.model import MASKED, MODEL_SCOPE, KVCache, scan_dense_layers, scan_paged_layers
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis (transformers' LlamaRMSNorm)."""
+    weight = weight.astype(F32).reshape((1,) * (x.ndim - 1) + weight.shape)  # broadcast over the leading axes
+    return weight * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+@jax.named_scope(MODEL_SCOPE)
+def _linear(layer: dict, name: str, x: jax.Array) -> jax.Array:
+    """x [T, in] through the linear ``name``: weight [out, in] (transformers' layout), bias [out] if stored."""
+    y = jnp.einsum("ti,oi->to", x, layer[name + ".weight"].astype(F32), precision=HIGHEST)
+    bias = layer.get(name + ".bias")
+    return y if bias is None else y + bias.astype(F32)[None, :]
+
+
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x [T, H, Dh] at integer positions [T]: pair (i, i + Dh/2) by positions * inv_freq[i]."""
+    angles = positions.astype(F32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _qkv(layer: dict, x: jax.Array, positions: jax.Array, model):
+    """q [T, H, Dh], k and v [T, H_kv, Dh] of hidden states x [T, D]; q and k rotated."""
+    tokens, eps = x.shape[0], model.rms_norm_eps
+    h = _rms_norm(x, layer["input_layernorm.weight"], eps)
+    q = _linear(layer, "self_attn.q_proj", h).reshape(tokens, model.num_heads, model.head_dim)
+    k = _linear(layer, "self_attn.k_proj", h).reshape(tokens, model.num_kv_heads, model.head_dim)
+    v = _linear(layer, "self_attn.v_proj", h).reshape(tokens, model.num_kv_heads, model.head_dim)
+    if model.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
+        q = _rms_norm(q, layer["self_attn.q_norm.weight"], eps)
+        k = _rms_norm(k, layer["self_attn.k_norm.weight"], eps)
+    inv_freq = jnp.asarray(model.inv_freq())
+    return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
+
+
+@jax.named_scope(MODEL_SCOPE)
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of q [T, H, Dh] over per-query keys k, v [T, S, H_kv, Dh] where mask [T, S].
+
+    Query head h reads kv head h // (H / H_kv), as transformers' ``repeat_kv``: q viewed as
+    [T, H_kv, G, Dh]. # H 4, H_kv 2 -> heads 0, 1 read kv head 0; heads 2, 3 read kv head 1
+    """
+    tokens, num_heads, head_dim = q.shape
+    groups = q.reshape(tokens, k.shape[2], num_heads // k.shape[2], head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", groups, k, precision=HIGHEST) * (head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :], scores, MASKED)
+    out = jnp.einsum("tkgs,tskd->tkgd", jax.nn.softmax(scores, axis=-1), v, precision=HIGHEST)
+    return out.reshape(tokens, num_heads * head_dim)
+
+
+def _output_and_mlp(layer: dict, x: jax.Array, attn: jax.Array, model) -> jax.Array:
+    """Residual o_proj, then the residual SwiGLU MLP: down(silu(gate(h)) * up(h)), h = post-attention norm."""
+    x = x + _linear(layer, "self_attn.o_proj", attn)
+    h = _rms_norm(x, layer["post_attention_layernorm.weight"], model.rms_norm_eps)
+    gated = jax.nn.silu(_linear(layer, "mlp.gate_proj", h)) * _linear(layer, "mlp.up_proj", h)
+    return x + _linear(layer, "mlp.down_proj", gated)
+
+
+def _embed(params: dict, token_ids: jax.Array) -> jax.Array:
+    """Rows of the embedding [V, D] at token_ids [T] (clamped into the vocabulary), in float32."""
+    return jnp.take(params["embed_tokens"], token_ids, axis=0, mode="clip").astype(F32)
+
+
+@jax.named_scope(MODEL_SCOPE)
+def _logits(params: dict, x: jax.Array, model) -> jax.Array:
+    """Final norm, then the LM head [V, D] (the embedding when tied): logits [N, V]."""
+    head = params["embed_tokens"] if model.tie_word_embeddings else params["lm_head"]
+    h = _rms_norm(x, params["norm"], model.rms_norm_eps)
+    return jnp.einsum("nd,vd->nv", h, head.astype(F32), precision=HIGHEST)
+
+
+def paged_forward(params: dict, kv_cache: KVCache, inputs: StepInputs, *, model, block_size: int,
+                  max_model_len: int) -> tuple[KVCache, jax.Array]:
+    """One serving step over the padded batch: writes K/V at ``slot_mapping`` and returns
+    ``(kv_cache, logits [R_pad, V])`` of the rows' ``logits_indices``. Scans over the layers."""
+    x, kv_cache = scan_paged_layers(_embed(params, inputs.input_ids), kv_cache, inputs, params["layers"],
+                                    block_size=block_size, max_model_len=max_model_len, **_layer_fns(model))
+    return kv_cache, _logits(params, x[inputs.logits_indices], model)
+
+
+def dense_forward(params: dict, token_ids: jax.Array, *, model) -> jax.Array:
+    """Logits [L, V] of every position of one sequence [L], causal mask, no cache.
+
+    Padding past the real length changes nothing before it (the mask is causal)."""
+    return _logits(params, scan_dense_layers(_embed(params, token_ids), params["layers"], **_layer_fns(model)), model)
+
+
+def _layer_fns(model) -> dict:
+    """The per-layer pieces `scan_paged_layers` and `scan_dense_layers` call."""
+    return {"qkv": lambda layer, x, positions: _qkv(layer, x, positions, model), "attend": _attend,
+            "finish": lambda layer, x, attn: _output_and_mlp(layer, x, attn, model)}

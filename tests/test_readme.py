@@ -1,0 +1,108 @@
+"""README.md as an executable contract: every ``python`` block runs as written.
+
+Each block is extracted and run on its own, as a reader would paste it: a plain block in a fresh
+interpreter, a block marked ``<!-- run: npu-fake -->`` in this process against the fake torch_npu of
+`support/fake_npu.py`, a block marked ``<!-- run: elsewhere (tests/FILE.py::test_name, ...) -->`` by that test
+(which needs what this suite may lack, such as vllm). Every other block says what it is: ``text`` (a
+transcript), or a ``bash`` block marked ``<!-- run: ci (...) -->`` (`.ci/run` runs it) or
+``<!-- run: skip (reason) -->``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+FENCE = re.compile(r"^```(?P<lang>\S*)\n(?P<code>.*?)^```$", re.S | re.M)
+MARKER = re.compile(r"<!-- run: (?P<mode>[\w-]+)(?: \((?P<reason>[^)]+)\))? -->\s*$")
+BLOCK_TIMEOUT_S = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    line: int
+    lang: str
+    code: str
+    mode: str | None  # the <!-- run: ... --> marker on the line before, if any
+    reason: str | None
+
+
+def readme_blocks() -> list[Block]:
+    with open(README, encoding="utf-8") as file:
+        text = file.read()
+    blocks = []
+    for match in FENCE.finditer(text):
+        before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = MARKER.search(before)
+        blocks.append(Block(line=text.count("\n", 0, match.start()) + 1, lang=match["lang"], code=match["code"],
+                            mode=marker["mode"] if marker else None, reason=marker["reason"] if marker else None))
+    return blocks
+
+
+BLOCKS = readme_blocks()
+PYTHON = [b for b in BLOCKS if b.lang == "python" and b.mode is None]
+NPU = [b for b in BLOCKS if b.lang == "python" and b.mode == "npu-fake"]
+
+
+def test_every_block_is_run_or_says_why_not():
+    assert len(PYTHON) >= 4 and len(NPU) >= 1
+    for block in BLOCKS:
+        where = f"README.md:{block.line}"
+        assert block.lang in ("python", "bash", "text"), f"{where}: name the block's language"
+        if block.lang == "python":
+            assert block.mode in (None, "npu-fake", "elsewhere"), f"{where}: a python block must run"
+        if block.mode == "elsewhere":
+            path, test = re.match(r"(tests/\S+\.py)::(\w+)", block.reason).groups()
+            with open(os.path.join(ROOT, path), encoding="utf-8") as file:
+                assert f"def {test}(" in file.read(), f"{where}: {path} has no {test}"
+        if block.lang == "bash":
+            assert block.mode in ("ci", "skip") and block.reason, f"{where}: mark it run: ci or run: skip (reason)"
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory):
+    """Starts every plain python block at once, each in a fresh interpreter; {line: CompletedProcess-like}."""
+    folder = tmp_path_factory.mktemp("readme")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env.pop("XLA_FLAGS", None)
+    running = {}
+    for block in PYTHON:
+        path = folder / f"readme_line_{block.line}.py"
+        path.write_text(block.code, encoding="utf-8")
+        running[block.line] = subprocess.Popen([sys.executable, str(path)], cwd=folder, env=env, text=True,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return {line: (process.wait(BLOCK_TIMEOUT_S), process.stdout.read()) for line, process in running.items()}
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[f"line{b.line}" for b in PYTHON])
+def test_python_block_runs(block, cpu_runs):
+    if "import torch" in block.code or "torch_bridge" in block.code:
+        pytest.importorskip("torch")
+    status, output = cpu_runs[block.line]
+    assert status == 0, f"README.md:{block.line} failed:\n{output}"
+
+
+@pytest.mark.parametrize("block", NPU, ids=[f"line{b.line}" for b in NPU])
+def test_npu_block_runs_against_the_fake(block, monkeypatch):
+    pytest.importorskip("torch")
+    from support import fake_npu  # tests/ is on sys.path, as for the other NPU tests
+
+    npu = fake_npu.install(fake_npu.FakeNpu(), monkeypatch)
+    exec(compile(block.code, f"README.md:{block.line}", "exec"), {"__name__": "__readme__"})
+    assert npu.copies and all(copy["device"] == "npu" for copy in npu.copies)
+
+
+@pytest.mark.parametrize("name", ["chunked_prefill_step2.png", "simulate_steps.png"])
+def test_readme_pictures_are_small_committed_pngs(name):
+    with open(README, encoding="utf-8") as file:
+        assert f"(docs/{name})" in file.read()
+    with open(os.path.join(ROOT, "docs", name), "rb") as file:
+        data = file.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < len(data) < 200_000
