@@ -51,7 +51,7 @@ class StepInputs:
     logits_indices: Int32[StepArray, " num_reqs_padded"]  # last scheduled token of each request; pad: 0
     idx_mapping: Int32[StepArray, " num_reqs_padded"]  # state row of each batch row; pad: -1
     attn_metadata: AttentionMetadata
-    errors: Int32[StepArray, ""]  # bit flags of the bounds the input broke, 0 if none (jaxprep.step_errors)
+    errors: Int32[StepArray, ""]  # bit flags of the bounds the input broke, 0 if none (jaxprep.validate)
     num_tokens_padded: int = dataclasses.field(metadata=dict(static=True))
     # Optional features (jaxprep.FeatureConfig): None (an empty pytree node) when off.
     spec_decode: SpecDecodeMetadata | None = None  # §2.8

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprep._checks import expect_bucket, expect_state_and_config
 from jaxprep._constants import NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_STATE_ROW
-from jaxprep._expect import expect_bucket, expect_state_and_config
 from jaxprep._layout import batch_layout
 from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._ragged import stack, take_rows, token_blocks
@@ -34,8 +34,7 @@ from jaxprep.metadata import (
 )
 from jaxprep.packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.state import BatchState
-from jaxprep.step_errors import check_static, error_word, raise_for_errors
-from jaxprep.validate import validate
+from jaxprep.validate import check_static, error_word, raise_for_errors, validate
 
 
 def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int | None = None, *,
@@ -50,7 +49,7 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
         a serving loop that knows its total passes ``config.bucket_for(total)`` and stays
         asynchronous (and may call this inside its own ``jax.jit``).
       check: validate the state on the host first (`jaxprep.validate`), and read the step's
-        error word after it (`jaxprep.step_errors`); raises `InvalidBatchError` naming the field
+        error word after it (`jaxprep.validate`); raises `InvalidBatchError` naming the field
         and the bound. Without it nothing is read back: a loop reads ``step.errors`` when it likes.
     """
     expect_state_and_config("prepare_inputs", state, config)
@@ -88,7 +87,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     positions = jnp.where(is_real_token, jnp.arange(num_tokens_padded, dtype=jnp.int32) + layout.token_shift,
                           PAD_POSITION)
     # 2-D gathers: no flattened row * max_model_len index that could overflow int32; the clip only
-    # matters for bad input on the unchecked path (a position past the table), see jaxprep.step_errors
+    # matters for bad input on the unchecked path (a position past the table), see jaxprep.validate
     read_positions = jnp.clip(positions, 0, config.max_model_len - 1)
     input_ids = jnp.where(is_real_token, state.token_ids[layout.token_rows, read_positions], PAD_INPUT_ID)
     slot_mapping = _slot_mapping(state.block_table, layout.token_rows, positions, is_real_token, config.block_size,

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxprep._expect import expect, expect_bucket, expect_state_and_config
+from jaxprep._checks import expect, expect_bucket, expect_state_and_config
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import StepInputs
 from jaxprep.prepare import prepare_body

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxprep._expect import expect
+from jaxprep._checks import expect
 from torch_bridge._torch import device_type, torch
 
 JAX_ALIGNMENT = 64

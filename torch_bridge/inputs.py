@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxprep._expect import type_name
+from jaxprep._checks import type_name
 from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, StepInputs, step_fields
 from jaxprep.packing import INT32, INT64
 from torch_bridge._torch import torch
@@ -72,7 +72,7 @@ class TorchStepInputs:
     idx_mapping: torch.Tensor  # [num_reqs_padded] int32; pad -1
     attn_metadata: TorchAttentionMetadata
     num_tokens_padded: int
-    errors: int = 0  # the step's error word (`jaxprep.step_errors`), read with the other host scalars
+    errors: int = 0  # the step's error word (`jaxprep.validate`), read with the other host scalars
     spec_decode: Any = None  # the step's SpecDecodeMetadata with int32 torch leaves
     discard_request_mask: torch.Tensor | None = None  # [num_reqs_padded] bool; pad True
     kv_groups: tuple[TorchGroupMetadata, ...] | None = None  # one per KV-cache group

@@ -15,7 +15,7 @@ from jax.experimental import checkify
 
 from jaxprep import BatchState, InvalidBatchError, PrepConfig, prepare_inputs, prepare_padded
 from jaxprep.prepare import prepare_body
-from jaxprep.step_errors import (
+from jaxprep.validate import (
     BLOCK_ID_OUT_OF_RANGE,
     NEGATIVE_COUNT,
     NULL_BLOCK,
