@@ -1,4 +1,4 @@
-"""Draws the README's figure: step 2 of the chunked-prefill walkthrough (SPEC §4 example A).
+"""Draws the README's figure: step 2 of the chunked-prefill walkthrough (docs/semantics.md#example-a-step-1).
 
     PYTHONPATH=. python docs/make_figure.py [path]      # default: docs/chunked_prefill_step2.png
 

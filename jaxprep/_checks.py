@@ -47,7 +47,7 @@ def check_blocks(block_table: np.ndarray, computed: np.ndarray, scheduled: np.nd
                  max_block_id: int, *, dcp_world: int = 1, name: str = "block_table") -> None:
     """Columns that hold scheduled tokens must be allocated; columns a request uses must be in range.
 
-    With DCP a column is a virtual block of ``block_size * dcp_world`` tokens (SPEC §2.13).
+    With DCP a column is a virtual block of ``block_size * dcp_world`` tokens (docs/semantics.md#dcp).
     """
     tokens_per_column = block_size * dcp_world
     columns = np.arange(block_table.shape[1])

@@ -80,8 +80,9 @@ def on_cpu_else(cpu, other, *args):
 
     Resolved when lowering (`jax.lax.platform_dependent`): an executable for one platform holds
     one branch only, and an export for several holds both behind a platform switch. The float
-    scans are kept for CPU alone, where they are exact and 3-5x faster than XLA:CPU's serial
-    cumsum; GPUs and TPUs get the integer scan, exact by construction and fast there.
+    scans are kept for CPU alone, where they are exact and faster than XLA:CPU's serial cumsum
+    (measured in BENCHMARKS.md, "What limits the missed goals"); GPUs and TPUs get the integer
+    scan, exact by construction.
     """
     return jax.lax.platform_dependent(*args, cpu=cpu, default=other)
 
@@ -99,8 +100,8 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     total is at most ``max_total`` (static).
 
     Integer ``cumsum`` on accelerators. On XLA:CPU, below 2**24, float32 matrix products
-    (`_scan_f32`), exact for such totals and 3-5x faster than XLA:CPU's ``cumsum`` (a serial
-    reduce-window, ~7 ns an entry) at no extra compile time.
+    (`_scan_f32`), exact for such totals and faster than XLA:CPU's ``cumsum``, a serial
+    reduce-window (BENCHMARKS.md has the numbers).
     # [3, 2, 5] -> [3, 5, 10]
     """
     rows = values.reshape(-1, values.shape[-1])

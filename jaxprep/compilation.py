@@ -104,8 +104,9 @@ def use_compile_cache(cache_dir: str | os.PathLike) -> None:
 
     Process-wide (it sets JAX's ``jax_compilation_cache_dir``), so jaxprep never calls it on its
     own: only `warmup(..., cache_dir=...)` and the CLI's ``--compile-cache`` do. Every executable
-    is cached, however fast it compiled (``jax_persistent_cache_min_compile_time_secs = 0``: a
-    prepare bucket compiles in well under JAX's default 1 s threshold). The cache is trusted code:
+    is cached, however fast it compiled (``jax_persistent_cache_min_compile_time_secs = 0``: many
+    prepare buckets compile in less than JAX's default 1 s threshold; BENCHMARKS.md, "Warm-up").
+    The cache is trusted code:
     keep it in a directory only you can write.
     """
     from jax.experimental.compilation_cache import compilation_cache

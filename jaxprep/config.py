@@ -14,9 +14,8 @@ MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
 STEPS_PER_OCTAVE = 2
 """From 64 tokens every power of two is split into 2 rungs (x1, x1.5): a step is padded by at most
-50% (100% below 64 tokens, where a step costs little either way) and by 9-10% on average on
-`jaxprep simulate` traces, with 18 rungs for an 8192-token budget (4 rungs per octave pad 5-10%
-but need 32 compiles; powers of two alone pad 19% once steps spread over a 2048-token budget)."""
+50% (100% below 64 tokens, where a step costs little either way), with 18 rungs for an 8192-token
+budget. The measured waste of this ladder and its alternatives is in BENCHMARKS.md, "Padding waste"."""
 
 
 def block_table_width(max_model_len: int, block_size: int) -> int:

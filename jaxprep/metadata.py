@@ -36,7 +36,7 @@ class AttentionMetadata:
     num_reqs: Int32[StepArray, ""]  # requests in the batch, unpadded
     max_query_len: Int32[StepArray, ""]  # max num_scheduled over the batch
     max_seq_len: Int32[StepArray, ""]  # max seq_lens over the batch
-    # DCP (§2.13) only: this rank's share of seq_lens; pad: 0
+    # DCP (docs/semantics.md#dcp) only: this rank's share of seq_lens; pad: 0
     dcp_local_seq_lens: Int32[StepArray, " num_reqs_padded"] | None = None
 
 
@@ -54,13 +54,14 @@ class StepInputs:
     errors: Int32[StepArray, ""]  # bit flags of the bounds the input broke, 0 if none (jaxprep.validate)
     num_tokens_padded: int = dataclasses.field(metadata=dict(static=True))
     # Optional features (jaxprep.FeatureConfig): None (an empty pytree node) when off.
-    spec_decode: SpecDecodeMetadata | None = None  # §2.8
-    discard_request_mask: Bool[StepArray, " num_reqs_padded"] | None = None  # §2.7, True: not sampled; pad: True
-    kv_groups: tuple[KVGroupMetadata, ...] | None = None  # §2.12, one per KV-cache group
-    mrope_positions: Int32[StepArray, "3 num_tokens_padded"] | None = None  # §2.11; pad: 0
-    prompt_embeds: PromptEmbedsMetadata | None = None  # §2.10
-    attn_state: Int32[StepArray, ""] | None = None  # jaxprep.AttnState value (PEERS §2.2)
-    attn_mask: StepArray | None = None  # PEERS §2.3, see jaxprep.features.masks
+    spec_decode: SpecDecodeMetadata | None = None  # docs/semantics.md#spec-decode
+    # docs/semantics.md#logits-indices, True: not sampled; pad: True
+    discard_request_mask: Bool[StepArray, " num_reqs_padded"] | None = None
+    kv_groups: tuple[KVGroupMetadata, ...] | None = None  # docs/semantics.md#kv-groups, one per KV-cache group
+    mrope_positions: Int32[StepArray, "3 num_tokens_padded"] | None = None  # docs/semantics.md#m-rope; pad: 0
+    prompt_embeds: PromptEmbedsMetadata | None = None  # docs/semantics.md#prompt-embeddings
+    attn_state: Int32[StepArray, ""] | None = None  # jaxprep.AttnState value (docs/semantics.md#ascend-state)
+    attn_mask: StepArray | None = None  # docs/semantics.md#ascend-masks, see jaxprep.features.masks
     request_distribution: Int32[StepArray, " 3"] | None = None  # [decode_end, prefill_end, mixed_end]
 
     @property

@@ -1,6 +1,6 @@
 """`prepare_inputs`: one jitted function from a `BatchState` to padded `StepInputs`.
 
-Semantics follow vLLM V1 ``_prepare_inputs`` (SPEC §2.1-§2.7) over the condensed batch.
+Semantics follow vLLM V1 ``_prepare_inputs`` (docs/semantics.md#core-outputs) over the condensed batch.
 `prepare_body` is the traced step, `prepare_padded` its jit, `prepare_inputs` picks the bucket,
 and `prepare_to_host` fetches the step to NumPy in one transfer.
 """
@@ -125,7 +125,8 @@ def _maxima(state: BatchState) -> Int32[Array, " 2"]:
 
     Equal to the maxima over the batch rows (every row with work is in the batch), but ready as
     soon as the step starts: on XLA:CPU fewer kernels then wait on the batch gather together, and
-    more than 8 ready at once would hand work to the thread pool (10-80 us on a small host).
+    more than 8 ready at once would hand work to the thread pool (a costly hand-off on a small host:
+    BENCHMARKS.md, "thread-pool hand-offs").
     """
     scheduled = state.num_scheduled_tokens
     seq_lens = jnp.where(scheduled > 0, state.num_computed_tokens + scheduled, 0)
@@ -137,8 +138,8 @@ prepare_padded.__doc__ = """The compiled core of `prepare_inputs`: one executabl
 
 
 # --- the step on the host, in one transfer ------------------------------------------------------
-# prepare_padded returns 12 device arrays; fetching them one by one costs about 1 us each on the
-# CPU backend, more than the preparation itself at small batches.
+# prepare_padded returns a dozen device arrays; fetching them one by one costs more than the
+# preparation itself at small batches on the CPU backend (BENCHMARKS.md, "Prepare alone").
 
 HOST_PACKED = tuple((name, INT32) for name in STEP_FIELDS if name != "block_table")
 """The fields `prepare_packed` packs (all but the block table, which comes back as it is)."""

@@ -1,6 +1,6 @@
 """Data parallelism over a device mesh: the batch state split by request rows, one DP rank per device.
 
-Each rank is a vLLM data-parallel rank (PEERS §1.2-§1.4): it owns a contiguous slice of
+Each rank is a vLLM data-parallel rank (docs/semantics.md#tpu-data-parallel): it owns a contiguous slice of
 ``config.max_num_reqs`` state rows and prepares its own step from them with the same `PrepConfig`
 (its own token budget and bucket ladder), so its metadata indexes its own slice: ``idx_mapping``
 holds rows of the slice and ``query_start_loc`` starts at 0 on every rank. All ranks pad to one

@@ -34,20 +34,23 @@ class BatchState:
     block_table: Int32[Array, "max_num_reqs max_blocks_per_req"]  # 0 = null block past num_blocks
     num_computed_tokens: Int32[Array, " max_num_reqs"]  # tokens whose KV is already cached
     num_scheduled_tokens: Int32[Array, " max_num_reqs"]  # tokens to run this step; 0 = not in the batch
-    # spec decode (§2.8): the last num_draft_tokens scheduled tokens of a row are drafts
+    # spec decode (docs/semantics.md#spec-decode): the last num_draft_tokens scheduled tokens of a row are drafts
     num_draft_tokens: Int32[Array, " max_num_reqs"] | None = None
     # prefill length: the prompt plus the outputs a resumed request recomputes (vLLM V2 prefill_len,
-    # >= the prompt length); read by the discard mask (§2.7) and M-RoPE (§2.11)
+    # >= the prompt length); read by the discard mask (docs/semantics.md#logits-indices) and M-RoPE
+    # (docs/semantics.md#m-rope)
     prefill_len: Int32[Array, " max_num_reqs"] | None = None
-    # KV-cache groups 1..G-1 (§2.12); group 0 is block_table
+    # KV-cache groups 1..G-1 (docs/semantics.md#kv-groups); group 0 is block_table
     extra_block_tables: tuple[Int32[Array, "max_num_reqs _"], ...] | None = None
-    # M-RoPE (§2.11): prompt positions per request (-1 = missing) and the completion delta
+    # M-RoPE (docs/semantics.md#m-rope): prompt positions per request (-1 = missing) and the completion delta
     mrope_positions: Int32[Array, "max_num_reqs 3 max_model_len"] | None = None
     mrope_position_delta: Int32[Array, " max_num_reqs"] | None = None
-    # prompt embeddings (§2.10): False where a prompt position is an embedding; its pool row is start + position
+    # prompt embeddings (docs/semantics.md#prompt-embeddings): False where a prompt position is an embedding; its pool
+    # row is start + position
     is_token_ids: Bool[Array, "max_num_reqs max_model_len"] | None = None
     prompt_embeds_start: Int32[Array, " max_num_reqs"] | None = None
-    # async scheduling (§2.9): last step's outputs per last-step batch row, and each state row's last-step row
+    # async scheduling (docs/semantics.md#async-scheduling): last step's outputs per last-step batch row, and each state
+    # row's last-step row
     prev_sampled_token_ids: Int32[Array, " max_num_reqs"] | None = None
     prev_draft_token_ids: Int32[Array, "max_num_reqs num_speculative_tokens"] | None = None
     prev_batch_rows: Int32[Array, " max_num_reqs"] | None = None  # -1: not sampled last step

@@ -1,7 +1,7 @@
 """Bad input: host-side checks of a `BatchState` against a `PrepConfig`, and the unchecked path's
 trace-time checks and device error word.
 
-vLLM leaves most of these to its scheduler (SPEC §6); jaxprep rejects them with an error that
+vLLM leaves most of these to its scheduler (docs/semantics.md#invalid-inputs); jaxprep rejects them with an error that
 names the field, the row and the bound. Validation only reads: nothing is changed on error.
 
 A serving loop calls `prepare_padded` without `jaxprep.validate` (a host read of every table

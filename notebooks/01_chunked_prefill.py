@@ -17,7 +17,8 @@
 # Before every forward pass, a serving engine turns its batch state (a token table, a block table,
 # and per request how many tokens are already computed and how many are scheduled now) into the
 # model's inputs (`input_ids`, `positions`) and the attention metadata (`query_start_loc`,
-# `seq_lens`, `slot_mapping`, ...). This notebook follows SPEC §4's example A, three requests with
+# `seq_lens`, `slot_mapping`, ...). This notebook follows example A (docs/semantics.md#example-a-step-1), three requests
+# with
 # prompts of 3, 2 and 8 tokens, block size 2, `max_model_len` 12 and a budget of 10 tokens per step,
 # until every request has finished.
 #
@@ -26,7 +27,7 @@
 # step, and a stand-in model "samples" the next token. Request *i*'s token at position *p* is
 # `(i + 1) * 100 + p + 1`, so a token id tells you where it sits: 305 is request 2, position 4.
 # Every output is checked against the NumPy reference, and the cells below assert the values that
-# SPEC.md gives, so a wrong number fails the notebook.
+# docs/semantics.md gives, so a wrong number fails the notebook.
 
 # %%
 from jaxprep.walkthrough import (
@@ -61,14 +62,14 @@ assert len(records) == 5 and all(r.matches_reference for r in records)
 # - `query_start_loc`: where each request's tokens start in the flat batch; `seq_lens`: tokens of
 #   context each request attends to after this step (`computed + scheduled`);
 # - `logits_indices`: the last token of each request, whose logits are sampled. Request 2 is
-#   still inside its prompt, so its sample is thrown away (SPEC §2.7).
+#   still inside its prompt, so its sample is thrown away (docs/semantics.md#logits-indices).
 
 # %%
 step1 = records[0]
 print(format_step(step1))
 
 # %%
-# SPEC §4, example A, step 1
+# Example A, step 1 (docs/semantics.md#example-a-step-1)
 assert step1.unpadded("positions").tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
 assert step1.token_indices.tolist() == [0, 1, 2, 12, 13, 24, 25, 26, 27, 28]
 assert step1.unpadded("input_ids").tolist() == [101, 102, 103, 201, 202, 301, 302, 303, 304, 305]
@@ -101,7 +102,7 @@ step2 = records[1]
 print(format_step(step2))
 
 # %%
-# SPEC §4, example A, step 2
+# Example A, step 2 (docs/semantics.md#example-a-step-2)
 assert step2.unpadded("positions").tolist() == [3, 2, 5, 6, 7]
 assert step2.token_indices.tolist() == [3, 14, 29, 30, 31]
 assert step2.unpadded("input_ids").tolist() == [104, 203, 306, 307, 308]
@@ -116,7 +117,8 @@ assert step2.sampled == {0: 105, 1: 204, 2: 309} and step2.finished == (1,)
 # %% [markdown]
 # Request 2's three query tokens (positions 5, 6, 7) read the K/V of positions 0..4 from the cache
 # (written in step 1) and the K/V this step writes: that is the bottom-right aligned causal mask of
-# SPEC §3, `key <= position` and `key < seq_len`, with no mask tensor at all: `query_start_loc` and
+# docs/semantics.md#causal-mask, `key <= position` and `key < seq_len`, with no mask tensor at all: `query_start_loc`
+# and
 # `seq_lens` say it all.
 
 # %%
@@ -133,7 +135,7 @@ plotting.plot_step(step2)
 # position 8 block 10. Request 0 finishes in step 4, and request 2 in step 5 with its 12th token
 # (4 outputs, and `max_model_len` 12).
 #
-# These values are not in SPEC.md; they follow from its formulas by hand
+# These values are not in docs/semantics.md; they follow from its formulas by hand
 # (`slot = block_table[row, p // 2] * 2 + p % 2`).
 
 # %%

@@ -14,7 +14,7 @@
 # %% [markdown]
 # # Decodes, prefills and a chunked prefill in one step
 #
-# SPEC §4's example B: block size 16, `max_model_len` 240, a budget of 200 tokens, and five requests
+# Example B (docs/semantics.md#example-b): block size 16, `max_model_len` 240, a budget of 200 tokens, and five requests
 # in one step:
 #
 # | request | computed | scheduled | what it does |
@@ -27,7 +27,7 @@
 #
 # Blocks are handed out in order from 1, `cdiv(computed + scheduled, 16)` per request. Token ids are
 # random here (`jaxprep.walkthrough.examples.example_b`). The step is prepared by `jaxprep.prepare_inputs` and
-# checked against the NumPy reference; the cells assert SPEC.md's numbers.
+# checked against the NumPy reference; the cells assert the numbers of docs/semantics.md.
 
 # %%
 import dataclasses
@@ -53,7 +53,7 @@ assert record.matches_reference
 # second block 27: slot `27 * 16 + 13 = 445`.
 
 # %%
-# SPEC §4, example B
+# Example B (docs/semantics.md#example-b)
 slots = record.unpadded("slot_mapping")
 assert len(slots) == 200 and slots[:4].tolist() == [70, 225, 240, 241] and slots[-4:].tolist() == [442, 443, 444, 445]
 assert record.unpadded("query_start_loc").tolist() == [0, 1, 2, 95, 170, 200]
@@ -77,10 +77,10 @@ plotting.plot_step(record)
 # %% [markdown]
 # ## The same step in vLLM V2's row order
 #
-# vLLM's newer model runner (V2) sorts the batch before preparing it (SPEC §2.15): rows with drafts
+# vLLM's newer model runner (V2) sorts the batch before preparing it (docs/semantics.md#batch-order): rows with drafts
 # first, then decode-sized rows, then the rest by ascending scheduled count. jaxprep does the same
 # with `FeatureConfig(reorder="v2")`; `idx_mapping` maps each batch row back to its state row. Here
-# the order becomes requests 0, 1, 4, 3, 2, and every flattened output follows it (SPEC §4, caveat 1).
+# the order becomes requests 0, 1, 4, 3, 2, and every flattened output follows it (docs/semantics.md#v2-order).
 
 # %%
 v2_config = dataclasses.replace(config, features=jaxprep.FeatureConfig(reorder="v2"))
@@ -92,7 +92,7 @@ print("seq_lens       ", np.asarray(meta.seq_lens).tolist())
 print("slot_mapping   ", np.asarray(meta.slot_mapping)[:6].tolist(), "...")
 
 # %%
-# SPEC §4, caveat 1: example B in V2 order
+# docs/semantics.md#v2-order: example B in V2 order
 assert np.asarray(v2.idx_mapping).tolist() == [0, 1, 4, 3, 2]
 assert np.asarray(meta.query_start_loc).tolist() == [0, 1, 2, 32, 107, 200]
 assert np.asarray(meta.slot_mapping)[:4].tolist() == [70, 225, 416, 417]

@@ -17,7 +17,7 @@
 # Two optional features of `jaxprep.prepare_inputs`, switched on statically through
 # `PrepConfig(features=jaxprep.FeatureConfig(...))`. Off (the default), a feature adds no work and no
 # output; on, its inputs are extra `BatchState` fields and its outputs extra `StepInputs` fields.
-# The cells reproduce SPEC §2.8's and §2.12's worked examples and assert their values.
+# The cells reproduce the worked examples in docs/semantics.md#spec-decode, #kv-groups and assert their values.
 
 # %%
 import dataclasses
@@ -40,14 +40,14 @@ def spec_fields(step) -> dict:
 
 
 # %% [markdown]
-# ## Speculative decoding (SPEC §2.8)
+# ## Speculative decoding (docs/semantics.md#spec-decode)
 #
 # A request with `D` draft tokens schedules them after its last sampled token: `S = D + 1` tokens.
 # The target model then needs logits at **all** of them, not only the last: logit row `j` verifies
 # the draft at `j + 1`, and the last row gives the bonus token. `BatchState.num_draft_tokens` says how
 # many of each row's scheduled tokens are drafts.
 #
-# SPEC's example from vLLM's source: five requests with `D = [3, 0, 2, 0, 1]` and
+# The example from vLLM's source (docs/semantics.md#spec-decode): five requests with `D = [3, 0, 2, 0, 1]` and
 # `cu_num_tokens = [4, 104, 107, 207, 209]` (two of them are 100-token prefill chunks with no drafts).
 
 # %%
@@ -66,7 +66,7 @@ for name, value in spec.items():
     print(f"{name:24s} {value}")
 
 # %%
-# SPEC §2.8, the worked example from the source
+# docs/semantics.md#spec-decode, the worked example from the source
 assert np.cumsum(scheduled).tolist() == [4, 104, 107, 207, 209]
 assert spec["cu_num_sampled_tokens"] == [4, 5, 8, 9, 11]
 assert spec["cu_num_draft_tokens"] == [3, 3, 5, 5, 6]
@@ -78,7 +78,8 @@ assert spec["draft_token_ids"] == [1, 2, 3, 2001, 2002, 4001]  # the last D sche
 # %% [markdown]
 # ### Example A, step 2, read as a draft
 #
-# SPEC §4 notes that step 2 of example A (`S = [1, 1, 3]`) has two possible histories: request 2 is
+# docs/semantics.md#two-histories notes that step 2 of example A (`S = [1, 1, 3]`) has two possible histories: request 2
+# is
 # finishing its prompt (chunked prefill), or it is a decode with 2 drafts. Positions, slots,
 # `query_start_loc` and `seq_lens` are the same either way; the sampled logits are not. With token
 # ids `10 (r + 1) + p + 1` the inputs are `[14, 23, 36, 37, 38]` and the drafts 37 and 38.
@@ -95,7 +96,7 @@ draft_spec = spec_fields(draft_step)
 print(draft_spec)
 
 # %%
-# SPEC §2.8, the small example based on the 3-request seed
+# docs/semantics.md#spec-decode, the small example based on the 3-request seed
 assert record.matches_reference  # the plain outputs do not change
 assert record.unpadded("input_ids").tolist() == [14, 23, 36, 37, 38]
 assert record.unpadded("slot_mapping").tolist() == [5, 14, 13, 16, 17]
@@ -105,7 +106,7 @@ assert draft_spec["bonus_logits_indices"] == [0, 1, 4] and draft_spec["target_lo
 assert draft_spec["draft_token_ids"] == [37, 38]
 
 # %% [markdown]
-# ### Which samples are thrown away (SPEC §2.7)
+# ### Which samples are thrown away (docs/semantics.md#logits-indices)
 #
 # Every request gets a logit, even a prefill chunk, but a chunk's sample is discarded:
 # `discard_request_mask[r] = computed + scheduled < num_tokens`. In step 1 of example A the mask is
@@ -121,7 +122,7 @@ print(masks)
 assert masks == {(3, 2, 5): [False, False, False], (3, 2, 8): [False, False, True]}
 
 # %% [markdown]
-# ## Several KV-cache groups (SPEC §2.12, §2.14)
+# ## Several KV-cache groups (docs/semantics.md#kv-groups, #sliding-window)
 #
 # A hybrid model can keep layers with different cache layouts: each **KV-cache group** has its own
 # block table, block size `B_g` and slot mapping. Two details:
@@ -129,12 +130,12 @@ assert masks == {(3, 2, 5): [False, False, False], (3, 2, 8): [False, False, Tru
 # - **Kernel block size.** If the attention kernel wants blocks of `b` tokens and the cache manager
 #   uses `B` (b divides B), each manager block is split into `k = B / b` kernel blocks:
 #   `kernel_bt[r, c*k + j] = BT[r, c] * k + j`. Slots do not change: `blk*B + off ==
-#   (blk*k + off//b)*b + off%b`. SPEC's example: `B = 32`, `b = 16`, row `[3, 7]` becomes
+#   (blk*k + off//b)*b + off%b`. The example in docs/semantics.md#kv-groups: `B = 32`, `b = 16`, row `[3, 7]` becomes
 #   `[6, 7, 14, 15]`, and position 40 has slot `7*32 + 8 = 232` = `14*16 + 8`.
 # - **Sliding window.** Blocks wholly outside the window are read as the null block: columns
 #   `< max(C - (W - 1), 0) // B` become 0. Slots do not change.
 #
-# One request decoding its position 40 in a model with two groups: group 0 is SPEC's kernel-block
+# One request decoding its position 40 in a model with two groups: group 0 is the kernel-block
 # example, group 1 a sliding-window group (`B = 16`, window 8) holding blocks `[21, 22, 23]`.
 # Group 1's values follow from the formulas by hand: slot `23*16 + 40 % 16 = 376`, and its first
 # `(40 - 7) // 16 = 2` columns are nulled.
@@ -159,15 +160,16 @@ for g, group in enumerate(kv_step.kv_groups):
 
 # %%
 group0, group1 = kv_step.kv_groups
-# SPEC §2.12
+# docs/semantics.md#kv-groups
 assert np.asarray(group0.block_table)[0, :4].tolist() == [6, 7, 14, 15]
 assert int(group0.slot_mapping[0]) == 232 == 7 * 32 + 8 == 14 * 16 + 8
-# SPEC §2.14's rule on group 1 (window 8, C = 40): columns 0 and 1 are nulled, slot 23 * 16 + 8
+# The rule in docs/semantics.md#sliding-window on group 1 (window 8, C = 40): columns 0 and 1 are nulled, slot 23 * 16 +
+# 8
 assert np.asarray(group1.block_table)[0, :3].tolist() == [0, 0, 23]
 assert int(group1.slot_mapping[0]) == 376
 
 # %% [markdown]
-# SPEC §2.14's own example: window 4, `B = 2`, `C = 9` nulls columns 0..2.
+# The example in docs/semantics.md#sliding-window: window 4, `B = 2`, `C = 9` nulls columns 0..2.
 
 # %%
 window_config = jaxprep.PrepConfig(max_num_reqs=1, max_model_len=16, max_num_batched_tokens=8, block_size=2,

@@ -16,8 +16,9 @@
 #
 # `torch_bridge.to_torch` gives a prepared step to a PyTorch model under vLLM's
 # `CommonAttentionMetadata` names and dtypes, sharing JAX's memory through DLPack (no copy on the
-# arrays' own device). This notebook bridges every step of the chunked-prefill walkthrough (SPEC §4's
-# example A, run to the end) and feeds it to `torch_bridge.paged_attention`, a plain-torch paged
+# arrays' own device). This notebook bridges every step of the chunked-prefill walkthrough (example A of
+# docs/semantics.md#example-a-step-1, run to the end) and feeds it to `torch_bridge.paged_attention`, a plain-torch
+# paged
 # attention of about 40 lines: `write_kv_cache` writes each token's K/V at its `slot_mapping` slot
 # and `paged_attention` reads each request's context through `block_table_tensor` and `seq_lens`.
 # Every output is compared with torch's own dense causal attention over the whole sequence.
@@ -34,7 +35,8 @@ import torch_bridge
 from jaxprep.walkthrough import kv_cache_view, plotting, run_walkthrough
 from torch_bridge.paged_attention import paged_attention, write_kv_cache
 
-records = run_walkthrough()  # SPEC §4 example A: block size 2, max_model_len 12, budget 10, prompts 3, 2, 8
+# example A (docs/semantics.md#example-a-step-1): block size 2, max_model_len 12, budget 10, prompts 3, 2, 8
+records = run_walkthrough()
 
 
 def prepared(record):
@@ -61,7 +63,7 @@ print(f"num_reqs={meta.num_reqs} num_actual_tokens={meta.num_actual_tokens} "
       f"max_query_len={meta.max_query_len} max_seq_len={meta.max_seq_len} causal={meta.causal}")
 
 # %%
-# SPEC §4, example A, step 1, as torch tensors
+# Example A, step 1 (docs/semantics.md#example-a-step-1), as torch tensors
 assert meta.slot_mapping.dtype == inputs.positions.dtype == torch.int64
 assert meta.query_start_loc.dtype == meta.seq_lens.dtype == inputs.input_ids.dtype == torch.int32
 assert meta.slot_mapping.tolist() == [2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
@@ -79,7 +81,8 @@ assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_
 # %%
 step2 = torch_bridge.to_torch(prepared(records[1]))
 print(step2.attn_metadata.slot_mapping.tolist())
-assert step2.attn_metadata.slot_mapping.tolist() == [5, 14, 13, 16, 17, -1, -1, -1]  # SPEC §4, step 2 (+ padding)
+# example A, step 2 (docs/semantics.md#example-a-step-2; + padding)
+assert step2.attn_metadata.slot_mapping.tolist() == [5, 14, 13, 16, 17, -1, -1, -1]
 assert step2.attn_metadata.query_start_loc.tolist() == [0, 1, 2, 5]
 assert step2.attn_metadata.seq_lens.tolist() == [4, 3, 8]
 

@@ -38,7 +38,7 @@ INT64_FIELDS = ("mrope_positions",)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TorchGroupMetadata:
-    """One KV-cache group (SPEC §2.12): its layers read these in place of the step's own."""
+    """One KV-cache group (docs/semantics.md#kv-groups): its layers read these in place of the step's own."""
 
     block_table_tensor: torch.Tensor  # [num_reqs_padded, kernel_width] int32, in kernel blocks; pad rows 0
     slot_mapping: torch.Tensor  # [num_tokens_padded] int64 (int32 on the NPU), manager slots; pad -1

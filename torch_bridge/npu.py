@@ -4,7 +4,7 @@ JAX has no NPU backend and DLPack has no Ascend device type, so the step is pack
 device, taken zero-copy as a CPU tensor, copied once into pinned memory and sent with one
 ``.to("npu", non_blocking=True)``; the fields are views of that one NPU buffer.
 
-FIA's rules (PEERS §2.4), applied by `fia_layout` inside a jitted function:
+FIA's rules (docs/semantics.md#fia-layout), applied by `fia_layout` inside a jitted function:
 - ``slot_mapping`` stays int32 (``reshape_and_cache`` wants it), padded tokens -1;
   ``positions`` int64, ``input_ids`` int32;
 - in TND layout the last cumulative query length must equal the padded token count: when the step

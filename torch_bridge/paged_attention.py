@@ -54,7 +54,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of S queries over L >= S keys, causal and bottom-right aligned (SPEC §3).
+    """Attention of S queries over L >= S keys, causal and bottom-right aligned (docs/semantics.md#causal-mask).
 
     Query i sits at position L - S + i and sees keys 0 .. L - S + i.
     # S 2, L 5 -> query 0 sees keys 0..3, query 1 sees keys 0..4

@@ -24,7 +24,7 @@ def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None =
     """Process-wide settings for a CLI or benchmark process; call before JAX starts.
 
     On small CPU hosts XLA's CPU client is fastest with one thread (``PJRT_NPROC=1``) and
-    synchronous dispatch: thread hand-offs otherwise cost several times the ~5 us of a call.
+    synchronous dispatch: thread hand-offs otherwise cost several times a call (BENCHMARKS.md).
     ``host_devices``: split the CPU into this many JAX devices (data parallelism on CPU) unless
     ``XLA_FLAGS`` already says how many; it only affects the CPU platform.
     """

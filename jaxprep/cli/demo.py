@@ -1,4 +1,4 @@
-"""Prepare SPEC §4's example A (steps 1 and 2) and print every output."""
+"""Prepare example A (docs/semantics.md#example-a-step-1; steps 1 and 2) and print every output."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Walk requests through chunked prefill step by step and print every table of every step.
 
-The default is SPEC §4's example A (block size 2, max_model_len 12, budget 10, prompts of 3, 2 and
-8 tokens) run until every request has finished; the options change the requests and the limits.
+The default is example A (docs/semantics.md#example-a-step-1; block size 2, max_model_len 12, budget 10,
+prompts of 3, 2 and 8 tokens) run until every request has finished; the options change the requests and the limits.
 Each step shows the requests, the token table, the block table, the KV-cache slots in use and
 every output, and checks the outputs against the NumPy reference (exit 1 if any differ).
 """
@@ -86,6 +86,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _save_figure(record, folder: str) -> None:
-    from jaxprep import plotting
+    from jaxprep.walkthrough import plotting
 
     plotting.plot_step(record).savefig(os.path.join(folder, f"step_{record.number}.png"), dpi=80)

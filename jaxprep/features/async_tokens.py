@@ -1,4 +1,5 @@
-"""Async scheduling (SPEC §2.9): last step's sampled tokens go into ``input_ids`` on the device.
+"""Async scheduling (docs/semantics.md#async-scheduling): last step's sampled tokens go into ``input_ids`` on the
+device.
 
 Under async scheduling the host has not seen last step's sampled token ids when it schedules the
 next step, so its token table holds a placeholder (-1) where each one belongs. The sampled ids

@@ -1,4 +1,5 @@
-"""The attention state of a step, vllm-ascend's ``_build_attn_state`` ladder (PEERS §2.2), on the device.
+"""The attention state of a step, vllm-ascend's ``_build_attn_state`` ladder (docs/semantics.md#ascend-state), on the
+device.
 
 The first rung that matches decides, over the requests of the batch:
 

@@ -1,4 +1,4 @@
-"""`FeatureConfig`: static switches of the optional vLLM features (SPEC §2.7-§2.15, PEERS §2.2-§2.4).
+"""`FeatureConfig`: static switches of the optional vLLM features (docs/semantics.md#features, #masks).
 
 Every switch is static (part of `PrepConfig`, so part of the compile key). A feature that is off
 adds no operation and no output to a step: its `StepInputs` fields are ``None`` (an empty pytree
@@ -20,7 +20,7 @@ MROPE_NUM_DIMS = 3
 
 
 class AttnState(enum.IntEnum):
-    """vllm-ascend's ``AscendAttentionState``: names and values as there (PEERS §2.2)."""
+    """vllm-ascend's ``AscendAttentionState``: names and values as there (docs/semantics.md#ascend-state)."""
 
     PrefillNoCache = 0
     PrefillCacheHit = 1
@@ -31,14 +31,14 @@ class AttnState(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """One KV-cache group (SPEC §2.12): its manager block size and how its kernel reads it.
+    """One KV-cache group (docs/semantics.md#kv-groups): its manager block size and how its kernel reads it.
 
     Attributes:
       block_size: manager block size ``B_g``: slots are ``block * B_g + offset``.
       kernel_block_size: block size the attention kernel wants (divides ``block_size``); the
         kernel block table expands every manager block into ``block_size // kernel_block_size``.
         ``None``: the kernel uses ``block_size``.
-      sliding_window: window in tokens (SPEC §2.14); blocks wholly outside it read the null block.
+      sliding_window: window in tokens (docs/semantics.md#sliding-window); blocks wholly outside it read the null block.
       num_blocks: KV-cache size of this group in blocks; ``None`` bounds ids by the int32 range.
     """
 
@@ -69,7 +69,7 @@ class KVCacheGroupSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DCPConfig:
-    """Decode context parallelism (SPEC §2.13): this process is ``rank`` of ``world_size``.
+    """Decode context parallelism (docs/semantics.md#dcp): this process is ``rank`` of ``world_size``.
 
     Tokens are stored round-robin over the ranks in chunks of ``interleave`` tokens (vLLM
     ``cp_kv_cache_interleave_size``), which must divide every group's block size.
@@ -91,24 +91,27 @@ class FeatureConfig:
     """Static switches of the optional features; the default turns all of them off.
 
     Attributes:
-      num_speculative_tokens: ``K``, the most draft tokens of one request (SPEC §2.8); > 0
+      num_speculative_tokens: ``K``, the most draft tokens of one request (docs/semantics.md#spec-decode); > 0
         turns on `StepInputs.spec_decode` and reads `BatchState.num_draft_tokens`.
       speculative_method: vLLM ``speculative_config.method`` ("mtp", "eagle", "ngram", ...);
         only the attention state reads it.
-      discard_request_mask: `StepInputs.discard_request_mask` from `BatchState.prefill_len` (§2.7).
-      kv_groups: one spec per KV-cache group (§2.12); group 0 is `BatchState.block_table` with
+      discard_request_mask: `StepInputs.discard_request_mask` from `BatchState.prefill_len`
+      (docs/semantics.md#logits-indices).
+      kv_groups: one spec per KV-cache group (docs/semantics.md#kv-groups); group 0 is `BatchState.block_table` with
         ``PrepConfig.block_size``, groups 1.. are `BatchState.extra_block_tables`. ``()``: off.
-      dcp: decode context parallelism (§2.13); ``None``: off.
-      mrope: `StepInputs.mrope_positions` ``[3, T_pad]`` (§2.11).
-      prompt_embeds: `StepInputs.prompt_embeds` (§2.10).
-      async_tokens: write last step's sampled (and draft) token ids into ``input_ids`` (§2.9).
-      attn_state: `StepInputs.attn_state`, vllm-ascend's state ladder (PEERS §2.2).
+      dcp: decode context parallelism (docs/semantics.md#dcp); ``None``: off.
+      mrope: `StepInputs.mrope_positions` ``[3, T_pad]`` (docs/semantics.md#m-rope).
+      prompt_embeds: `StepInputs.prompt_embeds` (docs/semantics.md#prompt-embeddings).
+      async_tokens: write last step's sampled (and draft) token ids into ``input_ids``
+      (docs/semantics.md#async-scheduling).
+      attn_state: `StepInputs.attn_state`, vllm-ascend's state ladder (docs/semantics.md#ascend-state).
       enable_chunked_prefill: the ladder's rung 4 (vLLM ``scheduler_config.enable_chunked_prefill``).
       attn_mask: None, "compressed" (constant 2048x2048 int8), "rows_bool" or "rows_additive"
-        (a row per token for chunked prefill, PEERS §2.3).
+        (a row per token for chunked prefill, docs/semantics.md#ascend-masks).
       attn_mask_dtype: dtype of the additive row mask.
       mask_kv_len: columns of a row mask (a bound on ``seq_lens``); ``None``: ``max_model_len``.
-      reorder: None (state-row order), "decode_first" (tpu-inference) or "v2" (vLLM V2 sort), §2.15.
+      reorder: None (state-row order), "decode_first" (tpu-inference) or "v2" (vLLM V2 sort),
+      docs/semantics.md#batch-order.
       request_distribution: `StepInputs.request_distribution` ``[decode_end, prefill_end, mixed_end]``.
     """
 

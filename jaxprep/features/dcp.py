@@ -1,4 +1,4 @@
-"""Decode context parallelism (SPEC §2.13): each rank stores a round-robin share of every sequence.
+"""Decode context parallelism (docs/semantics.md#dcp): each rank stores a round-robin share of every sequence.
 
 A virtual block of ``B * W`` tokens (block size ``B``, world size ``W``) is dealt out to the ranks
 in chunks of ``I`` tokens (the interleave). This rank writes only its own tokens: the others get

@@ -1,4 +1,4 @@
-"""Which requests are sampled (SPEC §2.7): the discard mask of partial prefills.
+"""Which requests are sampled (docs/semantics.md#logits-indices): the discard mask of partial prefills.
 
 Every request gets a logit, but a request still inside its prompt (a chunk of a chunked prefill)
 has its sampled token thrown away: ``discard_request_mask[r] = C[r] + S[r] < prefill_len[r]``.
@@ -19,6 +19,6 @@ def discard_request_mask(computed: Int32[Array, " num_reqs_padded"], scheduled: 
                          is_real_req: Bool[Array, " num_reqs_padded"]) -> Bool[Array, " num_reqs_padded"]:
     """True for the batch rows whose sampled token is discarded; padded rows: `PAD_DISCARD`.
 
-    # C [0, 0, 0], S [3, 2, 5], prompts [3, 2, 8] -> [F, F, T] (SPEC §4 example A, step 1)
+    # C [0, 0, 0], S [3, 2, 5], prompts [3, 2, 8] -> [F, F, T] (docs/semantics.md#example-a-step-1)
     """
     return jnp.where(is_real_req, computed + scheduled < prefill_len, PAD_DISCARD)

@@ -2,7 +2,8 @@
 
 Each feature that ``config.features`` turns on needs its `BatchState` fields; every field that
 is set must have its shape and dtype (checked here). Values are checked against the bounds vLLM
-asserts or leaves to its scheduler (SPEC §6) by each feature's own module: drafts fit the scheduled
+asserts or leaves to its scheduler (docs/semantics.md#invalid-inputs) by each feature's own module: drafts fit the
+scheduled
 tokens and the token table (`spec_decode`), M-RoPE prompt positions are filled for the tokens read
 (`mrope`), last-step rows are in range (`async_tokens`), ...
 """

@@ -1,4 +1,4 @@
-"""Several KV-cache groups (SPEC §2.12, §2.14): one block table and slot mapping per group.
+"""Several KV-cache groups (docs/semantics.md#kv-groups, #sliding-window): one block table and slot mapping per group.
 
 Group 0 is `BatchState.block_table` with ``PrepConfig.block_size``; groups ``1..G-1`` are
 `BatchState.extra_block_tables`. Each group's slot mapping uses its own manager block size (and

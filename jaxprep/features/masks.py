@@ -1,4 +1,5 @@
-"""Attention masks for Ascend-style kernels (PEERS §2.3), only on request (`FeatureConfig.attn_mask`).
+"""Attention masks for Ascend-style kernels (docs/semantics.md#ascend-masks), only on request
+(`FeatureConfig.attn_mask`).
 
 The masks mark *masked* entries (vllm-ascend's convention: ``triu(1)`` is 1 above the diagonal).
 Memory of each form, with ``C = FeatureConfig.mask_kv_len or max_model_len`` columns:

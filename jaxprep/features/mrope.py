@@ -1,4 +1,4 @@
-"""M-RoPE positions (SPEC §2.11): ``[3, T_pad]`` positions for Qwen2-VL-style models.
+"""M-RoPE positions (docs/semantics.md#m-rope): ``[3, T_pad]`` positions for Qwen2-VL-style models.
 
 Each request carries its prompt's positions (`BatchState.mrope_positions`, built at admission,
 e.g. by `qwen2vl_prompt_positions`) and a delta. A scheduled token at position ``p`` reads column

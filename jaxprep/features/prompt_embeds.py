@@ -1,4 +1,5 @@
-"""Prompt embeddings (SPEC §2.10): which scheduled positions are embeddings, and where they are.
+"""Prompt embeddings (docs/semantics.md#prompt-embeddings): which scheduled positions are embeddings, and where they
+are.
 
 `BatchState.is_token_ids` is False where a prompt position was given as an embedding; that
 embedding is row ``prompt_embeds_start[r] + position`` of the caller's embedding pool. The model

@@ -1,4 +1,5 @@
-"""Batch order (SPEC §2.15): decodes first, and tpu-inference's ``request_distribution`` (PEERS §1.5).
+"""Batch order (docs/semantics.md#batch-order): decodes first, and tpu-inference's ``request_distribution``
+(docs/semantics.md#request-distribution).
 
 Without `FeatureConfig.reorder` the batch is the rows with work in state-row order (vLLM V1 with
 FlashAttention). With it, the batch rows are sorted on the device; ``StepInputs.idx_mapping``
@@ -26,7 +27,7 @@ def reordered_rows(state, num_reqs_padded: int, features: FeatureConfig) -> Int3
     """State row of each batch row in the ``features.reorder`` order; padding rows get ``max_num_reqs``.
 
     # S [3, 1, 0, 2, 1], decode_first -> [1, 4, 0, 3, 5]
-    # S [3, 2, 5] (SPEC §4 example A), v2 -> [1, 0, 2]
+    # S [3, 2, 5] (docs/semantics.md#example-a-step-1), v2 -> [1, 0, 2]
     """
     scheduled = state.num_scheduled_tokens
     drafts = state.num_draft_tokens if features.spec_decode else jnp.zeros_like(scheduled)

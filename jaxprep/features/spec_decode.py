@@ -1,4 +1,4 @@
-"""Speculative-decoding metadata (SPEC §2.8), vLLM's ``SpecDecodeMetadata`` on static shapes.
+"""Speculative-decoding metadata (docs/semantics.md#spec-decode), vLLM's ``SpecDecodeMetadata`` on static shapes.
 
 A row with ``D`` drafts schedules ``S >= D + 1`` tokens whose last ``D`` are the drafts (they
 already sit in the token table after the accepted tokens). Its last ``D + 1`` tokens are sampled:
@@ -29,7 +29,7 @@ from jaxprep._typing import Array, Bool, Int32, StepArray
 class SpecDecodeMetadata:
     """vLLM ``SpecDecodeMetadata``, padded; ``*_indices`` pads are the safe index 0.
 
-    Every field is an output buffer of the step (about 1.5 us each on CPU), so the counts are
+    Every field is an output buffer of the step, each with a cost per call (BENCHMARKS.md), so the counts are
     properties read from the cumsums rather than fields of their own.
     """
 
@@ -64,7 +64,7 @@ def spec_decode_metadata(num_draft_tokens: Int32[Array, " num_reqs_padded"],
                          is_real_req: Bool[Array, " num_reqs_padded"],
                          input_ids: Int32[Array, " num_tokens_padded"],
                          num_speculative_tokens: int) -> SpecDecodeMetadata:
-    """Builds the metadata from each batch row's draft count (SPEC §2.8's formulas).
+    """Builds the metadata from each batch row's draft count (docs/semantics.md#spec-decode).
 
     # qsl [0, 4, 104, 107], D [3, 0, 2] -> n = D + 1 = [4, 1, 3], cu_num_sampled [4, 5, 8]
     # logits_indices [0,1,2,3, 103, 104,105,106]; target [0,1,2, 5,6]; bonus [3, 4, 7]

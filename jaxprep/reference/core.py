@@ -1,4 +1,4 @@
-"""NumPy reference of vLLM V1's input preparation (SPEC §2.1-§2.7), written for reading.
+"""NumPy reference of vLLM V1's input preparation (docs/semantics.md#core-outputs), written for reading.
 
 The oracle of the tests (the benchmarks measure vLLM's own code path instead). It works on unpadded host arrays,
 the way vLLM's ``_prepare_inputs`` does, and `pad_reference` lays the result out in jaxprep's

@@ -1,7 +1,8 @@
-"""NumPy reference of the KV-cache features (SPEC §2.12-§2.14), for reading: kernel block tables,
+"""NumPy reference of the KV-cache features (docs/semantics.md#kv-groups, #dcp, #sliding-window), for reading: kernel
+block tables,
 sliding windows and the DCP slot mapping.
 
-Loops over tokens and blocks, written from SPEC's descriptions rather than from the jitted
+Loops over tokens and blocks, written from the descriptions in docs/semantics.md rather than from the jitted
 formulas where a more direct description exists (DCP by dealing chunks out to ranks). The oracle
 of the feature tests.
 """
@@ -14,7 +15,8 @@ from jaxprep._constants import NULL_BLOCK_ID, PAD_SLOT_ID
 
 
 def kernel_block_table_reference(block_table, k: int) -> np.ndarray:
-    """SPEC §2.12 ``kernel_bt[r, c*k + j] = BT[r, c] * k + j``; the null block stays null (DIVERGENCES.md)."""
+    """docs/semantics.md#kv-groups ``kernel_bt[r, c*k + j] = BT[r, c] * k + j``; the null block stays null
+    (DIVERGENCES.md)."""
     block_table = np.asarray(block_table, np.int64)
     rows, width = block_table.shape
     out = np.zeros((rows, width * k), np.int64)
@@ -27,7 +29,7 @@ def kernel_block_table_reference(block_table, k: int) -> np.ndarray:
 
 
 def sliding_window_reference(block_table, num_computed, sliding_window: int, block_size: int) -> np.ndarray:
-    """SPEC §2.14 (vLLM V2): columns ``< max(C - (window - 1), 0) // B`` read the null block."""
+    """docs/semantics.md#sliding-window (vLLM V2): columns ``< max(C - (window - 1), 0) // B`` read the null block."""
     out = np.array(block_table, np.int64)
     for r, computed in enumerate(num_computed):
         out[r, : max(int(computed) - (sliding_window - 1), 0) // block_size] = NULL_BLOCK_ID
@@ -49,7 +51,7 @@ def _dcp_owner_and_local_offset(position: int, block_size: int, world: int, inte
 
 def dcp_slot_mapping_reference(positions, token_rows, block_table, block_size: int, world: int, rank: int,
                                interleave: int) -> np.ndarray:
-    """SPEC §2.13: slot of each token on ``rank``, -1 for tokens another rank stores."""
+    """docs/semantics.md#dcp: slot of each token on ``rank``, -1 for tokens another rank stores."""
     slots = []
     for position, row in zip(positions, token_rows):
         virtual_block, owner, local = _dcp_owner_and_local_offset(int(position), block_size, world, interleave)

@@ -1,4 +1,5 @@
-"""NumPy reference of the per-request features (SPEC §2.7-§2.9, §2.15, PEERS §1.5, §2.2), for reading.
+"""NumPy reference of the per-request features (docs/semantics.md#logits-indices, #features, #request-distribution,
+#ascend-state), for reading.
 
 Written the way vLLM writes them (``np.repeat``, loops over requests), independently of the jitted
 code, on unpadded host arrays in batch order; the oracle of the feature tests.
@@ -52,7 +53,7 @@ def request_distribution_reference(num_scheduled, num_draft) -> np.ndarray:
 
 
 def spec_decode_reference(num_scheduled, num_draft, input_ids) -> dict:
-    """vLLM V1 ``_calc_spec_decode_metadata`` over the batch rows (SPEC §2.8)."""
+    """vLLM V1 ``_calc_spec_decode_metadata`` over the batch rows (docs/semantics.md#spec-decode)."""
     num_scheduled = np.asarray(num_scheduled, np.int64)
     num_draft = np.asarray(num_draft, np.int64)
     cu_num_tokens = np.cumsum(num_scheduled)
@@ -73,13 +74,14 @@ def spec_decode_reference(num_scheduled, num_draft, input_ids) -> dict:
 
 
 def discard_request_mask_reference(num_computed, num_scheduled, prefill_len) -> np.ndarray:
-    """SPEC §2.7: a request still inside its prompt after this step discards its sampled token."""
+    """docs/semantics.md#logits-indices: a request still inside its prompt after this step discards its sampled
+    token."""
     return np.array([c + s < p for c, s, p in zip(num_computed, num_scheduled, prefill_len)], bool)
 
 
 def async_input_ids_reference(input_ids, num_scheduled, num_draft, prev_positions, prev_sampled,
                               prev_drafts=None) -> np.ndarray:
-    """vLLM V1 ``_prepare_input_ids`` (SPEC §2.9), one request at a time.
+    """vLLM V1 ``_prepare_input_ids`` (docs/semantics.md#async-scheduling), one request at a time.
 
     ``prev_positions[r]``: last step's batch row of batch row r's request, or -1.
     """

@@ -1,7 +1,7 @@
-"""NumPy reference of the per-token features (SPEC §2.10, §2.11, PEERS §2.3), for reading:
+"""NumPy reference of the per-token features (docs/semantics.md#prompt-embeddings, #m-rope, #ascend-masks), for reading:
 M-RoPE positions, prompt embeddings and row masks.
 
-Loops over tokens and requests, written from SPEC's descriptions rather than from the jitted
+Loops over tokens and requests, written from the descriptions in docs/semantics.md rather than from the jitted
 formulas (M-RoPE by vLLM V1's prompt/completion split). The oracle of the feature tests.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 
 
 def mrope_reference(prompt_positions, deltas, prefill_len, num_computed, num_scheduled) -> np.ndarray:
-    """vLLM V1 ``_calc_mrope_positions`` (SPEC §2.11) over the batch rows: ``[3, N]``.
+    """vLLM V1 ``_calc_mrope_positions`` (docs/semantics.md#m-rope) over the batch rows: ``[3, N]``.
 
     ``prompt_positions[r]`` is the ``[3, >= P]`` table of batch row r.
     """
@@ -31,7 +31,8 @@ def mrope_reference(prompt_positions, deltas, prefill_len, num_computed, num_sch
 
 def qwen2vl_positions_reference(segments, spatial_merge_size: int = 2,
                                 tokens_per_second: float = 1.0) -> tuple[np.ndarray, int]:
-    """Qwen2-VL ``get_mrope_input_positions`` as SPEC §2.11 states it: ``st`` + text run ``L`` + grid index."""
+    """Qwen2-VL ``get_mrope_input_positions`` as docs/semantics.md#m-rope states it: ``st`` + text run ``L`` + grid
+    index."""
     rows = [[], [], []]
     st = 0
     pending_text = 0

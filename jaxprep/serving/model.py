@@ -2,7 +2,7 @@
 
 `paged_forward` is the serving path: it writes each layer's K/V into a paged cache through
 ``slot_mapping`` and reads a request's context back through its gathered block table, with the
-causal mask given by ``positions`` and ``seq_lens`` (SPEC §3). `dense_forward` recomputes a whole
+causal mask given by ``positions`` and ``seq_lens`` (docs/semantics.md#causal-mask). `dense_forward` recomputes a whole
 sequence with a plain causal mask and no cache: the oracle the serving loop is checked against.
 Both share the embedding, RoPE, norms and MLP; only attention and the cache differ.
 """

@@ -2,7 +2,7 @@
 
 The layout (`jaxprep.packing`, one ``INT32`` span per leaf, named by its path) is fixed by the
 `ServingConfig`, so it is static inside the jit and the split back into leaves is free slicing
-(PEERS §4 "Copy" 1).
+(docs/semantics.md#peer-lessons, item 1 of "What jaxprep takes from them").
 # leaves rows [4], token_ids [4, 8] -> blob [36]: blob[0:4] -> rows, blob[4:36].reshape(4, 8) -> token_ids
 """
 

@@ -1,7 +1,7 @@
 """`ServingState`, the device-resident serving tables, and the padded per-step update payloads.
 
 `ServingState` wraps the `BatchState` that `prepare_inputs` reads and adds the serving-only
-bookkeeping (vLLM V2 ``RequestState``: ``total_len``, ``num_blocks``; SPEC §1.4, §5.2). A row is
+bookkeeping (vLLM V2 ``RequestState``: ``total_len``, ``num_blocks``; docs/semantics.md#v2-state, #jax-design). A row is
 busy while ``num_tokens > 0``.
 
 The payloads are pytrees of host (NumPy) arrays padded to sizes fixed by `ServingConfig`, so a

@@ -5,7 +5,7 @@ The step runs its body in a ``lax.while_loop`` of at most ``config.decode_steps`
 the payload's ``decode_steps`` (a traced count) says how many it may run. Iteration 0 runs the
 scheduled batch (prefill chunks and decodes alike). With ``decode_steps > 1`` the host promises
 every scheduled row is decoding, and each further iteration decodes one more token for every row
-still active (tpu-inference's continue_decode, PEERS §1.7). A row stops at EOS, at its
+still active (tpu-inference's continue_decode, docs/semantics.md#continue-decode). A row stops at EOS, at its
 ``stop_len``, or when its next token has no allocated block. One executable per token bucket
 therefore serves single steps and multi-step decode alike.
 """

@@ -3,7 +3,7 @@ transition, the plain name its jitted form that donates the state.
 
 Each transition is a handful of scatters with ``mode='drop'``. Padded payload rows (-1) are first
 mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1 index to the last row even
-with ``mode='drop'`` (SPEC §5.2), so -1 must never reach a scatter.
+with ``mode='drop'`` (docs/semantics.md#jax-traps), so -1 must never reach a scatter.
 
 These functions do not check their payloads; `jaxprep.serving.ServingBatch` checks them on the host
 before dispatch, so a bad update raises before any buffer is donated.

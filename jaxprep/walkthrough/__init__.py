@@ -1,7 +1,8 @@
 """Chunked prefill step by step: the driving, the records and the tables of `jaxprep walkthrough`
 and the notebooks.
 
-    for record in jaxprep.walkthrough.walk(WalkthroughOptions()):   # SPEC §4 example A, to the end
+    for record in jaxprep.walkthrough.walk(WalkthroughOptions()):   # example A (docs/semantics.md#example-a-step-1), to
+    the end
         print(jaxprep.walkthrough.format_step(record))
 """
 

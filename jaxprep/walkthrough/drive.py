@@ -24,7 +24,8 @@ from jaxprep.walkthrough.record import NO_REQUEST, StepRecord, prepare_record
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WalkthroughOptions:
-    """The requests and the batch limits; the defaults are SPEC §4's example A, run to the end.
+    """The requests and the batch limits; the defaults are example A (docs/semantics.md#example-a-step-1), run to the
+    end.
 
     Attributes:
       prompt_lens: prompt tokens of each request (all arrive before step 1).
@@ -127,7 +128,7 @@ def _record(batch: ServingBatch, requests_by_row: dict, number: int) -> StepReco
 
 def _sample_and_record(record: StepRecord, batch: ServingBatch, options: WalkthroughOptions) -> dict[int, int]:
     """The stand-in model's next token for every batch row; the device keeps only the rows that
-    reached the end of their known tokens (a chunked prefill's sample is discarded, SPEC §2.7).
+    reached the end of their known tokens (a chunked prefill's sample is discarded, docs/semantics.md#logits-indices).
     Returns {state row: token appended}."""
     rows, seq_lens = record.batch_rows, record.unpadded("seq_lens")
     tokens = np.zeros((len(record.outputs["idx_mapping"]), 1), np.int32)

@@ -1,4 +1,4 @@
-"""Built-in batches from SPEC.md §4, as host arrays: used by the demo, the tests and the notebooks."""
+"""Built-in batches from docs/semantics.md#examples, as host arrays: used by the demo, the tests and the notebooks."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def sequential_block_table(num_blocks_per_row, width: int) -> np.ndarray:
 
 
 def example_a_config() -> PrepConfig:
-    """SPEC §4 example A: block size 2, max_model_len 12, budget 10."""
+    """Example A (docs/semantics.md#example-a-step-1): block size 2, max_model_len 12, budget 10."""
     return PrepConfig(max_num_reqs=3, max_model_len=12, max_num_batched_tokens=10, block_size=2)
 
 
@@ -54,7 +54,7 @@ def example_a_step2() -> dict[str, np.ndarray]:
 
 
 def example_b_config() -> PrepConfig:
-    """SPEC §4 example B: block size 16, max_model_len 240, budget 200."""
+    """Example B (docs/semantics.md#example-b): block size 16, max_model_len 240, budget 200."""
     return PrepConfig(max_num_reqs=5, max_model_len=240, max_num_batched_tokens=200, block_size=16)
 
 

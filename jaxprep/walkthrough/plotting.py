@@ -171,7 +171,8 @@ def plot_kv_cache(record: StepRecord, ax=None, annotate: bool | None = None):
 
 def plot_attention(record: StepRecord, ax=None):
     """Query tokens (rows) x keys grouped by request (columns): light keys come from the cache,
-    full-colour keys were written by this step (SPEC §3: causal, bottom-right aligned, per request)."""
+    full-colour keys were written by this step (docs/semantics.md#causal-mask: causal, bottom-right aligned, per
+    request)."""
     pattern = attention_pattern(record)
     num_queries, num_keys = pattern.pattern.shape
     fig, ax = _axes(ax, (2 + 0.3 * num_keys, 1.5 + 0.3 * num_queries))

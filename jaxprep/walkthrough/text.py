@@ -141,7 +141,8 @@ def _after(record: StepRecord) -> list[str]:
             lines.append(f"  request {request} samples {record.sampled[request]} (appended at position "
                          f"{record.num_tokens[row]})" + (", finished" if request in record.finished else ""))
         else:
-            lines.append(f"  request {request} samples nothing: its prompt is not done (discarded, SPEC §2.7)")
+            lines.append(f"  request {request} samples nothing: its prompt is not done "
+                         "(discarded, docs/semantics.md#logits-indices)")
     head = ["after the step"] if lines else []
     check = "match" if record.matches_reference else "DIFFER FROM"
     return head + lines + [f"every output and its padding {check} the NumPy reference"]

@@ -48,7 +48,7 @@ class KVCacheView:
 
 
 def kv_cache_view(record: StepRecord) -> KVCacheView:
-    """Slots of every request's positions ``0 .. computed + scheduled - 1`` (SPEC §2.4).
+    """Slots of every request's positions ``0 .. computed + scheduled - 1`` (docs/semantics.md#slot-mapping).
 
     # B 2, row [4, 5, 6, 8], computed 5, scheduled 3 -> p5 in block 6 slot 1 (slot 13), p6 -> slot 16
     """
@@ -67,7 +67,7 @@ def kv_cache_view(record: StepRecord) -> KVCacheView:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPattern:
-    """Which keys each query token of the step attends to (SPEC §3), keys grouped by request."""
+    """Which keys each query token of the step attends to (docs/semantics.md#causal-mask), keys grouped by request."""
 
     pattern: np.ndarray  # [num_actual_tokens, num_keys] HIDDEN / CACHED_KEY / NEW_KEY
     key_requests: np.ndarray  # [num_keys] request of each key

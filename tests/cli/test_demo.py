@@ -1,4 +1,4 @@
-"""`jaxprep demo` prints SPEC §4's example A values."""
+"""`jaxprep demo` prints example A (docs/semantics.md#example-a-step-1) values."""
 
 from jaxprep.cli import main
 

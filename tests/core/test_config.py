@@ -40,7 +40,7 @@ def test_bucket_for_picks_the_smallest_bucket_holding_the_step():
 
 
 def test_block_table_width_matches_vllm_alignment():
-    """SPEC §1.3: B=2, M=12 -> 64 columns; B=16, M=240 -> 16 columns."""
+    """docs/semantics.md#block-table-width: B=2, M=12 -> 64 columns; B=16, M=240 -> 16 columns."""
     assert block_table_width(12, 2) == 64
     assert block_table_width(240, 16) == 16
     assert block_table_width(4096, 16) == 256

@@ -1,4 +1,4 @@
-"""SPEC.md §4's worked examples, with the values copied from the spec (golden tests)."""
+"""The worked examples in docs/semantics.md#examples, with the values written there (golden tests)."""
 
 import numpy as np
 import pytest
@@ -46,7 +46,8 @@ def test_example_a_step2_matches_spec():
 
 
 def test_example_a_step2_padded_to_8_matches_spec():
-    """SPEC §5.2: N_pad=8 gives positions [3,2,5,6,7,0,0,0] and slots [5,14,13,16,17,-1,-1,-1]."""
+    """docs/semantics.md#example-a-step-2-padded: N_pad=8 gives positions [3,2,5,6,7,0,0,0] and slots
+    [5,14,13,16,17,-1,-1,-1]."""
     step = _prepare(example_a_step2(), example_a_config(), num_tokens_padded=8)
     assert step.num_tokens_padded == 8
     np.testing.assert_array_equal(step.positions, [3, 2, 5, 6, 7, 0, 0, 0])
@@ -55,7 +56,7 @@ def test_example_a_step2_padded_to_8_matches_spec():
 
 
 def test_example_a_step2_with_four_padded_requests_matches_spec():
-    """SPEC §5.2 with R_pad=4: qsl [0,1,2,5,5] and seq_lens [4,3,8,0]."""
+    """docs/semantics.md#example-a-step-2-padded with R_pad=4: qsl [0,1,2,5,5] and seq_lens [4,3,8,0]."""
     arrays = example_a_step2()
     arrays = {k: np.concatenate([v, np.zeros((1,) + v.shape[1:], v.dtype)]) for k, v in arrays.items()}
     config = example_a_config()

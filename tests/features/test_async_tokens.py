@@ -1,4 +1,5 @@
-"""Async scheduling (SPEC §2.9): last step's sampled and draft tokens written into input_ids on the device."""
+"""Async scheduling (docs/semantics.md#async-scheduling): last step's sampled and draft tokens written into input_ids on
+the device."""
 
 import dataclasses
 import functools

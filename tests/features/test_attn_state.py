@@ -1,4 +1,5 @@
-"""The attention state ladder (PEERS §2.2): one test per rung, and the reference over random batches."""
+"""The attention state ladder (docs/semantics.md#ascend-state): one test per rung, and the reference over random
+batches."""
 
 import numpy as np
 import pytest

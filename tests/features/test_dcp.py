@@ -1,4 +1,4 @@
-"""Decode context parallelism (SPEC §2.13): per-rank slot mappings and local sequence lengths."""
+"""Decode context parallelism (docs/semantics.md#dcp): per-rank slot mappings and local sequence lengths."""
 
 import dataclasses
 
@@ -32,7 +32,7 @@ def one_request(seq_len: int) -> dict:
     (0, 2, [20, 21, -1, -1, 22, 23, -1, -1]),
 ])
 def test_worked_example_slots(mode, rank, interleave, expected):
-    """SPEC §2.13: B=2, W=2, one request at positions 0..7 with blocks [10, 11]."""
+    """docs/semantics.md#dcp: B=2, W=2, one request at positions 0..7 with blocks [10, 11]."""
     step = run_step(one_request(8), dcp_config(2, rank, interleave), mode)
     assert np.asarray(step.attn_metadata.slot_mapping).tolist() == expected
 
@@ -40,7 +40,7 @@ def test_worked_example_slots(mode, rank, interleave, expected):
 @pytest.mark.parametrize("mode", RUN_MODES)
 @pytest.mark.parametrize("rank, expected", [(0, 4), (1, 3)])
 def test_worked_example_local_seq_lens(mode, rank, expected):
-    """SPEC §2.13: seq_len 7 with I=1 -> 4 tokens on rank 0, 3 on rank 1."""
+    """docs/semantics.md#dcp: seq_len 7 with I=1 -> 4 tokens on rank 0, 3 on rank 1."""
     step = run_step(one_request(7), dcp_config(2, rank, 1), mode)
     assert np.asarray(step.attn_metadata.dcp_local_seq_lens).tolist() == [expected]
 

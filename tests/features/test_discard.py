@@ -1,4 +1,4 @@
-"""Which requests are sampled (SPEC §2.7): the discard mask of partial prefills."""
+"""Which requests are sampled (docs/semantics.md#logits-indices): the discard mask of partial prefills."""
 
 import dataclasses
 
@@ -19,7 +19,8 @@ CONFIG = PrepConfig(max_num_reqs=6, max_model_len=40, max_num_batched_tokens=32,
 @pytest.mark.parametrize("mode", RUN_MODES)
 @pytest.mark.parametrize("prompts, expected", [([3, 2, 5], [False, False, False]), ([3, 2, 8], [False, False, True])])
 def test_worked_example_a_step1(mode, prompts, expected):
-    """SPEC §4: prompts 3, 2, 5 are whole prefills; a prompt of 8 makes request 2 a chunk (§4 caveat 5)."""
+    """docs/semantics.md#examples: prompts 3, 2, 5 are whole prefills; a prompt of 8 makes request 2 a chunk
+    (docs/semantics.md#two-histories)."""
     config = dataclasses.replace(example_a_config(), features=FEATURES)
     arrays = dict(example_a_step1(), prefill_len=np.array(prompts, np.int32))
     step = run_step(arrays, config, mode)

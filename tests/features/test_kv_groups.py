@@ -1,4 +1,5 @@
-"""Several KV-cache groups (SPEC §2.12, §2.14): per-group slot mappings, kernel block tables, sliding windows."""
+"""Several KV-cache groups (docs/semantics.md#kv-groups, #sliding-window): per-group slot mappings, kernel block tables,
+sliding windows."""
 
 import dataclasses
 
@@ -30,7 +31,7 @@ def with_extra_tables(arrays: dict, config, seed: int) -> dict:
 
 @pytest.mark.parametrize("mode", RUN_MODES)
 def test_kernel_block_size_worked_example(mode):
-    """SPEC §2.12: B=32, b=16, row [3, 7] -> [6, 7, 14, 15]; position 40 has slot 232 either way."""
+    """docs/semantics.md#kv-groups: B=32, b=16, row [3, 7] -> [6, 7, 14, 15]; position 40 has slot 232 either way."""
     config = PrepConfig(max_num_reqs=1, max_model_len=64, max_num_batched_tokens=64, block_size=32,
                         features=FeatureConfig(kv_groups=(KVCacheGroupSpec(block_size=32, kernel_block_size=16),)))
     table = np.zeros((1, 4), np.int32)
@@ -45,7 +46,8 @@ def test_kernel_block_size_worked_example(mode):
 
 @pytest.mark.parametrize("mode", RUN_MODES)
 def test_sliding_window_worked_example(mode):
-    """SPEC §2.14: window 4, B=2, C=9 -> columns 0..2 of the kernel's table are null; slots unchanged."""
+    """docs/semantics.md#sliding-window: window 4, B=2, C=9 -> columns 0..2 of the kernel's table are null; slots
+    unchanged."""
     config = PrepConfig(max_num_reqs=1, max_model_len=16, max_num_batched_tokens=8, block_size=2,
                         features=FeatureConfig(kv_groups=(KVCacheGroupSpec(block_size=2, sliding_window=4),)))
     table = np.zeros((1, 64), np.int32)

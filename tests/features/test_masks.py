@@ -1,4 +1,5 @@
-"""Attention masks for Ascend-style kernels (PEERS §2.3): compressed constant, bool and additive row masks."""
+"""Attention masks for Ascend-style kernels (docs/semantics.md#ascend-masks): compressed constant, bool and additive row
+masks."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""M-RoPE (SPEC §2.11): Qwen2-VL prompt positions and the [3, T_pad] positions of a step."""
+"""M-RoPE (docs/semantics.md#m-rope): Qwen2-VL prompt positions and the [3, T_pad] positions of a step."""
 
 import dataclasses
 
@@ -20,7 +20,8 @@ CONFIG = PrepConfig(max_num_reqs=5, max_model_len=48, max_num_batched_tokens=40,
 
 
 def test_qwen2vl_worked_example():
-    """SPEC §2.11: 2 text tokens, a 1x4x4 image with merge 2 (4 tokens), 3 text tokens: P = 9, delta -2."""
+    """docs/semantics.md#m-rope: 2 text tokens, a 1x4x4 image with merge 2 (4 tokens), 3 text tokens: P = 9, delta
+    -2."""
     positions, delta = qwen2vl_prompt_positions(WORKED_SEGMENTS, spatial_merge_size=2)
     assert positions.tolist() == [WORKED_T, WORKED_H, WORKED_W]
     assert delta == -2

@@ -1,4 +1,5 @@
-"""Prompt embeddings (SPEC §2.10): per-token is_token_ids and the pool row of each embedding."""
+"""Prompt embeddings (docs/semantics.md#prompt-embeddings): per-token is_token_ids and the pool row of each
+embedding."""
 
 import numpy as np
 import pytest

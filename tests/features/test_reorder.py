@@ -1,4 +1,5 @@
-"""Batch order (SPEC §2.15): decode-first and vLLM V2 orders, the mapping back to state rows, request_distribution."""
+"""Batch order (docs/semantics.md#batch-order): decode-first and vLLM V2 orders, the mapping back to state rows,
+request_distribution."""
 
 import dataclasses
 
@@ -19,7 +20,7 @@ V2 = FeatureConfig(reorder="v2")
 
 @pytest.mark.parametrize("mode", RUN_MODES)
 def test_v2_order_of_example_a_step1(mode):
-    """SPEC §4 caveat 1: V2 runs example A step 1 as [r1, r0, r2]."""
+    """docs/semantics.md#v2-order: V2 runs example A step 1 as [r1, r0, r2]."""
     step = run_step(example_a_step1(), dataclasses.replace(example_a_config(), features=V2), mode)
     meta = step.attn_metadata
     assert np.asarray(step.idx_mapping)[:3].tolist() == [1, 0, 2]
@@ -31,7 +32,7 @@ def test_v2_order_of_example_a_step1(mode):
 
 @pytest.mark.parametrize("mode", RUN_MODES)
 def test_v2_order_of_example_b(mode):
-    """SPEC §4 caveat 1: example B becomes [r0, r1, r4, r3, r2]."""
+    """docs/semantics.md#v2-order: example B becomes [r0, r1, r4, r3, r2]."""
     step = run_step(example_b(), dataclasses.replace(example_b_config(), features=V2), mode)
     assert np.asarray(step.idx_mapping)[:5].tolist() == [0, 1, 4, 3, 2]
     assert np.asarray(step.attn_metadata.query_start_loc)[:6].tolist() == [0, 1, 2, 32, 107, 200]

@@ -1,4 +1,5 @@
-"""Spec-decode metadata (SPEC §2.8): worked examples, the NumPy reference, invariants, bad inputs."""
+"""Spec-decode metadata (docs/semantics.md#spec-decode): worked examples, the NumPy reference, invariants, bad
+inputs."""
 
 import dataclasses
 
@@ -25,7 +26,7 @@ def spec_fields(step) -> dict:
 
 @pytest.mark.parametrize("mode", RUN_MODES)
 def test_worked_example_from_source(mode):
-    """SPEC §2.8: cu_num_tokens [4,104,107,207,209], D [3,0,2,0,1]."""
+    """docs/semantics.md#spec-decode: cu_num_tokens [4,104,107,207,209], D [3,0,2,0,1]."""
     config = PrepConfig(max_num_reqs=5, max_model_len=128, max_num_batched_tokens=256, block_size=16,
                         features=FeatureConfig(num_speculative_tokens=3))
     scheduled = np.array([4, 100, 3, 100, 2], np.int32)
@@ -48,7 +49,8 @@ def test_worked_example_from_source(mode):
 
 @pytest.mark.parametrize("mode", RUN_MODES)
 def test_worked_example_seed_step2(mode):
-    """SPEC §2.8's small example: example A step 2 with 2 drafts on request 2, input_ids [14,23,36,37,38]."""
+    """The small example in docs/semantics.md#spec-decode: example A step 2 with 2 drafts on request 2, input_ids
+    [14,23,36,37,38]."""
     config = dataclasses.replace(example_a_config(), features=FeatureConfig(num_speculative_tokens=2))
     arrays = example_a_step2()
     arrays["token_ids"][0, 3], arrays["token_ids"][1, 2] = 14, 23

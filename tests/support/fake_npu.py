@@ -1,4 +1,5 @@
-"""A fake torch_npu for the NPU tests on CPU (as vllm-ascend's unit tests fake it, PEERS §2.6).
+"""A fake torch_npu for the NPU tests on CPU (as vllm-ascend's unit tests fake it,
+docs/semantics.md#ascend-without-npu).
 
 The fake maps ``tensor.to("npu", ...)`` onto a CPU copy and records every pin and copy, so tests
 check the staging path (pinned, non_blocking, one copy) and which tensors live "on the NPU". The

@@ -1,7 +1,8 @@
-"""torch_bridge.to_npu on CPU, against a fake torch_npu (as vllm-ascend's unit tests fake it, PEERS §2.6).
+"""torch_bridge.to_npu on CPU, against a fake torch_npu (as vllm-ascend's unit tests fake it,
+docs/semantics.md#ascend-without-npu).
 
 The fake maps ``tensor.to("npu", ...)`` onto a CPU copy and records every pin and copy, so the
-tests check FIA's layout (PEERS §2.4) and the staging path (pinned, non_blocking, one copy).
+tests check FIA's layout (docs/semantics.md#fia-layout) and the staging path (pinned, non_blocking, one copy).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def prepare(config, arrays):
 
 
 def fia_expected(padded: dict, num_tokens_padded: int) -> dict:
-    """FIA's layout written from PEERS §2.4 on the padded reference: a dummy request closes qsl."""
+    """FIA's layout written from docs/semantics.md#fia-layout on the padded reference: a dummy request closes qsl."""
     num_reqs, num_tokens = padded["num_reqs"], padded["num_actual_tokens"]
     rows = len(padded["seq_lens"]) + 1
     qsl = np.full(rows + 1, num_tokens_padded)

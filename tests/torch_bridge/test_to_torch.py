@@ -72,7 +72,8 @@ def test_to_torch_matches_reference(example, strategy):
 
 
 def test_spec_example_a_step2_literal():
-    """SPEC §5.2: example A step 2 padded to 8 tokens (3 request rows here: max_num_reqs = 3)."""
+    """docs/semantics.md#example-a-step-2-padded: example A step 2 padded to 8 tokens (3 request rows here: max_num_reqs
+    = 3)."""
     step, _ = prepared("A2")
     inputs = torch_bridge.to_torch(step)
     meta = inputs.attn_metadata

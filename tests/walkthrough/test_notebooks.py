@@ -1,4 +1,4 @@
-"""Every notebook runs as a script and asserts SPEC.md's values, so a notebook cannot rot.
+"""Every notebook runs as a script and asserts the values of docs/semantics.md, so a notebook cannot rot.
 
 Notebooks are jupytext percent-format files (`notebooks/*.py`); each runs in this process (sharing
 compiled executables with the rest of the suite) with matplotlib's Agg backend.

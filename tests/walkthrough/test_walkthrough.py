@@ -1,4 +1,5 @@
-"""`jaxprep.walkthrough` and `jaxprep walkthrough`: SPEC §4's example A driven to the end, other
+"""`jaxprep.walkthrough` and `jaxprep walkthrough`: example A (docs/semantics.md#example-a-step-1) driven to the end,
+other
 requests and limits, and the tables the command prints."""
 
 from __future__ import annotations
