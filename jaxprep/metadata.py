@@ -18,6 +18,8 @@ from jaxprep._typing import Bool, Int32, StepArray
 
 if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
     from jaxprep.features.kv_groups import KVGroupMetadata
+    from jaxprep.features.logits_indirection import LogitsIndirection
+    from jaxprep.features.lora import LoRAMetadata
     from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
     from jaxprep.features.spec_decode import SpecDecodeMetadata
 
@@ -63,6 +65,8 @@ class StepInputs:
     attn_state: Int32[StepArray, ""] | None = None  # jaxprep.AttnState value (docs/semantics.md#ascend-state)
     attn_mask: StepArray | None = None  # docs/semantics.md#ascend-masks, see jaxprep.features.masks
     request_distribution: Int32[StepArray, " 3"] | None = None  # [decode_end, prefill_end, mixed_end]
+    lora: LoRAMetadata | None = None  # vLLM's LoRA mappings, slot indices, kernel metadata (jaxprep.features.lora)
+    logits_indirection: LogitsIndirection | None = None  # V2's cu_num_logits, expanded_idx_mapping, ...
 
     @property
     def num_reqs_padded(self) -> int:

@@ -23,6 +23,17 @@ the host check of its `BatchState` inputs (module, feature, vLLM source):
   vllm-ascend `vllm_ascend/attention/attention_mask.py::AttentionMaskBuilder`
 - `reorder`: batch order and ``request_distribution``;
   `vllm/v1/worker/gpu/model_runner.py::sort_batch_req_ids`, tpu-inference `PersistentBatchManager._reorder_batch`
+- `lora` (settings in `lora_config`): LoRA mappings, slot indices, punica kernel metadata, CUDA-graph key;
+  `vllm/v1/worker/gpu_input_batch.py::InputBatch.make_lora_inputs`,
+  `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`,
+  `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
+  `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
+- `logits_indirection`: V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...);
+  `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`,
+  `vllm/v1/worker/gpu/input_batch.py::_expand_idx_mapping_kernel`
+
+``FeatureConfig(runner="v2")`` switches every output to vLLM's model runner V2 where V1 and V2
+differ (the batch order, LoRA's prompt mapping and graph key, the logits indirection).
 
 `with_features` (`dispatch`) adds the outputs of the features that are on to a prepared step,
 inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /

@@ -11,10 +11,14 @@ import dataclasses
 import enum
 
 from jaxprep._checks import check_positive_int, max_block_id
+from jaxprep._constants import INT32_MAX
+from jaxprep.features.lora_config import LoRAConfig
 
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
 REORDER_MODES = (None, "decode_first", "v2")
+RUNNERS = ("v1", "v2")
+"""`FeatureConfig.runner`: whose semantics the outputs follow, vLLM's model runner V1 or V2."""
 MROPE_NUM_DIMS = 3
 """Rows of M-RoPE positions (temporal, height, width), as in Qwen2-VL."""
 
@@ -113,6 +117,14 @@ class FeatureConfig:
       reorder: None (state-row order), "decode_first" (tpu-inference) or "v2" (vLLM V2 sort),
       docs/semantics.md#batch-order.
       request_distribution: `StepInputs.request_distribution` ``[decode_end, prefill_end, mixed_end]``.
+      runner: "v1" (default) or "v2": every output follows that vLLM model runner where the two
+        differ (docs/semantics.md, V1 and V2). "v2" implies V2's batch order (`batch_order`) and
+        the logits indirection unless ``logits_indirection=False``; a ``reorder`` other than "v2"
+        is rejected with it.
+      lora: `jaxprep.LoRAConfig`: `StepInputs.lora` from `BatchState.lora_ids` / ``lora_slots``.
+      logits_indirection: `StepInputs.logits_indirection`, V2's logits rows (``cu_num_logits``,
+        ``expanded_idx_mapping``, ...). ``None``: on exactly when ``runner="v2"``
+        (`logits_indirection_on`).
     """
 
     num_speculative_tokens: int = 0
@@ -130,9 +142,13 @@ class FeatureConfig:
     mask_kv_len: int | None = None
     reorder: str | None = None
     request_distribution: bool = False
+    runner: str = "v1"
+    lora: LoRAConfig | None = None
+    logits_indirection: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
+        self._check_runner()
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"FeatureConfig.num_speculative_tokens must be an int >= 0, "
                              f"got {self.num_speculative_tokens!r}")
@@ -146,6 +162,32 @@ class FeatureConfig:
                              f"num_speculative_tokens > 0")
         if self.dcp is not None and any(g.sliding_window for g in self.kv_groups):
             raise ValueError("FeatureConfig: DCP does not support sliding-window KV groups (as in vLLM)")
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise ValueError(f"FeatureConfig.lora must be a jaxprep.LoRAConfig or None, got {self.lora!r}")
+
+    def _check_runner(self) -> None:
+        """runner="v2" implies V2's batch order and the logits indirection (unless switched off).
+
+        The implied values are properties (`batch_order`, `logits_indirection_on`), not rewritten
+        fields, so ``dataclasses.replace(features, runner=...)`` changes them too.
+        """
+        _check_choice("runner", self.runner, RUNNERS)
+        if self.runner == "v2" and self.reorder not in (None, "v2"):
+            raise ValueError(f"FeatureConfig(runner='v2', reorder={self.reorder!r}) contradicts itself: "
+                             f"the V2 runner sorts its batch one way (reorder='v2'); drop reorder")
+        if self.logits_indirection is not None and not isinstance(self.logits_indirection, bool):
+            raise ValueError(f"FeatureConfig.logits_indirection must be a bool or None, "
+                             f"got {self.logits_indirection!r}")
+
+    @property
+    def batch_order(self) -> str | None:
+        """The batch order in force: ``reorder``, or "v2" under ``runner="v2"`` (None: state-row order)."""
+        return self.reorder or ("v2" if self.runner == "v2" else None)
+
+    @property
+    def logits_indirection_on(self) -> bool:
+        """Whether the step carries `StepInputs.logits_indirection`."""
+        return self.runner == "v2" if self.logits_indirection is None else self.logits_indirection
 
     @property
     def spec_decode(self) -> bool:
@@ -161,7 +203,7 @@ class FeatureConfig:
         """True unless every feature is off (the plain step)."""
         return bool(self.spec_decode or self.discard_request_mask or self.kv_groups or self.dcp or self.mrope
                     or self.prompt_embeds or self.async_tokens or self.attn_state or self.attn_mask
-                    or self.reorder or self.request_distribution)
+                    or self.batch_order or self.request_distribution or self.lora or self.logits_indirection_on)
 
     def check_against(self, config) -> None:
         """Checks that need the `PrepConfig` (block sizes, lengths); raises ValueError."""
@@ -172,6 +214,9 @@ class FeatureConfig:
             for block_size in {config.block_size, *(g.block_size for g in self.kv_groups)}:
                 if block_size % self.dcp.interleave:
                     raise ValueError(f"DCPConfig.interleave={self.dcp.interleave} must divide block size {block_size}")
+        if self.lora is not None and config.max_num_batched_tokens * (self.lora.max_loras + 1) > INT32_MAX:
+            raise ValueError(f"FeatureConfig.lora: max_num_batched_tokens * (max_loras + 1) overflows int32 "
+                             f"sampler_indices_padded (max {INT32_MAX})")
         if self.mask_kv_len is not None and self.mask_kv_len > config.max_model_len:
             raise ValueError(f"FeatureConfig.mask_kv_len={self.mask_kv_len} exceeds "
                              f"max_model_len={config.max_model_len}")

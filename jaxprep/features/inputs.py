@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
-from jaxprep.features import async_tokens, kv_groups, masks, mrope, prompt_embeds, spec_decode
+from jaxprep.features import async_tokens, kv_groups, lora, masks, mrope, prompt_embeds, spec_decode
 from jaxprep.features.config import MROPE_NUM_DIMS
 
 
@@ -35,6 +35,8 @@ def required_fields(features) -> dict[str, str]:
         needs.update(prev_sampled_token_ids="async_tokens", prev_batch_rows="async_tokens")
         if features.spec_decode:
             needs["prev_draft_token_ids"] = "async_tokens with spec decode"
+    if features.lora is not None:
+        needs.update(lora_ids="lora", lora_slots="lora")
     return needs
 
 
@@ -48,7 +50,8 @@ def check_feature_shapes(host: dict, config) -> None:
     per_row = ("num_draft_tokens", "prefill_len", "mrope_position_delta", "prompt_embeds_start",
                "prev_sampled_token_ids", "prev_batch_rows")
     expected = dict.fromkeys(per_row, (rows,))
-    expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width))
+    expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width),
+                    **lora.expected_shapes(config))
     if "prev_draft_token_ids" in host:
         draft_width = features.num_speculative_tokens if features.spec_decode else host["prev_draft_token_ids"].shape[1]
         expected["prev_draft_token_ids"] = (rows, draft_width)
@@ -86,5 +89,7 @@ def check_feature_values(host: dict, core: dict, config) -> None:
         prompt_embeds.check_pool_start(host["prompt_embeds_start"].astype(np.int64), in_batch, config.max_model_len)
     if features.async_tokens:
         async_tokens.check_prev_batch_rows(host["prev_batch_rows"].astype(np.int64), in_batch, config.max_num_reqs)
+    if features.lora is not None:
+        lora.check_lora_inputs(host["lora_ids"].astype(np.int64), host["lora_slots"].astype(np.int64), in_batch)
     if features.attn_mask in ("rows_bool", "rows_additive"):
         masks.check_row_mask_columns(computed, scheduled, features.mask_columns(config))

@@ -10,6 +10,12 @@
   `vllm/v1/attention/backends/utils.py::get_dcp_local_seq_lens`
 - `tokens`: per-token features (M-RoPE and Qwen2-VL positions, prompt embeddings, row masks);
   `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_mrope_positions`
+- `lora`: LoRA mappings, slot indices, punica kernel metadata and CUDA-graph keys;
+  `vllm/v1/worker/gpu_input_batch.py::InputBatch.make_lora_inputs`,
+  `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`,
+  `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
+  `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
+- `logits`: V2's logits indirection; `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`
 
 The serving loop's oracle (state transitions) is `jaxprep.serving.reference`.
 """
