@@ -79,6 +79,8 @@ class TorchStepInputs:
     mrope_positions: torch.Tensor | None = None  # [3, num_tokens_padded] int64; pad 0
     prompt_embeds: Any = None  # the step's PromptEmbedsMetadata with torch leaves (bool, int32)
     request_distribution: torch.Tensor | None = None  # [3] int32: decode_end, prefill_end, mixed_end
+    lora: Any = None  # the step's LoRAMetadata with torch leaves (slot indices int64, the rest int32)
+    logits_indirection: Any = None  # the step's LogitsIndirection with torch leaves (see torch_bridge.features)
     jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
 
     def group_attn_metadata(self, group: int) -> TorchAttentionMetadata:
