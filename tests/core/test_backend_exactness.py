@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import jaxprep
-from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_padded
+from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig, prepare_padded
 from jaxprep import _ragged as ragged
 from jaxprep.prepare import prepare_packed
 from jaxprep.serving import (
@@ -53,11 +53,12 @@ MODEL = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=6
 ALL_FEATURES = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp", discard_request_mask=True,
                              kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                              dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True,
-                             attn_state=True, attn_mask="rows_bool", mask_kv_len=32, request_distribution=True)
+                             attn_state=True, attn_mask="rows_bool", mask_kv_len=32, request_distribution=True,
+                             lora=LoRAConfig(max_loras=4, vocab_size=1000), logits_indirection=True)
 SMALL = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
 LARGE = PrepConfig(max_num_reqs=1024, max_model_len=4096, max_num_batched_tokens=16384, block_size=16)
 LARGE_FEATURES = PrepConfig(max_num_reqs=256, max_model_len=1024, max_num_batched_tokens=8192, block_size=4,
-                            features=dataclasses.replace(ALL_FEATURES, reorder="v2"))
+                            features=dataclasses.replace(ALL_FEATURES, runner="v2"))
 
 
 def _serving_config(prep: PrepConfig) -> ServingConfig:

@@ -8,14 +8,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, count_compiles, prepare_padded
+from jaxprep import (
+    BatchState,
+    DCPConfig,
+    FeatureConfig,
+    KVCacheGroupSpec,
+    LoRAConfig,
+    PrepConfig,
+    count_compiles,
+    prepare_padded,
+)
 from jaxprep.config import block_table_width
 from jaxprep.state import OPTIONAL_FIELDS
 from jaxprep.walkthrough.examples import example_a_config, example_a_step2
 from support.feature_batches import block_table, feature_batches, run_step
 
 OPTIONAL_OUTPUTS = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                    "attn_state", "attn_mask", "request_distribution")
+                    "attn_state", "attn_mask", "request_distribution", "lora", "logits_indirection")
 
 
 def test_plain_step_has_no_feature_outputs_or_inputs():
@@ -41,6 +50,7 @@ def test_equal_feature_configs_share_one_executable():
 
 @pytest.mark.parametrize("features", [FeatureConfig(num_speculative_tokens=2), FeatureConfig(mrope=True),
                                       FeatureConfig(async_tokens=True, prompt_embeds=True),
+                                      FeatureConfig(runner="v2", lora=LoRAConfig(max_loras=2)),
                                       FeatureConfig(kv_groups=(KVCacheGroupSpec(4), KVCacheGroupSpec(8)))])
 def test_empty_state_holds_every_input_a_feature_needs(features):
     config = PrepConfig(max_num_reqs=3, max_model_len=16, max_num_batched_tokens=8, block_size=4, features=features)
@@ -58,7 +68,8 @@ def test_empty_state_holds_every_input_a_feature_needs(features):
 ALL = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp", discard_request_mask=True,
                     kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                     dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True, attn_state=True,
-                    attn_mask="rows_bool", request_distribution=True)
+                    attn_mask="rows_bool", request_distribution=True, lora=LoRAConfig(max_loras=3, vocab_size=100),
+                    logits_indirection=True)
 SINGLES = {
     "spec_decode": FeatureConfig(num_speculative_tokens=2),
     "discard_request_mask": FeatureConfig(discard_request_mask=True),
@@ -68,14 +79,17 @@ SINGLES = {
     "attn_state": FeatureConfig(attn_state=True, num_speculative_tokens=2, speculative_method="mtp"),
     "attn_mask": FeatureConfig(attn_mask="rows_bool"),
     "request_distribution": FeatureConfig(request_distribution=True, num_speculative_tokens=2),
+    "lora": FeatureConfig(lora=ALL.lora, num_speculative_tokens=2),
+    "logits_indirection": FeatureConfig(logits_indirection=True, num_speculative_tokens=2),
 }
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_all_features_at_once_match_each_feature_alone(data):
+def test_all_features_at_once_match_each_feature_alone(runner, data):
     base = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
-    config = dataclasses.replace(base, features=ALL)
+    config = dataclasses.replace(base, features=dataclasses.replace(ALL, runner=runner))
     arrays = data.draw(feature_batches(config, max_drafts=2))
     seq_lens = arrays["num_computed_tokens"] + arrays["num_scheduled_tokens"]
     arrays["extra_block_tables"] = [block_table(5, block_table_width(40, 8), seq_lens, 8, 2)]
@@ -86,9 +100,12 @@ def test_all_features_at_once_match_each_feature_alone(data):
     arrays.update(mrope_positions=table, mrope_position_delta=np.zeros(5, np.int32),
                   is_token_ids=np.ones((5, 40), bool), prompt_embeds_start=np.zeros(5, np.int32),
                   prev_sampled_token_ids=np.zeros(5, np.int32), prev_batch_rows=np.full(5, -1, np.int32),
-                  prev_draft_token_ids=np.zeros((5, 2), np.int32))
+                  prev_draft_token_ids=np.zeros((5, 2), np.int32), lora_ids=np.array([0, 4, 9, 4, 0], np.int32),
+                  lora_slots=np.array([9, -1, 4], np.int32))
     step = run_step(arrays, config, "jit")
     for name, features in SINGLES.items():
+        if runner == "v2":  # V2's order reads the drafts (decode_query_len = 1 + K): give every step the same
+            features = dataclasses.replace(features, runner=runner, num_speculative_tokens=2)
         alone = run_step(arrays, dataclasses.replace(base, features=features), "jit")
         want, got = jax.tree_util.tree_leaves(getattr(alone, name)), jax.tree_util.tree_leaves(getattr(step, name))
         assert len(want) == len(got) > 0, name
