@@ -40,13 +40,14 @@ inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
 `check_group_blocks` (`inputs`) are the host checks `jaxprep.validate` calls.
 """
 
-from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, MROPE_NUM_DIMS, REORDER_MODES, AttnState,
-                                     DCPConfig, FeatureConfig, KVCacheGroupSpec)
+from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, MROPE_NUM_DIMS, REORDER_MODES, RUNNERS,
+                                     AttnState, DCPConfig, FeatureConfig, KVCacheGroupSpec)
 from jaxprep.features.dispatch import with_features
 from jaxprep.features.inputs import check_feature_shapes, check_feature_values, check_group_blocks, required_fields
+from jaxprep.features.lora_config import LoRAConfig
 
 __all__ = [
-    "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "AttnState", "DCPConfig",
-    "FeatureConfig", "KVCacheGroupSpec", "check_feature_shapes", "check_feature_values",
+    "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "RUNNERS", "AttnState", "DCPConfig",
+    "FeatureConfig", "KVCacheGroupSpec", "LoRAConfig", "check_feature_shapes", "check_feature_values",
     "check_group_blocks", "required_fields", "with_features",
 ]

@@ -5,7 +5,7 @@ vLLM builds it on the host, then in torch: per-request ids (V1
 `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`), slot indices
 (`vllm/lora/punica_wrapper/utils.py::convert_mapping`), the punica kernels' sort
 (`vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`) and the CUDA-graph
-key (`jaxprep.lora_config`). Here everything is integer ops on static shapes.
+key (`jaxprep.features.lora_config`). Here everything is integer ops on static shapes.
 
 The adapter swap (loading weights into slots) is the caller's: `BatchState.lora_slots` says which
 adapter id each GPU slot holds (-1: empty), `BatchState.lora_ids` which adapter each request uses
@@ -62,7 +62,7 @@ class LoRAKernelMeta:
 @typing.no_type_check
 @dataclasses.dataclass(frozen=True)
 class LoRAMetadata:
-    """A step's LoRA inputs under vLLM's names (`jaxprep.lora`)."""
+    """A step's LoRA inputs under vLLM's names (`jaxprep.features.lora`)."""
 
     token_lora_mapping: Int32[StepArray, " num_tokens_padded"]  # adapter id per token; pad 0
     prompt_lora_mapping: Int32[StepArray, " num_prompt_padded"]  # adapter id per logits row (V1) / request (V2); pad 0
@@ -88,7 +88,7 @@ def adapter_slots(lora_ids: Int32[Array, " n"], lora_slots: Int32[Array, " max_l
 
 def lora_metadata(lora_ids, lora_slots, rows, is_real_req, drafts, token_rows, is_real_token, query_start_loc,
                   features) -> LoRAMetadata:
-    """The step's `LoRAMetadata`; batch-row inputs as `jaxprep.features.dispatch.Layout` holds them."""
+    """The step's `LoRAMetadata`; batch-row inputs as `jaxprep._layout.Layout` holds them."""
     lora = features.lora
     if tuple(lora_slots.shape) != (lora.max_loras,):
         raise ValueError(f"BatchState.lora_slots has shape {tuple(lora_slots.shape)}, config expects "

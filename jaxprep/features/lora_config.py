@@ -4,7 +4,7 @@ The three options carry vLLM's names: ``max_loras`` and ``specialize_active_lora
 `vllm/config/lora.py::LoRAConfig`, ``cudagraph_specialize_lora`` from
 `vllm/config/compilation.py::CompilationConfig`. The capture cases and the rounding of an active
 count to a captured case are small static tables, built here once per config, that the jitted
-step indexes with an integer count (`jaxprep.lora`).
+step indexes with an integer count (`jaxprep.features.lora`).
 """
 
 from __future__ import annotations

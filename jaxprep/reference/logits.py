@@ -1,4 +1,4 @@
-"""NumPy reference of V2's logits indirection (`jaxprep.logits_indirection`), for reading.
+"""NumPy reference of V2's logits indirection (`jaxprep.features.logits_indirection`), for reading.
 
 One loop per vLLM kernel, over the real batch rows in batch order, unpadded: the oracle of the
 logits-indirection tests.

@@ -1,4 +1,4 @@
-"""NumPy reference of the LoRA metadata (`jaxprep.lora`), written the way vLLM 0.33.0 writes it.
+"""NumPy reference of the LoRA metadata (`jaxprep.features.lora`), written the way vLLM 0.33.0 writes it.
 
 Host loops and ``np.repeat`` / ``np.unique`` / a stable ``np.argsort`` over the real (unpadded)
 rows, one function per vLLM function; the oracle of the LoRA tests. The graph-key rules are
