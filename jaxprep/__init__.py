@@ -25,6 +25,8 @@ from jaxprep.features.lora import LoRAKernelMeta, LoRAMetadata
 from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.mrope import qwen2vl_prompt_positions
 from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
+from jaxprep.features.sampling import SamplingMetadata
+from jaxprep.features.sampling_params import SamplingConfig, SamplingParams
 from jaxprep.features.spec_decode import SpecDecodeMetadata
 
 __all__ = [
@@ -34,5 +36,6 @@ __all__ = [
     "prepare_padded", "prepare_to_host", "stack_ranks", "use_compile_cache", "validate", "warmup",
     "AttnState", "DCPConfig", "FeatureConfig", "KVCacheGroupSpec", "KVGroupMetadata", "PromptEmbedsMetadata",
     "SpecDecodeMetadata", "prev_batch_rows_from_step", "qwen2vl_prompt_positions",
-    "LoRAConfig", "LoRAKernelMeta", "LoRAMetadata", "LogitsIndirection",
+    "LoRAConfig", "LoRAKernelMeta", "LoRAMetadata", "LogitsIndirection", "SamplingConfig", "SamplingMetadata",
+    "SamplingParams",
 ]

@@ -82,3 +82,20 @@ PAD_LOCAL_POS = 0
 
 PAD_NUM_DRAFT_TOKENS = 0
 """``num_draft_tokens_per_req`` entry of a padded batch row."""
+
+# Sampling (jaxprep.features.sampling): the neutral value of each per-request sampling parameter. A padded
+# logits row reads these (a plain argmax with seed 0, as vLLM's gumbel kernel reads a row with idx < 0), and
+# so does a state slot no request has written (vLLM V2's initial SamplingStates values); a padded row's
+# top_k is the vocabulary size V.
+
+PAD_TEMPERATURE = 0.0
+"""Greedy."""
+
+PAD_TOP_P = 1.0
+PAD_MIN_P = 0.0
+PAD_SEED = 0
+"""Both int32 words of the seed."""
+
+PAD_REPETITION_PENALTY = 1.0
+PAD_FREQUENCY_PENALTY = 0.0
+PAD_PRESENCE_PENALTY = 0.0

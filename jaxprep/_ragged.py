@@ -110,7 +110,7 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     return on_cpu_else(_f32_prefix_sum, _int_prefix_sum, rows).reshape(values.shape)
 
 
-def take_rows(table: Array, rows: Int32[Array, " n"], fill_value: int) -> Array:
+def take_rows(table: Array, rows: Int32[Array, " n"], fill_value: int | float) -> Array:
     """``table[rows]`` along axis 0 for rows in ``[0, len(table)]``; the sentinel ``len(table)``
     reads ``fill_value``, and so does any row outside ``[0, len(table))``.
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
     from jaxprep.features.logits_indirection import LogitsIndirection
     from jaxprep.features.lora import LoRAMetadata
     from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
+    from jaxprep.features.sampling import SamplingMetadata
     from jaxprep.features.spec_decode import SpecDecodeMetadata
 
 
@@ -67,6 +68,7 @@ class StepInputs:
     request_distribution: Int32[StepArray, " 3"] | None = None  # [decode_end, prefill_end, mixed_end]
     lora: LoRAMetadata | None = None  # vLLM's LoRA mappings, slot indices, kernel metadata (jaxprep.features.lora)
     logits_indirection: LogitsIndirection | None = None  # V2's cu_num_logits, expanded_idx_mapping, ...
+    sampling: SamplingMetadata | None = None  # every logits row's sampling parameters (jaxprep.features.sampling)
 
     @property
     def num_reqs_padded(self) -> int:

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import EMPTY_LORA_SLOT, MROPE_MISSING_POSITION, NO_LORA_ID, NO_PREV_ROW, NULL_BLOCK_ID
-from jaxprep._typing import Array, Bool, Int32
+from jaxprep._typing import Array, Bool, Float32, Int32
 from jaxprep.config import PrepConfig, block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
+from jaxprep.features.sampling import empty_sampling_rows
 
 INT32 = np.dtype(np.int32)
 
@@ -57,6 +58,19 @@ class BatchState:
     # LoRA (jaxprep.features.lora): adapter id per state row (0: none), adapter id per GPU slot (-1: empty)
     lora_ids: Int32[Array, " max_num_reqs"] | None = None
     lora_slots: Int32[Array, " max_loras"] | None = None
+    # sampling (jaxprep.features.sampling): vLLM V2's per-slot sampling rows, written at admission and never
+    # reset at finish; seeds are int64 seeds as (high, low) int32 words
+    temperature: Float32[Array, " max_num_reqs"] | None = None
+    top_k: Int32[Array, " max_num_reqs"] | None = None
+    top_p: Float32[Array, " max_num_reqs"] | None = None
+    min_p: Float32[Array, " max_num_reqs"] | None = None
+    seeds: Int32[Array, "max_num_reqs 2"] | None = None
+    seeds_set: Bool[Array, " max_num_reqs"] | None = None
+    repetition_penalty: Float32[Array, " max_num_reqs"] | None = None
+    frequency_penalty: Float32[Array, " max_num_reqs"] | None = None
+    presence_penalty: Float32[Array, " max_num_reqs"] | None = None
+    prompt_bin_mask: Int32[Array, "max_num_reqs num_bin_words"] | None = None  # bit t%32 of word t//32: t in prompt
+    output_bin_counts: Int32[Array, "max_num_reqs vocab_size"] | None = None  # times each token was output
 
     @classmethod
     def empty(cls, config: PrepConfig) -> BatchState:
@@ -116,9 +130,11 @@ class BatchState:
 _OPTIONAL_NDIM = {
     "num_draft_tokens": 1, "prefill_len": 1, "mrope_positions": 3, "mrope_position_delta": 1,
     "prompt_embeds_start": 1, "prev_sampled_token_ids": 1, "prev_draft_token_ids": 2, "prev_batch_rows": 1,
-    "lora_ids": 1, "lora_slots": 1,
+    "lora_ids": 1, "lora_slots": 1, "top_k": 1, "seeds": 2, "prompt_bin_mask": 2, "output_bin_counts": 2,
 }
-OPTIONAL_FIELDS = (*_OPTIONAL_NDIM, "extra_block_tables", "is_token_ids")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+"""Optional fields of float32 values (each 1-D)."""
+OPTIONAL_FIELDS = (*_OPTIONAL_NDIM, *_FLOAT_FIELDS, "extra_block_tables", "is_token_ids", "seeds_set")
 """`BatchState` fields that only optional features read."""
 NOT_PER_ROW = frozenset({"lora_slots"})
 """Optional fields not indexed by state row (``lora_slots`` has ``max_loras`` entries)."""
@@ -133,8 +149,10 @@ def _feature_inputs_as_host(feature_inputs: dict) -> dict:
             continue
         if name == "extra_block_tables":
             host[name] = tuple(_as_int32(t, f"{name}[{g}]", ndim=2) for g, t in enumerate(value))
-        elif name == "is_token_ids":
-            host[name] = _as_bool(value, name, ndim=2)
+        elif name in ("is_token_ids", "seeds_set"):
+            host[name] = _as_bool(value, name, ndim=2 if name == "is_token_ids" else 1)
+        elif name in _FLOAT_FIELDS:
+            host[name] = _as_float32(value, name)
         else:
             host[name] = _as_int32(value, name, ndim=_OPTIONAL_NDIM[name])
     return host
@@ -167,7 +185,18 @@ def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
     if features.lora is not None:
         out["lora_ids"] = np.full((rows,), NO_LORA_ID, INT32)
         out["lora_slots"] = np.full((features.lora.max_loras,), EMPTY_LORA_SLOT, INT32)
+    if features.sampling is not None:
+        out.update(empty_sampling_rows(rows, features.sampling))
     return out
+
+
+def _as_float32(value, name: str) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim != 1:
+        raise ValueError(f"BatchState.{name} must be 1-D, got shape {array.shape}")
+    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise TypeError(f"BatchState.{name} must hold numbers, got dtype {array.dtype}")
+    return array.astype(np.float32)
 
 
 def _as_bool(value, name: str, *, ndim: int) -> np.ndarray:

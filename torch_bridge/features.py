@@ -12,8 +12,8 @@ torch dtypes follow vLLM: ``mrope_positions`` and the fields of `INT64_FIELDS` i
 ``slot_mapping`` takes the kind of the step's own ``slot_mapping`` (int64 on CPU/CUDA, int32 on the
 NPU); boolean masks stay bool; everything else (block tables, spec-decode indices,
 ``request_distribution``, ``dcp_local_seq_lens``, the LoRA mappings and kernel metadata,
-``cu_num_logits``, ``expanded_local_pos``) int32. A leaf that is neither int32 nor bool is
-converted on its own.
+``cu_num_logits``, ``expanded_local_pos``, the sampling rows' ``top_k`` and seed words) int32. A leaf
+that is neither int32 nor bool (the sampling rows' float32 parameters) is converted on its own.
 """
 
 from __future__ import annotations
@@ -30,16 +30,17 @@ from torch_bridge._torch import torch
 from torch_bridge.transfer import convert_leaf
 
 STEP_FEATURES = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                 "request_distribution", "lora", "logits_indirection")
+                 "request_distribution", "lora", "logits_indirection", "sampling")
 """`StepInputs` feature fields that `TorchStepInputs` carries under the same names."""
 METADATA_FEATURES = ("dcp_local_seq_lens",)
 """`AttentionMetadata` feature fields that `TorchAttentionMetadata` carries under the same names."""
 INT64_FIELDS = ("mrope_positions", "lora.token_lora_indices", "lora.sampler_indices", "lora.sampler_indices_padded",
                 "lora.embeddings_indices", "logits_indirection.logits_indices",
-                "logits_indirection.expanded_idx_mapping", "logits_indirection.logits_pos")
+                "logits_indirection.expanded_idx_mapping", "logits_indirection.logits_pos", "sampling.idx_mapping",
+                "sampling.pos")
 """int64 in vLLM: ``MRotaryEmbedding`` positions; the LoRA index tensors ``convert_mapping`` builds
 (torch.long); V2's ``logits_indices``, ``expanded_idx_mapping`` (``idx_mapping`` is int64) and the
-positions the sampler reads."""
+positions the sampler reads (also as ``sampling.idx_mapping`` / ``sampling.pos``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

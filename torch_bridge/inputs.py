@@ -81,6 +81,7 @@ class TorchStepInputs:
     request_distribution: torch.Tensor | None = None  # [3] int32: decode_end, prefill_end, mixed_end
     lora: Any = None  # the step's LoRAMetadata with torch leaves (slot indices int64, the rest int32)
     logits_indirection: Any = None  # the step's LogitsIndirection with torch leaves (see torch_bridge.features)
+    sampling: Any = None  # the step's SamplingMetadata with torch leaves: float32 parameters, bool flags
     jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
 
     def group_attn_metadata(self, group: int) -> TorchAttentionMetadata:

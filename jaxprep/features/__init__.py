@@ -31,6 +31,9 @@ the host check of its `BatchState` inputs (module, feature, vLLM source):
 - `logits_indirection`: V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...);
   `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`,
   `vllm/v1/worker/gpu/input_batch.py::_expand_idx_mapping_kernel`
+- `sampling` (settings and request parameters in `sampling_params`): every logits row's sampling
+  parameters and vLLM's flags; `vllm/v1/worker/gpu/sample/states.py::SamplingStates`,
+  `vllm/v1/worker/gpu/sample/sampler.py::Sampler.__call__`, `vllm/sampling_params.py::SamplingParams`
 
 ``FeatureConfig(runner="v2")`` switches every output to vLLM's model runner V2 where V1 and V2
 differ (the batch order, LoRA's prompt mapping and graph key, the logits indirection).
@@ -45,9 +48,10 @@ from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, MROPE_NU
 from jaxprep.features.dispatch import with_features
 from jaxprep.features.inputs import check_feature_shapes, check_feature_values, check_group_blocks, required_fields
 from jaxprep.features.lora_config import LoRAConfig
+from jaxprep.features.sampling_params import SamplingConfig, SamplingParams
 
 __all__ = [
     "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "RUNNERS", "AttnState", "DCPConfig",
     "FeatureConfig", "KVCacheGroupSpec", "LoRAConfig", "check_feature_shapes", "check_feature_values",
-    "check_group_blocks", "required_fields", "with_features",
+    "check_group_blocks", "required_fields", "with_features", "SamplingConfig", "SamplingParams",
 ]

@@ -13,6 +13,7 @@ import enum
 from jaxprep._checks import check_positive_int, max_block_id
 from jaxprep._constants import INT32_MAX
 from jaxprep.features.lora_config import LoRAConfig
+from jaxprep.features.sampling_params import SamplingConfig
 
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
@@ -125,6 +126,8 @@ class FeatureConfig:
       logits_indirection: `StepInputs.logits_indirection`, V2's logits rows (``cu_num_logits``,
         ``expanded_idx_mapping``, ...). ``None``: on exactly when ``runner="v2"``
         (`logits_indirection_on`).
+      sampling: `jaxprep.SamplingConfig`: `StepInputs.sampling`, every logits row's sampling
+        parameters gathered from the `BatchState` sampling rows (``temperature``, ``top_k``, ...).
     """
 
     num_speculative_tokens: int = 0
@@ -145,6 +148,7 @@ class FeatureConfig:
     runner: str = "v1"
     lora: LoRAConfig | None = None
     logits_indirection: bool | None = None
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
@@ -164,6 +168,8 @@ class FeatureConfig:
             raise ValueError("FeatureConfig: DCP does not support sliding-window KV groups (as in vLLM)")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ValueError(f"FeatureConfig.lora must be a jaxprep.LoRAConfig or None, got {self.lora!r}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"FeatureConfig.sampling must be a jaxprep.SamplingConfig or None, got {self.sampling!r}")
 
     def _check_runner(self) -> None:
         """runner="v2" implies V2's batch order and the logits indirection (unless switched off).
@@ -203,7 +209,8 @@ class FeatureConfig:
         """True unless every feature is off (the plain step)."""
         return bool(self.spec_decode or self.discard_request_mask or self.kv_groups or self.dcp or self.mrope
                     or self.prompt_embeds or self.async_tokens or self.attn_state or self.attn_mask
-                    or self.batch_order or self.request_distribution or self.lora or self.logits_indirection_on)
+                    or self.batch_order or self.request_distribution or self.lora or self.logits_indirection_on
+                    or self.sampling)
 
     def check_against(self, config) -> None:
         """Checks that need the `PrepConfig` (block sizes, lengths); raises ValueError."""

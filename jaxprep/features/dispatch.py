@@ -26,6 +26,7 @@ from jaxprep.features.masks import attn_mask
 from jaxprep.features.mrope import mrope_positions
 from jaxprep.features.prompt_embeds import prompt_embeds_metadata
 from jaxprep.features.reorder import request_distribution
+from jaxprep.features.sampling import sampling_metadata
 from jaxprep.features.spec_decode import spec_decode_metadata
 
 
@@ -65,16 +66,21 @@ def with_features(step, state, config, layout: Layout):
 
 
 def _mrv2_outputs(step, state, features, layout: Layout, drafts, input_ids) -> dict:
-    """LoRA and V2's logits indirection (read the final ``input_ids``)."""
+    """LoRA, V2's logits indirection and the sampling rows (read the final ``input_ids``)."""
     out = {}
     query_start_loc = step.attn_metadata.query_start_loc
     if features.lora is not None:
         out["lora"] = lora_metadata(state.lora_ids, state.lora_slots, layout.rows, layout.is_real_req, drafts,
                                     layout.token_rows, layout.is_real_token, query_start_loc, features)
-    if features.logits_indirection_on:
-        out["logits_indirection"] = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, query_start_loc,
-                                                       step.positions, input_ids, layout.is_real_token,
-                                                       features.num_speculative_tokens)
+    if features.logits_indirection_on or features.sampling is not None:
+        indirection = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, query_start_loc,
+                                         step.positions, input_ids, layout.is_real_token,
+                                         features.num_speculative_tokens)
+        if features.logits_indirection_on:
+            out["logits_indirection"] = indirection
+        if features.sampling is not None:
+            out["sampling"] = sampling_metadata(state, step.idx_mapping, layout.is_real_req, indirection,
+                                                features.sampling.vocab_size)
     return out
 
 

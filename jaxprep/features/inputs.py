@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
-from jaxprep.features import async_tokens, kv_groups, lora, masks, mrope, prompt_embeds, spec_decode
+from jaxprep.features import async_tokens, kv_groups, lora, masks, mrope, prompt_embeds, sampling, spec_decode
 from jaxprep.features.config import MROPE_NUM_DIMS
 
 
@@ -37,6 +37,8 @@ def required_fields(features) -> dict[str, str]:
             needs["prev_draft_token_ids"] = "async_tokens with spec decode"
     if features.lora is not None:
         needs.update(lora_ids="lora", lora_slots="lora")
+    if features.sampling is not None:
+        needs.update(dict.fromkeys(sampling.STATE_FIELDS, "sampling"))
     return needs
 
 
@@ -91,5 +93,7 @@ def check_feature_values(host: dict, core: dict, config) -> None:
         async_tokens.check_prev_batch_rows(host["prev_batch_rows"].astype(np.int64), in_batch, config.max_num_reqs)
     if features.lora is not None:
         lora.check_lora_inputs(host["lora_ids"].astype(np.int64), host["lora_slots"].astype(np.int64), in_batch)
+    if features.sampling is not None:
+        sampling.check_sampling_inputs(host, config)
     if features.attn_mask in ("rows_bool", "rows_additive"):
         masks.check_row_mask_columns(computed, scheduled, features.mask_columns(config))

@@ -15,16 +15,18 @@ from jaxprep import (
     KVCacheGroupSpec,
     LoRAConfig,
     PrepConfig,
+    SamplingConfig,
     count_compiles,
     prepare_padded,
 )
 from jaxprep.config import block_table_width
+from jaxprep.features.sampling import empty_sampling_rows
 from jaxprep.state import OPTIONAL_FIELDS
 from jaxprep.walkthrough.examples import example_a_config, example_a_step2
 from support.feature_batches import block_table, feature_batches, run_step
 
 OPTIONAL_OUTPUTS = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                    "attn_state", "attn_mask", "request_distribution", "lora", "logits_indirection")
+                    "attn_state", "attn_mask", "request_distribution", "lora", "logits_indirection", "sampling")
 
 
 def test_plain_step_has_no_feature_outputs_or_inputs():
@@ -51,6 +53,7 @@ def test_equal_feature_configs_share_one_executable():
 @pytest.mark.parametrize("features", [FeatureConfig(num_speculative_tokens=2), FeatureConfig(mrope=True),
                                       FeatureConfig(async_tokens=True, prompt_embeds=True),
                                       FeatureConfig(runner="v2", lora=LoRAConfig(max_loras=2)),
+                                      FeatureConfig(sampling=SamplingConfig(vocab_size=40)),
                                       FeatureConfig(kv_groups=(KVCacheGroupSpec(4), KVCacheGroupSpec(8)))])
 def test_empty_state_holds_every_input_a_feature_needs(features):
     config = PrepConfig(max_num_reqs=3, max_model_len=16, max_num_batched_tokens=8, block_size=4, features=features)
@@ -69,7 +72,7 @@ ALL = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp", discard_
                     kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                     dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True, attn_state=True,
                     attn_mask="rows_bool", request_distribution=True, lora=LoRAConfig(max_loras=3, vocab_size=100),
-                    logits_indirection=True)
+                    logits_indirection=True, sampling=SamplingConfig(vocab_size=100))
 SINGLES = {
     "spec_decode": FeatureConfig(num_speculative_tokens=2),
     "discard_request_mask": FeatureConfig(discard_request_mask=True),
@@ -81,6 +84,7 @@ SINGLES = {
     "request_distribution": FeatureConfig(request_distribution=True, num_speculative_tokens=2),
     "lora": FeatureConfig(lora=ALL.lora, num_speculative_tokens=2),
     "logits_indirection": FeatureConfig(logits_indirection=True, num_speculative_tokens=2),
+    "sampling": FeatureConfig(sampling=ALL.sampling, num_speculative_tokens=2),
 }
 
 
@@ -101,7 +105,9 @@ def test_all_features_at_once_match_each_feature_alone(runner, data):
                   is_token_ids=np.ones((5, 40), bool), prompt_embeds_start=np.zeros(5, np.int32),
                   prev_sampled_token_ids=np.zeros(5, np.int32), prev_batch_rows=np.full(5, -1, np.int32),
                   prev_draft_token_ids=np.zeros((5, 2), np.int32), lora_ids=np.array([0, 4, 9, 4, 0], np.int32),
-                  lora_slots=np.array([9, -1, 4], np.int32))
+                  lora_slots=np.array([9, -1, 4], np.int32),
+                  **dict(empty_sampling_rows(5, ALL.sampling), temperature=np.array([0, 0.5, 1, 0.7, 2], np.float32),
+                         top_k=np.array([100, 3, 100, 7, 100], np.int32)))
     step = run_step(arrays, config, "jit")
     for name, features in SINGLES.items():
         if runner == "v2":  # V2's order reads the drafts (decode_query_len = 1 + K): give every step the same
