@@ -124,6 +124,10 @@ def row_keys(rows) -> jax.Array:
 def sample(logits: Logits, rows, batch) -> Int32[Array, " num_logits_padded"]:
     """Each row's token: argmax of `processed_logits` plus the row's Gumbel noise (none for a greedy row)."""
     x = processed_logits(logits, rows, batch)
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (x.shape[1],), jnp.float32))(row_keys(rows))
-    noisy = jnp.where(rows.temperature[:, None] == 0, x, x + noise)
-    return jnp.argmax(noisy, axis=1).astype(jnp.int32)
+
+    def with_noise(x):
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, (x.shape[1],), jnp.float32))(row_keys(rows))
+        return jnp.where(rows.temperature[:, None] == 0, x, x + noise)
+
+    x = jax.lax.cond(rows.all_greedy, lambda x: x, with_noise, x)  # an all-greedy step draws no noise
+    return jnp.argmax(x, axis=1).astype(jnp.int32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxprep import SamplingConfig, SamplingParams
@@ -55,3 +56,40 @@ def example_arrays() -> dict:
 def example_config():
     config = ex.config("v2")
     return dataclasses.replace(config, features=dataclasses.replace(config.features, sampling=SAMPLING))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Bins:
+    """The penalty tables the sampler reads (a `BatchState` has the same two fields)."""
+
+    prompt_bin_mask: np.ndarray  # [R, ceil(V/32)] int32
+    output_bin_counts: np.ndarray  # [R, V] int32
+
+
+def sampler_rows(params: list, vocab: int, pos=None, seeds=None):
+    """A `SamplingMetadata` of one logits row per entry of ``params`` (row j reads slot j, local
+    position 0), flags computed here in NumPy; ``seeds`` overrides the rows' seeds (ints)."""
+    from jaxprep.features.sampling import SamplingMetadata
+    from jaxprep.features.sampling_params import seed_words
+
+    n = len(params)
+    values = [state_row(p, vocab, np.random.default_rng(j)) for j, p in enumerate(params)]
+    column = {name: np.array([v[name] for v in values]) for name in values[0]}
+    if seeds is not None:
+        column["seeds"] = np.array([seed_words(s) for s in seeds], np.int32)
+    floats = {name: column[name].astype(np.float32) for name in
+              ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")}
+    penalty = ((floats["repetition_penalty"] != 1) | (floats["frequency_penalty"] != 0)
+               | (floats["presence_penalty"] != 0))
+    greedy = floats["temperature"] == 0
+    return SamplingMetadata(
+        idx_mapping=np.arange(n, dtype=np.int32), expanded_local_pos=np.zeros(n, np.int32),
+        pos=np.zeros(n, np.int32) if pos is None else np.asarray(pos, np.int32), input_ids=np.zeros(n, np.int32),
+        cu_num_logits=np.arange(n + 1, dtype=np.int32), top_k=column["top_k"].astype(np.int32),
+        seeds=column["seeds"].astype(np.int32), **floats,
+        any_greedy=np.bool_(greedy.any()), all_greedy=np.bool_(greedy.all()), all_random=np.bool_(~greedy.any()),
+        any_explicit_seed=np.bool_(column["seeds_set"].any()), do_top_k=np.bool_((column["top_k"] != vocab).any()),
+        do_top_p=np.bool_((floats["top_p"] != 1).any()), do_min_p=np.bool_((floats["min_p"] != 0).any()),
+        do_penalties=np.bool_(penalty.any()),
+        has_topp_only_rows=np.bool_(((floats["top_p"] != 1) & (column["top_k"] == vocab)).any()))
