@@ -178,7 +178,8 @@ def check_parameter_bounds(values: dict, vocab_size: int, where: str, rows=None)
         bad = ~ok if rows is None else ~ok & rows
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise InvalidBatchError(f"{where}.{name} at row {row} is {values[name][row]!r}, which is not {bound}")
+            value = values[name][row].item()
+            raise InvalidBatchError(f"{where}.{name} at row {row} is {value!r}, which is not {bound}")
     if "output_bin_counts" in values and (values["output_bin_counts"] < 0).any():
         row = int(np.nonzero(values["output_bin_counts"] < 0)[0][0])
         raise InvalidBatchError(f"{where}.output_bin_counts at row {row} has a negative count (must be >= 0)")

@@ -15,6 +15,7 @@ import numpy as np
 from jaxprep._constants import NULL_BLOCK_ID, PAD_STATE_ROW
 from jaxprep.config import cdiv
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.sampling_rows import check_add_sampling
 from jaxprep.serving.state import PAD_ROW
 from jaxprep.validate import InvalidBatchError
 
@@ -102,6 +103,9 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
             _fail(f"{where}: num_computed_tokens={computed} must lie in [0, num_tokens={num_tokens}) and fit "
                   f"its num_blocks={num_blocks} blocks of {prep.block_size}")
         _check_block_ids(f"AddRequests.block_ids[{i}]", np.asarray(payload.block_ids[i][:num_blocks]), config)
+    if getattr(payload, "sampling", None) is not None:
+        check_add_sampling(payload.sampling, entries, np.asarray(payload.num_tokens),
+                           prep.features.sampling.vocab_size, _fail)
     rows.num_tokens[real] = payload.num_tokens[entries]
     rows.stop_len[real] = payload.stop_len[entries]
     rows.num_computed_tokens[real] = payload.num_computed_tokens[entries]

@@ -17,6 +17,8 @@ Shapes: ``logits`` [L, V] float32, one row per `SamplingMetadata` row; ``batch``
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -131,3 +133,30 @@ def sample(logits: Logits, rows, batch) -> Int32[Array, " num_logits_padded"]:
 
     x = jax.lax.cond(rows.all_greedy, lambda x: x, with_noise, x)  # an all-greedy step draws no noise
     return jnp.argmax(x, axis=1).astype(jnp.int32)
+
+
+def request_rows(rows):
+    """The last logits row of every request (its bonus row): `SamplingMetadata` of ``R_pad`` rows, for
+    logits taken at the requests' last tokens (``logits_indices``). A padded request reads row
+    ``L - 1`` (its token is never recorded).
+
+    # cu_num_logits [0, 3, 5, 6, 7] -> rows [2, 4, 5, 6]
+    """
+    last = jnp.clip(rows.cu_num_logits[1:] - 1, 0, rows.idx_mapping.shape[0] - 1)
+    num_reqs_padded = last.shape[0]
+
+    def take(name, value):
+        if name == "cu_num_logits":
+            return jnp.arange(num_reqs_padded + 1, dtype=jnp.int32)
+        return value if value.ndim == 0 else value[last]
+
+    return type(rows)(**{f.name: take(f.name, getattr(rows, f.name)) for f in dataclasses.fields(rows)})
+
+
+def sample_requests(logits: Float32[Array, "num_reqs_padded vocab_size"], rows,
+                    batch) -> Int32[Array, " num_reqs_padded"]:
+    """`sample` of one logits row per request (the serving step's ``logits_indices`` rows)."""
+    if logits.shape[1] != batch.output_bin_counts.shape[1]:
+        raise ValueError(f"the model's vocabulary ({logits.shape[1]}) differs from SamplingConfig.vocab_size "
+                         f"({batch.output_bin_counts.shape[1]})")
+    return sample(logits, request_rows(rows), batch)

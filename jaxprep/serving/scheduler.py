@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep.config import cdiv
+from jaxprep.features.sampling_params import SamplingParams
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.step import AppendedTokens
 
@@ -61,6 +62,12 @@ class Request:
     row: int = NO_ROW
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    # None: greedy. With FeatureConfig.sampling the device samples with these; stop_token_ids work either way
+    sampling_params: SamplingParams | None = None
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return () if self.sampling_params is None else self.sampling_params.stop_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +81,16 @@ class Request:
         """``num_tokens`` (prompt + outputs) at which the request stops: ``max_tokens`` outputs, or
         ``max_model_len`` (vLLM's two length stops)."""
         return min(len(self.prompt_token_ids) + self.max_tokens, max_model_len)
+
+
+def _check_sampling(request: Request, sampling) -> None:
+    """Sampling parameters other than greedy without penalties need `FeatureConfig.sampling`."""
+    params = request.sampling_params
+    if params is None or sampling is not None:
+        return
+    if params.temperature != 0 or params.use_penalty:
+        raise ValueError(f"request {request.request_id}: sampling with {params} needs FeatureConfig.sampling "
+                         f"(the loop without it samples greedily)")
 
 
 @dataclasses.dataclass
@@ -110,6 +127,7 @@ class Scheduler:
         if not 0 < length < prep.max_model_len or request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: prompt of {length} tokens must lie in "
                              f"[1, max_model_len={prep.max_model_len}) and max_tokens={request.max_tokens} >= 1")
+        _check_sampling(request, prep.features.sampling)
         blocks = cdiv(request.stop_len(prep.max_model_len), prep.block_size)
         if blocks > self.config.num_blocks - 1:
             raise ValueError(f"request {request.request_id} may need {blocks} blocks; the cache has "
@@ -184,7 +202,8 @@ class Scheduler:
             self.running.append(request)
             out.new_requests.append(dict(row=request.row, token_ids=request.all_token_ids,
                                          stop_len=request.stop_len(self.config.max_model_len),
-                                         block_ids=list(request.block_ids)))
+                                         block_ids=list(request.block_ids), sampling=request.sampling_params,
+                                         prompt_len=len(request.prompt_token_ids)))
             out.num_scheduled_tokens[request.row] = num_new
             budget -= num_new
 
@@ -192,8 +211,8 @@ class Scheduler:
         """Every running request decoding and none waiting: give each the blocks of up to K tokens
         (as many as are free) and let the device run the K decode steps."""
         steps, max_model_len = self.config.decode_steps, self.config.max_model_len
-        if steps == 1 or self.waiting or not self.running:
-            return
+        if steps == 1 or self.waiting or not self.running or any(r.stop_token_ids for r in self.running):
+            return  # the device stops only at EOS and stop_len: a stop token ends multi-step decoding
         if any(r.num_computed_tokens != r.num_tokens - 1 or out.num_scheduled_tokens[r.row] != 1 for r in self.running):
             return
         for request in self.running:
@@ -237,7 +256,8 @@ class Scheduler:
         return done
 
     def _stops(self, request: Request, token: int, eos_token_id: int) -> bool:
-        return (token == eos_token_id or len(request.output_token_ids) >= request.max_tokens
+        return (token == eos_token_id or token in request.stop_token_ids
+                or len(request.output_token_ids) >= request.max_tokens
                 or request.num_tokens >= self.config.max_model_len)
 
     def _finish(self, request: Request) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.sampling_rows import AddSampling
 from jaxprep.state import BatchState
 
 PAD_ROW = -1
@@ -80,11 +81,13 @@ class AddRequests:
     num_computed_tokens: HostOrDevice  # [A] > 0 after a prefix-cache hit
     block_ids: HostOrDevice  # [A, max_blocks_per_req] allocated blocks, null block 0 past num_blocks
     num_blocks: HostOrDevice  # [A]
+    sampling: AddSampling | None = None  # FeatureConfig.sampling: parameters and prompt lengths
 
     @classmethod
     def build(cls, config: ServingConfig, requests=()) -> AddRequests:
         """``requests``: dicts with row, token_ids, stop_len, block_ids and optionally
-        num_computed_tokens (default 0). At most ``max_new_reqs_per_step`` of them."""
+        num_computed_tokens (default 0), and with the sampling feature ``sampling``
+        (`jaxprep.SamplingParams`, None: greedy) and ``prompt_len``. At most ``max_new_reqs_per_step``."""
         size, prep = config.max_new_reqs_per_step, config.prep
         requests = list(requests)
         if len(requests) > size:
@@ -104,6 +107,8 @@ class AddRequests:
             arrays["num_blocks"][i] = len(blocks)
             arrays["stop_len"][i] = request["stop_len"]
             arrays["num_computed_tokens"][i] = request.get("num_computed_tokens", 0)
+        if prep.features.sampling is not None:
+            arrays["sampling"] = AddSampling.build(prep.features.sampling, requests, size)
         return cls(**arrays)
 
 

@@ -1,5 +1,6 @@
 """The serving step: one jitted function per token bucket that updates, prepares, runs the model,
-samples greedily and records, with the state and the KV cache donated.
+samples (greedily, or with each request's parameters under `FeatureConfig.sampling`) and records,
+with the state and the KV cache donated.
 
 The step runs its body in a ``lax.while_loop`` of at most ``config.decode_steps`` (K) iterations;
 the payload's ``decode_steps`` (a traced count) says how many it may run. Iteration 0 runs the
@@ -23,6 +24,7 @@ from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ServingModel
 from jaxprep.serving.packing import unpack_updates
+from jaxprep.serving.sampler import sample_requests
 from jaxprep.serving.state import ServingState
 from jaxprep.serving.transitions import apply_updates_body, record_sampled_body, row_index
 
@@ -101,11 +103,14 @@ def update_and_prepare_body(state: ServingState, packed_updates: jax.Array, conf
 
 
 def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: ServingModel, num_tokens_padded: int):
-    """prepare -> model -> greedy sample -> record; tokens [max_num_reqs] per state row."""
+    """prepare -> model -> sample -> record; tokens [max_num_reqs] per state row."""
     inputs = prepare_padded(state.batch, config.prep, num_tokens_padded)
     kv_cache, logits = model.forward(params, kv_cache, inputs, block_size=config.block_size,
                                      max_model_len=config.max_model_len)
-    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R_pad]
+    if inputs.sampling is None:  # greedy
+        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R_pad]
+    else:  # FeatureConfig.sampling: each request's parameters (jaxprep.serving.sampler)
+        sampled = sample_requests(logits, inputs.sampling, state.batch)
     num_tokens_before = state.num_tokens
     state = record_sampled_body(state, inputs.idx_mapping, sampled[:, None], jnp.ones_like(sampled))
     # idx_mapping [2, 0, -1], sampled [a, b, c] -> per row [b, -, a, -]; discarded rows stay NO_TOKEN

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep.serving.sampling_rows import admit, count_sampled
 from jaxprep.serving.state import AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState, StepUpdates
 
 
@@ -59,6 +60,9 @@ def add_body(state: ServingState, payload: AddRequests) -> ServingState:
                            block_table=_set(batch.block_table, rows, payload.block_ids),
                            num_computed_tokens=_set(batch.num_computed_tokens, rows, payload.num_computed_tokens),
                            num_scheduled_tokens=_set(batch.num_scheduled_tokens, rows, 0))
+    if payload.sampling is not None:  # FeatureConfig.sampling: parameters and penalty bins
+        state = dataclasses.replace(state, batch=admit(state.batch, rows, payload.sampling, payload.token_ids,
+                                                       payload.num_tokens))
     return dataclasses.replace(state, num_tokens=_set(state.num_tokens, rows, payload.num_tokens),
                                stop_len=_set(state.stop_len, rows, payload.stop_len),
                                num_blocks=_set(state.num_blocks, rows, payload.num_blocks),
@@ -139,6 +143,8 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     state = _replace_batch(state, token_ids=token_ids,
                            num_computed_tokens=state.batch.num_computed_tokens.at[rows].add(advance, mode="drop"),
                            num_scheduled_tokens=_set(state.batch.num_scheduled_tokens, rows, 0))
+    if state.batch.output_bin_counts is not None:  # FeatureConfig.sampling: every appended token counts
+        state = dataclasses.replace(state, batch=count_sampled(state.batch, rows, sampled_token_ids, num_sampled))
     return dataclasses.replace(state, num_tokens=state.num_tokens.at[rows].add(num_sampled, mode="drop"),
                                num_draft_tokens=_set(state.num_draft_tokens, rows, 0))
 
