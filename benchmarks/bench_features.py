@@ -1,6 +1,6 @@
 """Per-step cost of each optional feature: a plain step against the same step with one feature on.
 
-    PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 100] [--rounds 5]
+    PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 100] [--rounds 5] [--only NAME ...]
         [--default-runtime]
 
 Runs on one CPU thread (``PJRT_NPROC=1``) with synchronous dispatch, the way the CLI does, unless
@@ -39,13 +39,16 @@ from jaxprep import (  # noqa: E402
     KVCacheGroupSpec,
     LoRAConfig,
     PrepConfig,
+    SamplingConfig,
     prepare_inputs,
     validate,
 )
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
+from jaxprep.features.sampling import empty_sampling_rows  # noqa: E402
 
 K = 3  # draft tokens per decode when spec decode is on
 LORA = LoRAConfig(max_loras=8, vocab_size=32000)  # requests cycle through 6 loaded adapters and none
+SAMPLING = SamplingConfig(vocab_size=32000)  # requests cycle through greedy, T 0.7 / top-k 50, T 1 / top-p 0.9
 BASELINE = "vLLM V1 host path (plain)"
 BLOCK_SIZE = 16
 FEATURES = {
@@ -71,6 +74,7 @@ FEATURES = {
     "logits_indirection (V1)": FeatureConfig(logits_indirection=True),
     "lora (8 slots)": FeatureConfig(lora=LORA),
     "lora + spec (K=3), V1": FeatureConfig(lora=LORA, num_speculative_tokens=K),
+    "sampling (V 32000)": FeatureConfig(sampling=SAMPLING),
 }
 EVERY = FeatureConfig(num_speculative_tokens=K, discard_request_mask=True,
                       kv_groups=FEATURES["kv_groups (3 groups)"].kv_groups[:2], dcp=DCPConfig(4, 1, 1), mrope=True,
@@ -84,6 +88,8 @@ FEATURES.update({
     "every feature + lora": dataclasses.replace(EVERY, lora=LORA),
     "every feature + runner v2": dataclasses.replace(EVERY, runner="v2"),
     "every feature + runner v2 + lora": dataclasses.replace(EVERY, runner="v2", lora=LORA),
+    "every feature + sampling": dataclasses.replace(EVERY, sampling=SAMPLING),
+    "every feature + v2 + lora + sampling": dataclasses.replace(EVERY, runner="v2", lora=LORA, sampling=SAMPLING),
 })
 
 
@@ -137,6 +143,12 @@ def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
     if features.lora is not None:
         arrays["lora_slots"] = np.array([11, 12, 13, -1, 14, 15, 16, -1], np.int32)
         arrays["lora_ids"] = np.array([0, 11, 12, 13, 14, 15, 16] * rows, np.int32)[:rows]
+    if features.sampling is not None:
+        arrays.update(empty_sampling_rows(rows, features.sampling))
+        kind = np.arange(rows) % 3  # 0 greedy, 1 T 0.7 top-k 50, 2 T 1 top-p 0.9
+        arrays["temperature"] = np.choose(kind, [0.0, 0.7, 1.0]).astype(np.float32)
+        arrays["top_k"] = np.where(kind == 1, 50, features.sampling.vocab_size).astype(np.int32)
+        arrays["top_p"] = np.where(kind == 2, 0.9, 1.0).astype(np.float32)
     return arrays
 
 
@@ -166,12 +178,15 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=100, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds over all features; each keeps its best median")
+    parser.add_argument("--only", nargs="+", metavar="NAME", default=None,
+                        help="measure only these configurations (and plain), by their names in the table")
     add_runtime_argument(parser)
     args = parser.parse_args()
     base = PrepConfig(max_num_reqs=args.reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.tokens, block_size=BLOCK_SIZE)
     compile_s, calls = {}, {}
-    for name, features in FEATURES.items():
+    chosen = {name: f for name, f in FEATURES.items() if args.only is None or name in ("plain", *args.only)}
+    for name, features in chosen.items():
         config = dataclasses.replace(base, features=features)
         state = BatchState.from_numpy(**batch(config, args.reqs, args.tokens, np.random.default_rng(0)))
         validate(state, config)

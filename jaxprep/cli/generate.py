@@ -15,6 +15,7 @@ import json
 import os
 
 from jaxprep.cli._args import INT32_MAX, int_in, require
+from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
 
@@ -47,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest sequence (default: longest prompt + max tokens, rounded up to a block)")
     parser.add_argument("--decode-steps", type=positive, default=8,
                         help="decode steps per multi-step dispatch (default 8)")
+    add_sampling_arguments(parser)
     parser.add_argument("--json", action="store_true",
                         help='print {"outputs": [[ids...], ...]} as one JSON object on the last line')
     parser.set_defaults(error=parser.error)
@@ -59,6 +61,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.num_blocks is not None:
         require(args.num_blocks * args.block_size <= INT32_MAX, f"--num-blocks {args.num_blocks}: times "
                 f"--block-size {args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
+    sampling_params(args)  # a bad value ends here, naming its flag
     args.tokenizer = _tokenizer(args)
 
 
@@ -75,20 +78,24 @@ def run(args: argparse.Namespace) -> int:
     eos_ids = () if args.ignore_eos else model.eos_token_ids
     config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
     _check_fit(args, prompts, config)
-    outputs, stats = generate(model, params, prompts, config, args.max_tokens, eos_ids)
+    sampling = [sampling_params(args, i) for i in range(len(prompts))]
+    if sampling[0] is not None:
+        config = with_sampling(config, model.vocab_size)
+    outputs, stats = generate(model, params, prompts, config, args.max_tokens, eos_ids, sampling)
     _print(args, model, prompts, outputs, stats, tokenizer)
     return 0
 
 
 def generate(model, params, prompts: list[list[int]], config, max_tokens: int,
-             eos_ids: tuple[int, ...]) -> tuple[list[list[int]], object]:
+             eos_ids: tuple[int, ...], sampling=None) -> tuple[list[list[int]], object]:
     """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
-    first of ``eos_ids``) and the loop stats."""
+    first of ``eos_ids``) and the loop stats. ``sampling``: each prompt's `SamplingParams` (None: greedy)."""
     from jaxprep.serving import Engine, Request
 
     engine = Engine(config, model, params=params)
-    engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens)
-                   for i, p in enumerate(prompts)])
+    sampling = sampling or [None] * len(prompts)
+    engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens, sampling_params=s)
+                   for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))])
     finished = sorted(engine.run(), key=lambda request: request.request_id)
     return [_stop_at_eos(request.output_token_ids, eos_ids) for request in finished], engine.stats
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxprep.cli._args import INT32_MAX, check_folder, check_plot_path, flag, int_in, require
 from jaxprep.cli._progress import add_progress_argument, progress_bar
+from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
 DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_model_len=256, num_blocks=64,
@@ -68,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="save a chart of every forward pass: tokens run vs the bucket (the padding), "
                              "prefill and decode tokens, and the prep time (needs matplotlib)")
+    add_sampling_arguments(parser)
     add_progress_argument(parser)
     parser.set_defaults(error=parser.error)
 
@@ -95,6 +97,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     visible = jax.device_count()
     require(args.devices <= visible, f"--devices {args.devices}: must be <= {visible}, the "
             f"{jax.default_backend()} devices JAX sees")
+    sampled = sampling_params(args) is not None
+    require(not (sampled and args.check), "--check: compares greedy tokens; drop it with --temperature and friends")
     if args.compile_cache:
         check_folder("--compile-cache", args.compile_cache)
     if args.plot:
@@ -142,6 +146,10 @@ def _setup(args: argparse.Namespace):
     workload = random_workload(args.seed, num_requests=args.requests, vocab_size=model.vocab_size,
                                prompt_len=(min(MIN_PROMPT_LEN, args.max_prompt_len), args.max_prompt_len),
                                max_tokens=(1, args.max_tokens), arrival_spread=args.arrival_spread)
+    if sampling_params(args) is not None:
+        config = with_sampling(config, model.vocab_size)
+        for i, request in enumerate(workload.requests):
+            request.sampling_params = sampling_params(args, i)
     return config, model, params, workload
 
 

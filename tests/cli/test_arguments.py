@@ -17,6 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 NOT_A_FOLDER = os.path.join(ROOT, "README.md")
 
 # (argv, the flag the message names, what the message says after the flag)
+SAMPLING_BAD = [  # flag, value, the bound the error names
+    ("--temperature", "-1", "-1.0: must be finite and >= 0"), ("--top-k", "-2", "-2: must be an int >= -1"),
+    ("--top-p", "1.5", "1.5: must be in (0, 1]"), ("--min-p", "2", "2.0: must be in [0, 1]"),
+    ("--repetition-penalty", "0", "0.0: must be finite and > 0"),
+    ("--sampling-seed", "x", "invalid int value: 'x'"),
+]
 BAD = [
     (["demo", "--check=yes"], "--check", "ignored explicit argument 'yes'"),
     (["simulate", "--requests", "0"], "--requests", "0: must be >= 1"),
@@ -51,6 +57,9 @@ BAD = [
     (["simulate", "--progress", "sometimes"], "--progress", "sometimes: must be one of auto, always, never"),
     (["simulate", "--no-progress=1"], "--no-progress", "ignored explicit argument '1'"),
     (["simulate", "--model", NOT_A_FOLDER], "--model", "README.md: is not a folder"),
+    *[(["simulate", name, value], name, bound) for name, value, bound in SAMPLING_BAD],
+    *[(["generate", "--model", ROOT, "--prompt-ids", "1", name, value], name, bound)
+      for name, value, bound in SAMPLING_BAD],
     (["generate"], "--model", ": required"),
     (["generate", "--model", NOT_A_FOLDER, "--prompt-ids", "1"], "--model", "README.md: is not a folder"),
     (["generate", "--model", ROOT], "--prompt-ids", ": give at least one prompt (--prompt-ids or --prompt)"),
