@@ -1,7 +1,7 @@
 """Per-step cost of each optional feature: a plain step against the same step with one feature on.
 
-    PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 100] [--rounds 5] [--only NAME ...]
-        [--default-runtime]
+    PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 100] [--rounds 5]
+        [--only NAME ...] [--default-runtime]
 
 Runs on one CPU thread (``PJRT_NPROC=1``) with synchronous dispatch, the way the CLI does, unless
 ``--default-runtime``. Every configuration is compiled first (compile time reported apart), then
