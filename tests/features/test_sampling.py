@@ -210,3 +210,24 @@ def test_sampling_config_is_checked():
         SamplingConfig(vocab_size=0)
     with pytest.raises((ValueError, TypeError), match="sampling"):  # TypeError: the tests' runtime type checks
         FeatureConfig(sampling=64)
+
+
+def test_pad_constants_are_vllms_initial_values():
+    """vLLM V2's never-written slot: T 0, top_p 1, min_p 0, seed 0, repetition 1, frequency 0, presence 0."""
+    assert (PAD_TEMPERATURE, PAD_TOP_P, PAD_MIN_P, PAD_SEED) == (0.0, 1.0, 0.0, 0)
+    assert (PAD_REPETITION_PENALTY, PAD_FREQUENCY_PENALTY, PAD_PRESENCE_PENALTY) == (1.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("bucket", [16, 24, 32])
+def test_padding_contract(bucket):
+    """Every bucket: L_pad = min(T_pad, R_pad (K + 1)) rows, the 7 real rows equal, the tail the pads."""
+    config = dataclasses.replace(example_config(), max_num_batched_tokens=32, token_buckets=(16, 24, 32))
+    step = run_step(example_arrays(), config, "jit", num_tokens_padded=bucket)
+    base = run_step(example_arrays(), config, "jit", num_tokens_padded=16)
+    num_logits_padded = min(bucket, 6 * (ex.K + 1))
+    assert step.sampling.temperature.shape == (num_logits_padded,)
+    assert step.sampling.seeds.shape == (num_logits_padded, 2)
+    for name, pad in PADS.items():
+        got, want = np.asarray(getattr(step.sampling, name)), np.asarray(getattr(base.sampling, name))
+        np.testing.assert_array_equal(got[:7], want[:7], err_msg=name)
+        assert (got[7:] == pad).all(), name
