@@ -64,7 +64,7 @@ class ServingBatch:
         self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed, config=self.config,
                                                   model=model, num_tokens_padded=num_tokens_padded)
         tokens = np.asarray(tokens)
-        self.rows = advance_rows(rows, tokens)
+        self.rows = advance_rows(rows, tokens, self.config.num_speculative_tokens)
         return kv_cache, tokens
 
     def _apply(self, rows: checks.HostRows, update, payload) -> None:
@@ -72,10 +72,12 @@ class ServingBatch:
         self.rows = rows
 
 
-def advance_rows(rows: checks.HostRows, tokens: np.ndarray) -> checks.HostRows:
-    """The mirror after a serving step appended ``tokens`` [iterations, max_num_reqs] (`AppendedTokens`)."""
-    appended = AppendedTokens(tokens)
-    rows.num_computed_tokens += rows.num_scheduled_tokens + appended.num_decoded
+def advance_rows(rows: checks.HostRows, tokens: np.ndarray, num_speculative_tokens: int = 0) -> checks.HostRows:
+    """The mirror after a serving step appended ``tokens`` [slots, max_num_reqs] (`AppendedTokens`);
+    rejected drafts are not computed."""
+    appended = AppendedTokens(tokens, num_speculative_tokens)
+    rows.num_computed_tokens += (rows.num_scheduled_tokens - appended.num_rejected(rows.num_draft_tokens)
+                                 + appended.num_decoded)
     rows.num_tokens += appended.num_appended
     rows.num_scheduled_tokens[:] = 0
     rows.num_draft_tokens[:] = 0

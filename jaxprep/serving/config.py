@@ -6,6 +6,7 @@ import dataclasses
 
 from jaxprep._checks import check_positive_int
 from jaxprep.config import PrepConfig, cdiv
+from jaxprep.serving.ngram import NgramConfig
 
 
 def _from_prep(name: str) -> property:
@@ -30,6 +31,10 @@ class ServingConfig:
         step can start, plus one per row for block boundaries).
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
+      ngram: the n-gram drafter (`jaxprep.serving.ngram`): every step proposes up to
+        ``num_speculative_tokens`` drafts per decoding row for the next step; ``None``: no drafter
+        (drafts only come from the host's `Schedule`). Drafts are verified whenever
+        ``num_speculative_tokens > 0``.
       eos_token_id: a sampled token equal to it finishes the request; `NO_EOS` disables the check.
       decode_steps: decode steps one multi-step dispatch runs when every request is decoding (K).
     """
@@ -38,6 +43,7 @@ class ServingConfig:
     max_new_reqs_per_step: int = 4
     max_block_appends_per_step: int | None = None
     num_speculative_tokens: int = 0
+    ngram: NgramConfig | None = None
     eos_token_id: int = NO_EOS
     decode_steps: int = 8
 
@@ -51,6 +57,8 @@ class ServingConfig:
             check_positive_int(f"ServingConfig.{name}", getattr(self, name))
         if self.num_speculative_tokens < 0:
             raise ValueError(f"ServingConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.ngram is not None and self.num_speculative_tokens < 1:
+            raise ValueError("ServingConfig.ngram needs num_speculative_tokens >= 1 (the drafts it may propose)")
 
     # the PrepConfig sizes the serving code reads most, as attributes of the ServingConfig
     max_num_reqs = _from_prep("max_num_reqs")

@@ -34,6 +34,9 @@ class LoopStats:
     padded_tokens: int = 0  # bucketed tokens through the model
     output_tokens: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts scheduled (and verified)
+    accepted_draft_tokens: int = 0  # drafts kept (those cut at a stop count as not kept)
+    draft_steps: int = 0  # request-steps with at least one draft
     prep_us: list[float] = dataclasses.field(default_factory=list)
     dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)  # one per dispatch
 
@@ -41,6 +44,17 @@ class LoopStats:
     def padding_waste(self) -> float:
         """Share of the model's token slots that were padding: 1 - real / padded."""
         return 1.0 - self.scheduled_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / scheduled drafts (vLLM's spec-decode ``acceptance rate``)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a request gains per verifying step: 1 + accepted drafts per request-step with drafts
+        (vLLM's ``mean acceptance length``)."""
+        return 1.0 + self.accepted_draft_tokens / self.draft_steps if self.draft_steps else 1.0
 
 
 class Engine:
@@ -176,15 +190,21 @@ class Engine:
         stats.dispatches += 1
         iterations = []
         for out, part in zip(outs, tokens, strict=True):
-            appended = AppendedTokens(part)
+            appended = AppendedTokens(part, self.config.num_speculative_tokens)
             iterations.append(appended.num_iterations)
             stats.preemptions += out.num_preempted
+            drafts = out.num_draft_tokens
+            stats.draft_tokens += int(drafts.sum())
+            stats.accepted_draft_tokens += int((drafts - appended.num_rejected(drafts))[drafts > 0].sum())
+            stats.draft_steps += int((drafts > 0).sum())
             stats.output_tokens += int(appended.num_appended.sum())
             stats.scheduled_tokens += out.total_num_scheduled_tokens + int(appended.num_decoded.sum())
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
         stats.model_steps += max(iterations)
-        stats.dispatches_log.append(dispatch_record([out.num_scheduled_tokens for out in outs], tokens, bucket))
+        first = self.config.num_speculative_tokens  # later iterations start at slot K + 1 (`AppendedTokens`)
+        stats.dispatches_log.append(dispatch_record([out.num_scheduled_tokens for out in outs],
+                                                    [part[first:part.shape[0] - first] for part in tokens], bucket))
 
     # --- device hooks: one rank on one device ---------------------------------------------------
 
@@ -226,7 +246,8 @@ def split_updates(config: ServingConfig, out: SchedulerOutput) -> tuple[list[Ste
         extra.append(StepUpdates.build(config, finish=finish, add=adds[:size_add], append=chunk))
         finish, adds = (), adds[size_add:]
     return extra, StepUpdates.build(config, finish=finish, add=adds, append=dict(appends),
-                                    num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps)
+                                    num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps,
+                                    num_draft_tokens=out.num_draft_tokens, draft_token_ids=out.draft_token_ids)
 
 
 def _take_blocks(appends: list[tuple[int, list[int]]], size: int):

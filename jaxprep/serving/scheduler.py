@@ -61,6 +61,7 @@ class Request:
     row: int = NO_ROW
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +87,8 @@ class SchedulerOutput:
     num_scheduled_tokens: np.ndarray  # [max_num_reqs]
     decode_steps: int = 1  # > 1: every scheduled row decodes, up to this many tokens on the device
     num_preempted: int = 0
+    num_draft_tokens: np.ndarray | None = None  # [max_num_reqs] drafts among the scheduled tokens
+    draft_token_ids: np.ndarray | None = None  # [max_num_reqs, num_speculative_tokens]
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -121,8 +124,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        rows, k = self.config.max_num_reqs, self.config.num_speculative_tokens
         out = SchedulerOutput(finished_rows=self._rows_to_free, new_requests=[], new_block_ids={},
-                              num_scheduled_tokens=np.zeros(self.config.max_num_reqs, np.int32))
+                              num_scheduled_tokens=np.zeros(rows, np.int32),
+                              num_draft_tokens=np.zeros(rows, np.int32), draft_token_ids=np.zeros((rows, k), np.int32))
         self._rows_to_free = []
         budget = self._schedule_running(out, self.config.prep.max_num_batched_tokens)
         if not out.num_preempted:
@@ -134,10 +139,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
             if not self._grow(request, request.num_computed_tokens + num_new, out):
                 break  # the request preempted itself
             out.num_scheduled_tokens[request.row] = num_new
+            # the budget may cut the drafts (vLLM: scheduled_spec_decode_tokens)
+            drafts, request.spec_token_ids = request.spec_token_ids[: max(num_new - num_known, 0)], []
+            out.num_draft_tokens[request.row] = len(drafts)
+            out.draft_token_ids[request.row, : len(drafts)] = drafts
             budget -= num_new
             index += 1
         return budget
@@ -160,7 +170,8 @@ class Scheduler:
         self.allocator.free(request.block_ids)
         out.finished_rows.append(request.row)
         out.new_block_ids.pop(request.row, None)
-        out.num_scheduled_tokens[request.row] = 0
+        out.num_scheduled_tokens[request.row] = out.num_draft_tokens[request.row] = 0
+        request.spec_token_ids = []
         self._free_rows.append(request.row)
         request.block_ids, request.row, request.num_computed_tokens = [], NO_ROW, 0
         request.status = Status.WAITING
@@ -215,18 +226,19 @@ class Scheduler:
         of the known tokens; every later iteration computed and appended one decode token
         (`AppendedTokens`).
         """
-        step, done = AppendedTokens(tokens), []
+        step, done = AppendedTokens(tokens, self.config.num_speculative_tokens), []
+        rejected = step.num_rejected(out.num_draft_tokens)
         for request in list(self.running):
             row = request.row
             scheduled = int(out.num_scheduled_tokens[row])
             if scheduled == 0:
                 continue
-            computed = request.num_computed_tokens + scheduled
-            if bool(step.appended[0, row]) != (computed >= request.num_tokens):
+            computed = request.num_computed_tokens + scheduled - int(out.num_draft_tokens[row])
+            if bool(step.num_first[row]) != (computed >= request.num_tokens):
                 raise RuntimeError(f"request {request.request_id}: the device and the host disagree on whether "
                                    f"computing {computed} of {request.num_tokens} tokens samples")
-            request.num_computed_tokens = computed + int(step.num_decoded[row])
-            appended = [int(t) for t in tokens[step.appended[:, row], row]]
+            request.num_computed_tokens += scheduled - int(rejected[row]) + int(step.num_decoded[row])
+            appended = step.row_tokens(row)
             for i, token in enumerate(appended):
                 request.output_token_ids.append(token)
                 if self._stops(request, token, eos_token_id):
@@ -234,7 +246,16 @@ class Scheduler:
                         raise RuntimeError(f"request {request.request_id}: the device decoded past its stop")
                     self._finish(request)
                     done.append(request)
+            if request.status is Status.RUNNING:
+                self._keep_drafts(request, step.draft_token_ids[row, : step.num_draft_tokens[row]])
         return done
+
+    def _keep_drafts(self, request: Request, drafts: np.ndarray) -> None:
+        """The device's drafts for the request's next step, cut so that its accepted tokens and the
+        token after them stay within the request's stop (``stop_len``): no block is ever needed
+        past it."""
+        room = request.stop_len(self.config.max_model_len) - request.num_tokens - 1
+        request.spec_token_ids = [int(t) for t in drafts[: max(room, 0)]]
 
     def _stops(self, request: Request, token: int, eos_token_id: int) -> bool:
         return (token == eos_token_id or len(request.output_token_ids) >= request.max_tokens

@@ -110,7 +110,8 @@ class ShardedServingBatch:
                                                           model=model, num_tokens_padded=num_tokens_padded,
                                                           mesh=self.mesh)
         tokens = np.asarray(tokens)
-        self.rows = [advance_rows(r, part) for r, part in zip(rows, self.rank_tokens(tokens))]
+        k = self.config.num_speculative_tokens
+        self.rows = [advance_rows(r, part, k) for r, part in zip(rows, self.rank_tokens(tokens))]
         return kv_cache, tokens
 
     def rank_tokens(self, tokens: np.ndarray) -> list[np.ndarray]:
