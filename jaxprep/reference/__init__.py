@@ -16,6 +16,9 @@
   `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
   `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
 - `logits`: V2's logits indirection; `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`
+- `spec_decode`: the serving loop's n-gram drafter and greedy verification;
+  `vllm/v1/spec_decode/ngram_proposer.py::_find_longest_matched_ngram_and_propose_tokens`,
+  `vllm/v1/sample/rejection_sampler.py::rejection_greedy_sample_kernel`
 
 The serving loop's oracle (state transitions) is `jaxprep.serving.reference`.
 """

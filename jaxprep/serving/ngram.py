@@ -1,6 +1,6 @@
 """The n-gram (prompt-lookup) drafter on the device: vLLM's ``ngram`` proposer
 (`vllm/v1/spec_decode/ngram_proposer.py::_find_longest_matched_ngram_and_propose_tokens`) on the
-token table, with static shapes and integer index math only (docs/semantics.md#ngram-drafter).
+token table, with static shapes and integer index math only (docs/semantics.md#n-gram-drafter).
 
 For a row of ``T`` known tokens, a match of length ``n`` ending before position ``j`` is
 ``tokens[j - n : j] == tokens[T - n : T]`` with ``1 <= j <= T - 1`` (at least one token follows
