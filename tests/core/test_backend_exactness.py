@@ -42,6 +42,7 @@ from jaxprep.serving import (
     workload,
 )
 from jaxprep.serving.model import MODEL_SCOPE
+from jaxprep.serving.ngram import NgramConfig, propose_ngram_jit
 from jaxprep.serving.packing import packed_size
 from jaxprep.serving.state import StepUpdates
 from jaxprep.sharding import DATA_AXIS, prepare_sharded
@@ -88,6 +89,10 @@ def _cases():
         ("prepare.prepare_packed", prepare_packed, (BatchState.empty(LARGE), LARGE, 4096), {}),
         ("serving.serve_step", step.serve_step, (state, kv_cache, params, packed),
          dict(config=serving, model=MODEL, num_tokens_padded=32)),
+        _spec_serve_step_case(),
+        ("serving.ngram.propose_ngram_jit", propose_ngram_jit,
+         (np.zeros((5, 40), np.int32), np.full(5, 9, np.int32), np.ones(5, bool)),
+         dict(k=3, config=NgramConfig(prompt_lookup_min=2, prompt_lookup_max=4), max_model_len=40)),
         ("serving.update_and_prepare", step.update_and_prepare, (state, packed),
          dict(config=serving, num_tokens_padded=32)),
         ("serving.apply_updates", transitions.apply_updates, (state, updates), {}),
@@ -107,6 +112,14 @@ def _cases():
          dict(config=serving, num_tokens_padded=32, mesh=mesh)),
     ]
     return cases + _bridge_cases()
+
+
+def _spec_serve_step_case():
+    """`serve_step` on its speculative path: n-gram drafts, greedy verification."""
+    spec = dataclasses.replace(_serving_config(SMALL), num_speculative_tokens=3, ngram=NgramConfig())
+    state, kv_cache, params, packed = _serving_args(spec)
+    return ("serving.serve_step[spec decode]", step.serve_step, (state, kv_cache, params, packed),
+            dict(config=spec, model=MODEL, num_tokens_padded=32))
 
 
 def _bridge_cases():
@@ -156,7 +169,7 @@ COVERED = {
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.workload.dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
     "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
-    "jaxprep.packing.pack", "torch_bridge.npu.fia_layout",
+    "jaxprep.packing.pack", "torch_bridge.npu.fia_layout", "jaxprep.serving.ngram.propose_ngram_jit",
 }
 
 
