@@ -166,12 +166,12 @@ def _engine(config, model, args, params=None):
     from jaxprep.serving import Engine
 
     if args.devices == 1:
-        return Engine(config, model, seed=args.seed, time_prep=True, params=params)
+        return Engine(config, model, seed=args.seed, time_prep=True, params=params, keep_history=True)
     from jaxprep.serving.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
     return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
-                              params=params)
+                              params=params, keep_history=True)
 
 
 def _warmup(engine, when: str) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.engine import Engine
+from jaxprep.serving.engine import Engine, with_vocab_size
 from jaxprep.serving.model import ServingModel, init_params
 from jaxprep.serving.sharded import (
     ShardedServingBatch,
@@ -29,11 +29,13 @@ class DataParallelEngine(Engine):
     """`Engine` with one `Scheduler` per device of ``mesh``; ``config`` describes one rank."""
 
     def __init__(self, config: ServingConfig, model: ServingModel, mesh: Mesh, *, seed: int = 0,
-                 time_prep: bool = False, params=None):
+                 time_prep: bool = False, params=None, keep_history: bool = False):
         self.mesh = mesh
+        config = with_vocab_size(config, model)
         params = init_params(model, seed) if params is None else params
         self._start(config, model, time_prep, batch=ShardedServingBatch(config, mesh), num_ranks=mesh.size,
-                    params=replicated(params, mesh), kv_cache=sharded_kv_cache(model, config, mesh))
+                    params=replicated(params, mesh), kv_cache=sharded_kv_cache(model, config, mesh),
+                    keep_history=keep_history)
 
     def _pack(self, updates: list[StepUpdates]):
         return self.batch.packed(updates)
