@@ -2,9 +2,10 @@
 
 Like vLLM's data parallelism, every rank is a whole engine (its own requests, rows, blocks and
 KV cache) and a coordinator only routes requests and keeps the ranks in step: a new request goes
-to the rank with the fewest unfinished requests, and each step pads every rank to the bucket of
-the busiest one (an idle rank runs a padding-only batch, vLLM's dummy batch). All ranks then run
-in one `serve_step_sharded` dispatch. The loop is `Engine`'s; only the device hooks differ.
+to the rank with the fewest tokens still to compute, and each step pads every rank to one shared
+bucket (an idle rank runs a padding-only batch, vLLM's dummy batch), chosen to waste little
+(`jaxprep.serving.dp_policy`). All ranks then run in one `serve_step_sharded` dispatch. The loop is
+`Engine`'s; only the device hooks differ.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxprep.compilation import compile_all
-from jaxprep.serving import transitions
+from jaxprep.serving import dp_policy, transitions
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.dispatch_log import DispatchRecord, dispatch_record
@@ -20,7 +20,6 @@ from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare
-from jaxprep.sharding import dp_bucket
 
 
 @dataclasses.dataclass
@@ -114,18 +113,16 @@ class Engine:
             yield from self._lowered(packed, bucket)
 
     def add_request(self, request: Request) -> None:
-        """Routes ``request`` to the least loaded rank (fewest unfinished requests; ties: lowest rank)."""
-        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
-        self.schedulers[int(np.argmin(loads))].add_request(request)
+        """Routes ``request`` to the rank with the fewest tokens still to compute (`dp_policy.route`)."""
+        self.schedulers[dp_policy.route(self.schedulers)].add_request(request)
 
     def step(self) -> list[Request]:
         """One host iteration on every rank: schedule, send the updates, run the step, take the tokens back."""
         outs = [s.schedule() for s in self.schedulers]
-        totals = [out.total_num_scheduled_tokens for out in outs]
-        if not any(totals):
+        if not any(out.total_num_scheduled_tokens for out in outs):
             raise RuntimeError("the scheduler found nothing to run (a request cannot fit the KV cache?)")
+        bucket = dp_policy.coordinate(self.config.prep, self.schedulers, outs)  # every rank pads to it
         updates = self._rank_updates(outs)
-        bucket = dp_bucket(self.config.prep, totals)  # the busiest rank's bucket, every rank pads to it
         packed = self._pack(updates)
         if self.time_prep:
             start = time.perf_counter()
