@@ -181,3 +181,39 @@ def test_routing_balances_tokens_not_requests():
     assert route(schedulers) == 2  # 5 tokens against 6 and 20, though it has fewer requests than rank 1
     schedulers[2].add_request(Request(4, [2] * 1, 4))
     assert route(schedulers) == 1  # 6 tokens and 2 requests on ranks 1 and 2: the lower rank
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.cpu_only("forces 2 and 4 host-platform devices in subprocesses")
+def test_two_processes_serve_like_one_process_with_four_devices():
+    """tests/support/multihost_dp.py as a 2-process JAX cluster on localhost (2 forced CPU devices
+    each, gloo collectives, each process placing only its own ranks' data) gives every request
+    the outputs of the same loop in one process with 4 devices."""
+    script = os.path.join(TESTS, "support", "multihost_dp.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    port = str(_free_port())
+    workers = [subprocess.Popen([sys.executable, script, port, str(i)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [worker.communicate(timeout=90) for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    single = run_with_four_devices(script)
+    assert single.returncode == 0, single.stderr[-3000:]
+    expected = json.loads(single.stdout.strip().splitlines()[-1])
+    assert expected["processes"] == 1 and len(expected["outputs"]) == 20
+    for i, (worker, (stdout, stderr)) in enumerate(zip(workers, outs)):
+        assert worker.returncode == 0, stderr[-3000:]
+        report = json.loads(stdout.strip().splitlines()[-1])
+        assert (report["processes"], report["process"], len(report["local_devices"])) == (2, i, 2)
+        assert report["outputs"] == expected["outputs"]
+        assert report["dispatches"] == expected["dispatches"]
