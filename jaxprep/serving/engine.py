@@ -33,9 +33,16 @@ class LoopStats:
     padded_tokens: int = 0  # bucketed tokens through the model
     output_tokens: int = 0
     preemptions: int = 0
+    host_s: float = 0.0  # async scheduling: host time per iteration, waits for the device excluded
+    overlapped_host_s: float = 0.0  # async scheduling: the part spent while the previous step still ran
     # per-dispatch history, kept only by an engine built with ``keep_history`` (it grows every dispatch)
     prep_us: list[float] = dataclasses.field(default_factory=list)  # with ``time_prep`` too
     dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def overlap(self) -> float:
+        """Async scheduling: share of the host's time spent while the device ran the previous step."""
+        return self.overlapped_host_s / self.host_s if self.host_s else 0.0
 
     @property
     def padding_waste(self) -> float:
