@@ -44,7 +44,7 @@ def test_an_eos_stop_wastes_one_step_and_a_length_stop_none():
     output = sync[0]
     engine, tokens = serve(AsyncEngine, config, _one(max_tokens=12), seed=0)
     assert tokens[0] == output and engine.stats.dispatches == sync_engine.stats.dispatches == 12  # length stop
-    eos = output[4]  # stop at the 5th token: sync runs 5 steps, async one more
+    eos = output[4]  # stop where this id first appears: sync runs that many steps, async one more
     eos_config = dataclasses.replace(config, eos_token_id=eos)
     first = output.index(eos) + 1
     sync_engine, sync = serve(Engine, eos_config, _one(max_tokens=12), seed=0)
