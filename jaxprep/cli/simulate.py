@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int_in(1), default=1, metavar="N",
                         help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
                              "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule step N+1 while the device runs step N (tokens reach the host one step "
+                             "late; single steps, one device) and report the share of host time that overlaps "
+                             "device work")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
                         help="JAX persistent compilation cache directory: a second run warms up from disk")
     parser.add_argument("--check", action="store_true",
@@ -92,9 +96,13 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
     import jax
 
+    if args.async_scheduling:  # before the CPU client starts: a dispatch returns before its step is done
+        jax.config.update("jax_cpu_enable_async_dispatch", True)
     visible = jax.device_count()
     require(args.devices <= visible, f"--devices {args.devices}: must be <= {visible}, the "
             f"{jax.default_backend()} devices JAX sees")
+    require(not (args.async_scheduling and args.devices > 1), f"--async-scheduling: runs on one device, "
+            f"not --devices {args.devices}")
     if args.compile_cache:
         check_folder("--compile-cache", args.compile_cache)
     if args.plot:
@@ -116,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
         wall_s = time.perf_counter() - start
     summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
     summary["devices"] = args.devices
+    if args.async_scheduling:
+        summary.update(async_overlap=round(engine.stats.overlap, 4),
+                       host_us_per_dispatch=round(engine.stats.host_s / engine.stats.dispatches * 1e6, 1))
     summary["model"] = "tiny paged-KV model" if args.model is None else f"{model.model_type} from {args.model}"
     if args.check:
         requests = progress_bar(args.progress, "check: dense recompute", "req", iterable=finished)
@@ -165,13 +176,17 @@ def _engine(config, model, args, params=None):
     """One `Engine`, or a `DataParallelEngine` over ``args.devices`` devices."""
     from jaxprep.serving import Engine
 
+    if args.async_scheduling:
+        from jaxprep.serving.overlap import AsyncEngine
+
+        return AsyncEngine(config, model, seed=args.seed, params=params, keep_history=True)
     if args.devices == 1:
-        return Engine(config, model, seed=args.seed, time_prep=True, params=params)
+        return Engine(config, model, seed=args.seed, time_prep=True, params=params, keep_history=True)
     from jaxprep.serving.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
     return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
-                              params=params)
+                              params=params, keep_history=True)
 
 
 def _warmup(engine, when: str) -> float:
@@ -214,8 +229,8 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
         "warmup_s": round(warmup_s, 3),
         "tokens_per_s": round(stats.scheduled_tokens / wall_s, 1),
         "output_tokens_per_s": round(stats.output_tokens / wall_s, 1),
-        "prep_us_median": round(float(np.median(prep_us)), 1),
-        "prep_us_p99": round(float(np.percentile(prep_us, 99)), 1),
+        "prep_us_median": round(float(np.median(prep_us)), 1) if len(prep_us) else None,  # None: async
+        "prep_us_p99": round(float(np.percentile(prep_us, 99)), 1) if len(prep_us) else None,
         "prep_method": "separate non-donating jitted call (unpack + state updates + prepare_padded) on the "
                        "step's own state and packed updates, before the step, timed to block_until_ready",
         "padding_waste": round(stats.padding_waste, 4),

@@ -45,6 +45,7 @@ BAD = [
     (["simulate", "--devices", "4096"], "--devices", "4096: must be <= "),  # more than this process's JAX sees
     (["simulate", "--compile-cache", NOT_A_FOLDER], "--compile-cache", "exists and is not a folder"),
     (["simulate", "--check=1"], "--check", "ignored explicit argument '1'"),
+    (["simulate", "--async-scheduling=1"], "--async-scheduling", "ignored explicit argument '1'"),
     (["simulate", "--json=1"], "--json", "ignored explicit argument '1'"),
     (["simulate", "--plot", "chart.txt"], "--plot", "chart.txt: must end in .png"),
     (["simulate", "--plot", os.path.join(ROOT, "no-such-folder", "chart.png")], "--plot", "does not exist"),
