@@ -12,19 +12,24 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._constants import NO_GRAMMAR, NULL_BLOCK_ID
 from jaxprep._layout import Layout
 from jaxprep._ragged import slot_mapping, take_rows
 from jaxprep.features.async_tokens import write_prev_tokens
 from jaxprep.features.attn_state import attn_state
 from jaxprep.features.dcp import dcp_local_seq_lens, dcp_slot_mapping
 from jaxprep.features.discard import discard_request_mask
+from jaxprep.features.drafter import drafter_target_inputs
+from jaxprep.features.grammar import grammar_metadata
+from jaxprep.features.hybrid import HybridRows, hybrid_metadata
 from jaxprep.features.kv_groups import KVGroupMetadata, group_block_table
+from jaxprep.features.logits_rows import logits_rows
 from jaxprep.features.masks import attn_mask
 from jaxprep.features.mrope import mrope_positions
 from jaxprep.features.prompt_embeds import prompt_embeds_metadata
 from jaxprep.features.reorder import request_distribution
 from jaxprep.features.spec_decode import spec_decode_metadata
+from jaxprep.features.ubatch import split_step
 
 
 def with_features(step, state, config, layout: Layout):
@@ -55,7 +60,29 @@ def with_features(step, state, config, layout: Layout):
         updates["mrope_positions"] = mrope_positions(state.mrope_positions, state.mrope_position_delta,
                                                      state.prefill_len, layout.token_rows, step.positions,
                                                      layout.is_real_token)
-    return dataclasses.replace(step, input_ids=input_ids, **updates)
+    updates.update(_runner_outputs(step, state, config, layout, drafts, updates.get("spec_decode")))
+    step = dataclasses.replace(step, input_ids=input_ids, **updates)
+    if features.num_ubatches > 1:  # last: it splits the finished step
+        step = dataclasses.replace(step, ubatches=split_step(step, features.num_ubatches))
+    return step
+
+
+def _runner_outputs(step, state, config, layout: Layout, drafts, spec_decode) -> dict:
+    """Drafter, hybrid-model and structured-output metadata (vLLM's model runners compute them per step)."""
+    features, out = config.features, {}
+    if features.drafter is not None:
+        prefill_len = take_rows(state.prefill_len, layout.rows, fill_value=0)
+        out["drafter"] = drafter_target_inputs(state.token_ids, layout.rows, layout.computed, layout.scheduled,
+                                               prefill_len, layout.is_real_req)
+    if features.hybrid is not None:
+        out["hybrid"] = hybrid_metadata(state, step.attn_metadata.query_start_loc, config,
+                                        HybridRows(layout.rows, layout.scheduled, layout.computed, drafts,
+                                                   layout.is_real_req), step.num_tokens_padded)
+    if features.structured_outputs:
+        out["grammar"] = grammar_metadata(take_rows(state.grammar_index, layout.rows, fill_value=NO_GRAMMAR),
+                                          logits_rows(spec_decode, layout.is_real_req),
+                                          1 + features.num_speculative_tokens)
+    return out
 
 
 def _attention_outputs(step, state, config, layout: Layout, drafts) -> dict:

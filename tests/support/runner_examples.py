@@ -1,0 +1,57 @@
+"""The running example of vLLM's model runner V2 features, as jaxprep batch state (test helper).
+
+Four requests in slots 5, 3, 2, 1 (state rows here; row 4 holds a live request that is not
+scheduled, row 0 is free), ``max_num_reqs 6``, ``max_model_len 32``, block size 4, budget 16,
+``K = 2`` speculative tokens. Token ``t`` of request ``i`` is ``10 (i + 1) + t``. vLLM V2 sorts
+the batch to ``[r0, r3, r2, r1]``, so ``idx_mapping = [5, 1, 2, 3]``.
+
+| req | slot | prompt | outputs | C | S | drafts | blocks |
+| r0  | 5    | 5      | 5       | 9 | 3 | 50, 51 | 1, 2, 3 |
+| r1  | 3    | 20     | 0       | 4 | 6 | -      | 4, 5, 6 |
+| r2  | 2    | 8      | 5       | 12| 1 | -      | 7, 8, 9, 10 |
+| r3  | 1    | 4      | 4       | 7 | 2 | 60     | 11, 12, 13 |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxprep import FeatureConfig, PrepConfig
+
+K = 2
+SLOTS = (5, 3, 2, 1)  # r0..r3
+PROMPTS, OUTPUTS = (5, 20, 8, 4), (5, 0, 5, 4)
+COMPUTED, SCHEDULED = (9, 4, 12, 7), (3, 6, 1, 2)
+DRAFTS = ((50, 51), (), (), (60,))
+BLOCKS = ((1, 2, 3), (4, 5, 6), (7, 8, 9, 10), (11, 12, 13))
+IDX_MAPPING = (5, 1, 2, 3)  # batch order r0, r3, r2, r1
+
+
+def running_config(**features) -> PrepConfig:
+    return PrepConfig(max_num_reqs=6, max_model_len=32, max_num_batched_tokens=16, block_size=4,
+                      features=FeatureConfig(num_speculative_tokens=K, reorder="v2", **features))
+
+
+def running_example(config: PrepConfig | None = None) -> dict[str, np.ndarray]:
+    """The core tables plus ``num_draft_tokens`` and ``prefill_len`` (vLLM V2 ``prefill_len``)."""
+    config = config or running_config()
+    rows, width = config.max_num_reqs, config.max_model_len
+    token_ids = np.zeros((rows, width), np.int32)
+    block_table = np.zeros((rows, config.max_blocks_per_req), np.int32)
+    computed, scheduled, drafts, prompts = (np.zeros(rows, np.int32) for _ in range(4))
+    for i, slot in enumerate(SLOTS):
+        length = PROMPTS[i] + OUTPUTS[i]
+        token_ids[slot, :length] = 10 * (i + 1) + np.arange(length)
+        token_ids[slot, length:length + len(DRAFTS[i])] = DRAFTS[i]
+        block_table[slot, :len(BLOCKS[i])] = BLOCKS[i]
+        computed[slot], scheduled[slot], drafts[slot], prompts[slot] = (COMPUTED[i], SCHEDULED[i], len(DRAFTS[i]),
+                                                                        PROMPTS[i])
+    token_ids[4, :3], computed[4], block_table[4, 0], prompts[4] = (70, 71, 72), 3, 14, 3  # live, unscheduled
+    return dict(token_ids=token_ids, block_table=block_table, num_computed_tokens=computed,
+                num_scheduled_tokens=scheduled, num_draft_tokens=drafts, prefill_len=prompts)
+
+
+def with_features(config: PrepConfig, **features) -> PrepConfig:
+    return dataclasses.replace(config, features=dataclasses.replace(config.features, **features))
