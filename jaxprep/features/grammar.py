@@ -77,7 +77,7 @@ def apply_grammar_bitmask_body(logits: Array, bitmask: Int32[Array, "num_masks w
     applied = (rows >= 0) & (rows < num_masks)
     row_words = jnp.where(applied[:, None], bitmask[jnp.clip(rows, 0, num_masks - 1)], -1)  # -1: all allowed
     shifts = jnp.arange(BITS_PER_WORD, dtype=jnp.int32)
-    bits = (row_words[:, :, None] >> shifts) & 1
+    bits = (row_words[:, :, None] >> shifts[None, None, :]) & 1
     allowed = bits.reshape(rows.shape[0], words * BITS_PER_WORD)[:, :vocab] == 1
     return jnp.where(allowed, logits, -jnp.inf)
 
