@@ -8,8 +8,9 @@ its own) and is rebuilt into its pytree with torch leaves:
     # step.spec_decode.draft_token_ids -> field "spec_decode.draft_token_ids"
     # step.attn_metadata.dcp_local_seq_lens -> field "dcp_local_seq_lens"
 
-torch dtypes follow vLLM: ``mrope_positions`` int64; each group's ``slot_mapping`` takes the kind
-of the step's own ``slot_mapping`` (int64 on CPU/CUDA, int32 on the NPU); boolean masks stay bool;
+torch dtypes follow vLLM: ``mrope_positions`` and each micro-batch's ``positions`` int64; each group's
+(and micro-batch's) ``slot_mapping`` takes the kind of the step's own ``slot_mapping`` (int64 on
+CPU/CUDA, int32 on the NPU); boolean masks stay bool;
 everything else (block tables, spec-decode indices, ``request_distribution``,
 ``dcp_local_seq_lens``) int32. A leaf that is neither int32 nor bool is converted on its own.
 """
@@ -28,12 +29,14 @@ from torch_bridge._torch import torch
 from torch_bridge.transfer import convert_leaf
 
 STEP_FEATURES = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                 "request_distribution")
+                 "request_distribution", "drafter", "hybrid", "grammar", "ubatches")
 """`StepInputs` feature fields that `TorchStepInputs` carries under the same names."""
 METADATA_FEATURES = ("dcp_local_seq_lens",)
 """`AttentionMetadata` feature fields that `TorchAttentionMetadata` carries under the same names."""
 INT64_FIELDS = ("mrope_positions",)
 """int64 in vLLM's runners (``MRotaryEmbedding`` positions)."""
+INT64_SUFFIXES = (".positions",)
+"""A micro-batch's ``positions`` are int64, like the step's (``ubatches.batches.0.positions``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,6 +119,6 @@ def _kind(name: str, dtype, slot_kind: str) -> str | None:
         return BOOL
     if dtype != jnp.int32:
         return None
-    if name in INT64_FIELDS:
+    if name in INT64_FIELDS or (name.startswith("ubatches.") and name.endswith(INT64_SUFFIXES)):
         return INT64
     return slot_kind if name.endswith(".slot_mapping") else INT32

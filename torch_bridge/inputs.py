@@ -79,6 +79,10 @@ class TorchStepInputs:
     mrope_positions: torch.Tensor | None = None  # [3, num_tokens_padded] int64; pad 0
     prompt_embeds: Any = None  # the step's PromptEmbedsMetadata with torch leaves (bool, int32)
     request_distribution: torch.Tensor | None = None  # [3] int32: decode_end, prefill_end, mixed_end
+    drafter: Any = None  # the step's DrafterTargetInputs with torch leaves (int32, bool)
+    hybrid: Any = None  # the step's HybridMetadata with torch leaves (int32, bool)
+    grammar: Any = None  # the step's GrammarMetadata with int32 torch leaves
+    ubatches: Any = None  # the step's MicroBatches: each micro-batch a StepInputs with torch leaves
     jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
 
     def group_attn_metadata(self, group: int) -> TorchAttentionMetadata:

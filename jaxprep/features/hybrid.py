@@ -166,8 +166,9 @@ def split_point(rows: HybridRows, is_prefilling, k: int):
 
 
 def check_mamba_table_shape(table: np.ndarray, config) -> None:
-    """``(max_num_reqs, W)`` int32 with ``W`` at least `HybridConfig.table_width`."""
-    width = config.features.hybrid.table_width(config.max_model_len)
+    """``(max_num_reqs, W)`` int32 with ``W`` at least `HybridConfig.table_width` (1 when hybrid is off)."""
+    hybrid = config.features.hybrid
+    width = hybrid.table_width(config.max_model_len) if hybrid is not None else 1
     if table.ndim != 2 or table.shape[0] != config.max_num_reqs or table.shape[1] < width:
         raise InvalidBatchError(f"BatchState.mamba_block_table has shape {table.shape}, config expects "
                                 f"({config.max_num_reqs}, W) with W >= {width} (HybridConfig.table_width)")

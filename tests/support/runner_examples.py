@@ -18,7 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxprep import FeatureConfig, PrepConfig
+from jaxprep import FeatureConfig, PrepConfig, StepInputs
+from jaxprep._constants import NULL_BLOCK_ID, PAD_LOGITS_INDEX, PAD_SEQ_LEN, PAD_STATE_ROW
 
 K = 2
 SLOTS = (5, 3, 2, 1)  # r0..r3
@@ -55,3 +56,36 @@ def running_example(config: PrepConfig | None = None) -> dict[str, np.ndarray]:
 
 def with_features(config: PrepConfig, **features) -> PrepConfig:
     return dataclasses.replace(config, features=dataclasses.replace(config.features, **features))
+
+
+def check_pieces_make_the_step(step: StepInputs) -> None:
+    """Token arrays concatenate to the step's; each real request row is the step's row, its seq_len and its
+    query restored; every logits index of the step appears in the micro-batch holding its token."""
+    meta, batches = step.attn_metadata, step.ubatches.batches
+    for name in ("input_ids", "positions"):
+        np.testing.assert_array_equal(np.concatenate([np.asarray(getattr(b, name)) for b in batches]),
+                                      np.asarray(getattr(step, name)), err_msg=name)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b.attn_metadata.slot_mapping) for b in batches]),
+                                  np.asarray(meta.slot_mapping))
+    qsl, seq_lens = np.asarray(meta.query_start_loc), np.asarray(meta.seq_lens)
+    logits_seen = set()
+    for batch, start, first in zip(batches, step.ubatches.token_starts, np.asarray(step.ubatches.first_rows),
+                                   strict=True):
+        sub, n = batch.attn_metadata, int(batch.attn_metadata.num_reqs)
+        rows = first + np.arange(n)
+        np.testing.assert_array_equal(np.asarray(batch.idx_mapping)[:n], np.asarray(step.idx_mapping)[rows])
+        np.testing.assert_array_equal(np.asarray(sub.block_table)[:n], np.asarray(meta.block_table)[rows])
+        sub_qsl = np.asarray(sub.query_start_loc)
+        owned_end = np.minimum(qsl[rows + 1], start + batch.num_tokens_padded)
+        np.testing.assert_array_equal(sub_qsl[1:n + 1] + start, owned_end)
+        assert sub_qsl[0] == 0 and (sub_qsl[n:] == int(sub.num_actual_tokens)).all()
+        np.testing.assert_array_equal(np.asarray(sub.seq_lens)[:n], seq_lens[rows] - (qsl[rows + 1] - owned_end))
+        ends_here = qsl[rows + 1] == owned_end
+        logits = np.asarray(batch.logits_indices)
+        logits_seen.update((logits[:n][ends_here] + start).tolist())
+        assert (logits[:n][~ends_here] == PAD_LOGITS_INDEX).all() and (logits[n:] == PAD_LOGITS_INDEX).all()
+        assert (np.asarray(sub.seq_lens)[n:] == PAD_SEQ_LEN).all() and (np.asarray(batch.idx_mapping)[n:] ==
+                                                                         PAD_STATE_ROW).all()
+        assert (np.asarray(sub.block_table)[n:] == NULL_BLOCK_ID).all()
+    num_reqs = int(meta.num_reqs)
+    assert logits_seen == set(np.asarray(step.logits_indices)[:num_reqs].tolist())
