@@ -33,40 +33,23 @@ configure_runtime()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_padding import LARGE  # noqa: E402
+from bench_padding import LARGE, run_recorded  # noqa: E402
 from common import interleaved_us, load_line, machine_line  # noqa: E402
 
 from jaxprep import BatchState, PrepConfig, prepare_padded  # noqa: E402
-from jaxprep.cli.simulate import DEFAULTS  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
-from jaxprep.serving import Engine, ModelConfig, ServingConfig, random_workload  # noqa: E402
 
 
 def record_iterations(sizes: dict) -> tuple[PrepConfig, list[tuple[int, int, bool]]]:
     """The prep config and, per model iteration, (scheduled tokens, requests, uniform decode)."""
-    args = dict(DEFAULTS, **sizes)
-    prep = PrepConfig(max_num_reqs=args["max_num_reqs"], max_model_len=args["max_model_len"],
-                      max_num_batched_tokens=args["budget"], block_size=args["block_size"],
-                      num_blocks=args["num_blocks"])
-    config = ServingConfig(prep=prep, eos_token_id=1, decode_steps=args["decode_steps"])
-    model = ModelConfig(vocab_size=args["vocab_size"], num_layers=args["layers"], d_model=args["d_model"],
-                        num_heads=args["heads"], d_ff=2 * args["d_model"])
-    workload = random_workload(args["seed"], num_requests=args["requests"], vocab_size=args["vocab_size"],
-                               prompt_len=(4, min(args["max_prompt_len"], args["max_model_len"] - 1)),
-                               max_tokens=(1, args["max_tokens"]), arrival_spread=args["arrival_spread"])
-    engine, trace = Engine(config, model, seed=args["seed"]), []
-    count = engine._count
+    trace = []
 
-    def recording_count(out, tokens, bucket):
+    def record(out, tokens):
         scheduled = out.num_scheduled_tokens[out.num_scheduled_tokens > 0]
         trace.append((int(scheduled.sum()), len(scheduled), bool((scheduled == 1).all())))
         trace.extend((int(n), int(n), True) for n in (tokens[1:] >= 0).sum(axis=1) if n > 0)
-        count(out, tokens, bucket)
 
-    engine._count = recording_count
-    engine.submit(workload.requests, workload.arrival_steps)
-    engine.run()
-    return prep, trace
+    return run_recorded(sizes, record), trace
 
 
 def with_drafts(trace, k: int, budget: int):
