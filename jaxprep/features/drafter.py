@@ -1,4 +1,4 @@
-"""Inputs of an EAGLE / MTP drafter after verification (vLLM V2 ``TargetDependentARSpeculator``).
+"""Inputs of an EAGLE / MTP drafter after verification (docs/semantics.md#drafter).
 
 After the target step samples and verifies, the draft model runs once over the target's tokens
 ("draft step 0", on the target's attention metadata) and then once per further draft token

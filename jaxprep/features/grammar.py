@@ -1,4 +1,4 @@
-"""Structured outputs: which grammar-bitmask row masks which logits row (vLLM V2 ``StructuredOutputsWorker``).
+"""Structured outputs: which grammar-bitmask row masks which logits row (docs/semantics.md#structured-outputs).
 
 The grammar (xgrammar, on the host) hands each step a bitmask ``[G * stride, ceil(V / 32)]`` int32:
 request ``g`` of its list owns rows ``[g * stride, (g + 1) * stride)``, row ``g * stride + i``

@@ -1,4 +1,4 @@
-"""Hybrid models: the per-step metadata of Mamba / linear-attention layers (vLLM ``mamba_attn.py``).
+"""Hybrid models: the per-step metadata of Mamba / linear-attention layers (docs/semantics.md#hybrid).
 
 Mamba layers form their own KV-cache group whose "blocks" are recurrent-state slots, read through
 `BatchState.mamba_block_table`. Per step vLLM computes (``BaseMambaAttentionMetadataBuilder
@@ -13,7 +13,8 @@ Mamba layers form their own KV-cache group whose "blocks" are recurrent-state sl
   ``num_decode_draft_tokens``) and, for Mamba2, the SSD chunk metadata (`jaxprep.features.hybrid_chunks`).
 
 vLLM slices its arrays to the split; here every array keeps the step's static row count and
-moves the prefill rows to the front, padded with the constants of `jaxprep._constants`.
+moves the prefill rows to the front, padded with the constants of `jaxprep._constants`. The host
+checks of the inputs (`check_mamba_table_shape`, `check_hybrid_values`) are at the end.
 """
 
 from __future__ import annotations

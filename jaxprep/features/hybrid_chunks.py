@@ -1,4 +1,6 @@
-"""Mamba2 SSD chunk metadata on the device (vLLM ``BaseMambaAttentionMetadataBuilder._compute_chunk_metadata``).
+"""Mamba2 SSD chunk metadata on the device (docs/semantics.md#hybrid).
+
+vLLM: `vllm/v1/attention/backends/mamba_attn.py::BaseMambaAttentionMetadataBuilder._compute_chunk_metadata`.
 
 vLLM builds it on the host, one Python loop over the prefill requests per step. Its rule: the
 chunks of a request end at every multiple of ``chunk_size`` of the request's absolute positions

@@ -1,4 +1,4 @@
-"""Micro-batching (dual-batch overlap): one padded step split into micro-batches, each a complete step.
+"""Micro-batching (dual-batch overlap, docs/semantics.md#micro-batches): a padded step split into complete steps.
 
 vLLM's rule (`vllm/v1/worker/ubatch_utils.py::maybe_create_ubatch_slices`, V2
 ``gpu/ubatch_utils.py::create_ubatch_slices`` and ``_slice_input_batch``): the padded tokens are
