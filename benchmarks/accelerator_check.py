@@ -154,9 +154,12 @@ def run_benchmark(runner: Runner, args) -> None:
     if code:
         runner.add("bench_gpu", "FAILED", last_line(output))
         return
-    header = None
+    header = None  # each table opens with its own header row; any line outside a table ends it
     for line in output.splitlines():
-        if not line.startswith("|") or set(line) <= set("|-: "):
+        if not line.startswith("|"):
+            header = None
+            continue
+        if set(line) <= set("|-: "):
             continue
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if header is None:

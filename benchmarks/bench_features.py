@@ -32,13 +32,23 @@ import numpy as np  # noqa: E402
 from bench_prepare import v1_baseline  # noqa: E402
 from common import add_runtime_argument, assert_same_step, interleaved_us, load_line, machine_line  # noqa: E402
 
-from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_inputs, validate  # noqa: E402
+from jaxprep import (  # noqa: E402
+    BatchState,
+    DCPConfig,
+    FeatureConfig,
+    KVCacheGroupSpec,
+    LoRAConfig,
+    PrepConfig,
+    prepare_inputs,
+    validate,
+)
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
 from jaxprep.features import DrafterConfig, HybridConfig  # noqa: E402
 from jaxprep.features.drafter import draft_decode_start, draft_prefill  # noqa: E402
 from jaxprep.features.grammar import apply_grammar_bitmask, grammar_invalid_drafts  # noqa: E402
 
 K = 3  # draft tokens per decode when spec decode is on
+LORA = LoRAConfig(max_loras=8, vocab_size=32000)  # requests cycle through 6 loaded adapters and none
 BASELINE = "vLLM V1 host path (plain)"
 BLOCK_SIZE = 16
 FEATURES = {
@@ -66,7 +76,24 @@ FEATURES = {
         mode="align", block_size=BLOCK_SIZE, num_speculative_blocks=K, chunk_size=256, checkpoints=True)),
     "structured_outputs (K=3)": FeatureConfig(num_speculative_tokens=K, structured_outputs=True),
     "ubatches (2)": FeatureConfig(num_ubatches=2),
+    "runner v2 (order + logits rows)": FeatureConfig(runner="v2"),
+    "logits_indirection (V1)": FeatureConfig(logits_indirection=True),
+    "lora (8 slots)": FeatureConfig(lora=LORA),
+    "lora + spec (K=3), V1": FeatureConfig(lora=LORA, num_speculative_tokens=K),
 }
+EVERY = FeatureConfig(num_speculative_tokens=K, discard_request_mask=True,
+                      kv_groups=FEATURES["kv_groups (3 groups)"].kv_groups[:2], dcp=DCPConfig(4, 1, 1), mrope=True,
+                      prompt_embeds=True, async_tokens=True, attn_state=True, attn_mask="compressed", reorder="v2",
+                      request_distribution=True)
+"""Every feature on (the row masks left out: 300+ us of mask writing would hide everything else; no
+sliding-window group, which DCP does not support)."""
+FEATURES.update({
+    "every feature, V1": EVERY,
+    "every feature + logits_indirection": dataclasses.replace(EVERY, logits_indirection=True),
+    "every feature + lora": dataclasses.replace(EVERY, lora=LORA),
+    "every feature + runner v2": dataclasses.replace(EVERY, runner="v2"),
+    "every feature + runner v2 + lora": dataclasses.replace(EVERY, runner="v2", lora=LORA),
+})
 SPEC_BASE = "spec_decode (K=3)"
 """The runner features with K drafts add to this one (their rows above say so); the post-step functions
 below run on its step with the feature on."""
@@ -120,6 +147,9 @@ def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
         arrays["prev_batch_rows"] = np.where(decodes, rng.permutation(rows), -1).astype(np.int32)
         if features.spec_decode:
             arrays["prev_draft_token_ids"] = rng.integers(1, 32000, (rows, K)).astype(np.int32)
+    if features.lora is not None:
+        arrays["lora_slots"] = np.array([11, 12, 13, -1, 14, 15, 16, -1], np.int32)
+        arrays["lora_ids"] = np.array([0, 11, 12, 13, 14, 15, 16] * rows, np.int32)[:rows]
     return _runner_inputs(arrays, config, rng)
 
 

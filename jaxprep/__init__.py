@@ -20,6 +20,9 @@ from jaxprep.validate import InvalidBatchError, validate
 from jaxprep.features import AttnState, DCPConfig, DrafterConfig, FeatureConfig, HybridConfig, KVCacheGroupSpec
 from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.features.kv_groups import KVGroupMetadata
+from jaxprep.features.logits_indirection import LogitsIndirection
+from jaxprep.features.lora import LoRAKernelMeta, LoRAMetadata
+from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.mrope import qwen2vl_prompt_positions
 from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
 from jaxprep.features.spec_decode import SpecDecodeMetadata
@@ -31,4 +34,5 @@ __all__ = [
     "prepare_padded", "prepare_to_host", "stack_ranks", "use_compile_cache", "validate", "warmup",
     "AttnState", "DCPConfig", "FeatureConfig", "KVCacheGroupSpec", "KVGroupMetadata", "PromptEmbedsMetadata",
     "SpecDecodeMetadata", "prev_batch_rows_from_step", "qwen2vl_prompt_positions", "DrafterConfig", "HybridConfig",
+    "LoRAConfig", "LoRAKernelMeta", "LoRAMetadata", "LogitsIndirection",
 ]

@@ -41,6 +41,47 @@ PAD_DISCARD = True
 NO_PREV_ROW = -1
 """`BatchState.prev_batch_rows` entry of a request that was not sampled last step."""
 
+PLACEHOLDER_TOKEN_ID = -1
+"""Token id the host writes where it does not know the token yet (vLLM's async scheduler writes
+``[-1] * K`` as every scheduled draft, `vllm/v1/core/sched/async_scheduler.py`). ``input_ids``
+clamps it to `PAD_INPUT_ID`; ``spec_decode.draft_token_ids`` keeps it, as vLLM V1 gathers the drafts
+before its clamp: the rejection sampler never accepts a draft -1."""
+
+# LoRA (jaxprep.features.lora)
+
+NO_LORA_ID = 0
+"""Request-level "no adapter" (vLLM ``NO_LORA_ID``): `BatchState.lora_ids` entry, and the pad of
+``token_lora_mapping`` / ``prompt_lora_mapping``."""
+
+EMPTY_LORA_SLOT = -1
+"""`BatchState.lora_slots` entry of a slot that holds no adapter (vLLM's ``None``)."""
+
+NO_LORA_SLOT = -1
+"""Slot-level "no adapter" (vLLM's -1): ``token_lora_indices`` / ``sampler_indices`` of a token or
+logits row without LoRA, and their pad."""
+
+PAD_SAMPLER_INDEX_PADDED = -1
+"""``sampler_indices_padded`` entry of a padded logits row: selects no row."""
+
+PAD_EMBEDDINGS_INDEX_OFFSET = 0
+"""``embeddings_indices`` entry of a padded token: the offset of a token without LoRA."""
+
+PAD_ACTIVE_LORA_ID = -1
+"""``active_lora_ids`` entry past the active ones (vLLM resets the buffer to -1 every step)."""
+
+PAD_NUM_TOKENS_PER_LORA = 0
+"""``num_tokens_per_lora`` entry past the active ones (vLLM's reset value)."""
+
+PAD_LORA_TOKEN_START_LOC = 0
+"""``lora_token_start_loc`` entry past ``1 + num active`` (vLLM's reset value)."""
+
+# Logits indirection (jaxprep.features.logits_indirection)
+
+PAD_LOCAL_POS = 0
+"""``expanded_local_pos`` entry of a padded logits row."""
+
+PAD_NUM_DRAFT_TOKENS = 0
+"""``num_draft_tokens_per_req`` entry of a padded batch row."""
 # EAGLE / MTP drafter inputs (jaxprep.features.drafter)
 
 DRAFT_REJECTED_INPUT_ID = 0

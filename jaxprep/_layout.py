@@ -1,7 +1,7 @@
 """Where every batch row and every token of a step comes from: the index part of `prepare_body`,
 and what the optional features read of it.
 
-Two layouts give the same answer. Without `FeatureConfig.reorder` the batch is the rows with
+Two layouts give the same answer. Without `FeatureConfig.batch_order` the batch is the rows with
 work in state-row order, so token ranges follow state rows: one scan over the state rows gives
 both each row's batch position and its token end, and tokens map straight to state rows. With a
 reorder the batch order is computed first and tokens map to batch rows, then to state rows.

@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
     from jaxprep.features.grammar import GrammarMetadata
     from jaxprep.features.hybrid import HybridMetadata
     from jaxprep.features.kv_groups import KVGroupMetadata
+    from jaxprep.features.logits_indirection import LogitsIndirection
+    from jaxprep.features.lora import LoRAMetadata
     from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
     from jaxprep.features.spec_decode import SpecDecodeMetadata
     from jaxprep.features.ubatch import MicroBatches
@@ -71,6 +73,8 @@ class StepInputs:
     hybrid: HybridMetadata | None = None  # Mamba / linear-attention layers
     grammar: GrammarMetadata | None = None  # structured outputs: bitmask row of each logits row
     ubatches: MicroBatches | None = None  # dual-batch overlap: the step split into micro-batches
+    lora: LoRAMetadata | None = None  # vLLM's LoRA mappings, slot indices, kernel metadata (jaxprep.features.lora)
+    logits_indirection: LogitsIndirection | None = None  # V2's cu_num_logits, expanded_idx_mapping, ...
 
     @property
     def num_reqs_padded(self) -> int:

@@ -78,7 +78,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     check_static(state, config, num_tokens_padded)
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features
-    order = reordered_rows(state, num_reqs_padded, features) if features.reorder else None
+    order = reordered_rows(state, num_reqs_padded, features) if features.batch_order else None
     layout = batch_layout(state, num_reqs_padded, num_tokens_padded, config.max_num_batched_tokens, order)
     # ends [3,5,5,5] -> query_start_loc [0,3,5,5,5]; the padded tail repeats the total
     query_start_loc = jnp.pad(layout.ends, (1, 0))

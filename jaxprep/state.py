@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._constants import MROPE_MISSING_POSITION, NO_GRAMMAR, NO_PREV_ROW, NULL_BLOCK_ID
+from jaxprep._constants import (
+    EMPTY_LORA_SLOT,
+    MROPE_MISSING_POSITION,
+    NO_GRAMMAR,
+    NO_LORA_ID,
+    NO_PREV_ROW,
+    NULL_BLOCK_ID,
+)
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.config import PrepConfig, block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
@@ -61,13 +68,17 @@ class BatchState:
     mamba_checkpoint_offsets: Int32[Array, " max_num_reqs"] | None = None
     # structured outputs (jaxprep.features.grammar): the request's block of rows in this step's bitmask; -1: none
     grammar_index: Int32[Array, " max_num_reqs"] | None = None
+    # LoRA (jaxprep.features.lora): adapter id per state row (0: none), adapter id per GPU slot (-1: empty)
+    lora_ids: Int32[Array, " max_num_reqs"] | None = None
+    lora_slots: Int32[Array, " max_loras"] | None = None
 
     @classmethod
     def empty(cls, config: PrepConfig) -> BatchState:
         """All-zero tables: no tokens, null blocks, nothing computed or scheduled.
 
         The inputs of every feature that ``config.features`` turns on are filled too: no drafts,
-        prefill length 0, null blocks, M-RoPE positions missing (-1), all token ids, no last step.
+        prefill length 0, null blocks, M-RoPE positions missing (-1), all token ids, no last step,
+        no adapter and empty adapter slots.
         """
         rows = config.max_num_reqs
         return cls(
@@ -97,6 +108,8 @@ class BatchState:
         host.update(_feature_inputs_as_host(feature_inputs))
         rows = host["token_ids"].shape[0]
         for name, value in host.items():
+            if name in NOT_PER_ROW:
+                continue
             for array in value if isinstance(value, tuple) else (value,):
                 if array.shape[0] != rows:
                     raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
@@ -118,9 +131,12 @@ _OPTIONAL_NDIM = {
     "num_draft_tokens": 1, "prefill_len": 1, "mrope_positions": 3, "mrope_position_delta": 1,
     "prompt_embeds_start": 1, "prev_sampled_token_ids": 1, "prev_draft_token_ids": 2, "prev_batch_rows": 1,
     "mamba_block_table": 2, "num_accepted_tokens": 1, "mamba_checkpoint_offsets": 1, "grammar_index": 1,
+    "lora_ids": 1, "lora_slots": 1,
 }
 OPTIONAL_FIELDS = (*_OPTIONAL_NDIM, "extra_block_tables", "is_token_ids")
 """`BatchState` fields that only optional features read."""
+NOT_PER_ROW = frozenset({"lora_slots"})
+"""Optional fields not indexed by state row (``lora_slots`` has ``max_loras`` entries)."""
 
 
 def _feature_inputs_as_host(feature_inputs: dict) -> dict:
@@ -163,6 +179,9 @@ def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
         out["prev_batch_rows"] = np.full((rows,), NO_PREV_ROW, INT32)
         if features.spec_decode:
             out["prev_draft_token_ids"] = np.zeros((rows, features.num_speculative_tokens), INT32)
+    if features.lora is not None:
+        out["lora_ids"] = np.full((rows,), NO_LORA_ID, INT32)
+        out["lora_slots"] = np.full((features.lora.max_loras,), EMPTY_LORA_SLOT, INT32)
     out.update(_empty_runner_inputs(config))
     return out
 

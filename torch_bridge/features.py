@@ -8,11 +8,12 @@ its own) and is rebuilt into its pytree with torch leaves:
     # step.spec_decode.draft_token_ids -> field "spec_decode.draft_token_ids"
     # step.attn_metadata.dcp_local_seq_lens -> field "dcp_local_seq_lens"
 
-torch dtypes follow vLLM: ``mrope_positions`` and each micro-batch's ``positions`` int64; each group's
-(and micro-batch's) ``slot_mapping`` takes the kind of the step's own ``slot_mapping`` (int64 on
-CPU/CUDA, int32 on the NPU); boolean masks stay bool;
-everything else (block tables, spec-decode indices, ``request_distribution``,
-``dcp_local_seq_lens``) int32. A leaf that is neither int32 nor bool is converted on its own.
+torch dtypes follow vLLM: ``mrope_positions``, the fields of `INT64_FIELDS` and each micro-batch's
+``positions`` int64; each group's (and micro-batch's) ``slot_mapping`` takes the kind of the step's
+own ``slot_mapping`` (int64 on CPU/CUDA, int32 on the NPU); boolean masks stay bool; everything else
+(block tables, spec-decode indices, ``request_distribution``, ``dcp_local_seq_lens``, the LoRA
+mappings and kernel metadata, ``cu_num_logits``, ``expanded_local_pos``, the drafter, hybrid and
+grammar metadata) int32. A leaf that is neither int32 nor bool is converted on its own.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from torch_bridge._torch import torch
 from torch_bridge.transfer import convert_leaf
 
 STEP_FEATURES = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                 "request_distribution", "drafter", "hybrid", "grammar", "ubatches")
+                 "request_distribution", "lora", "logits_indirection", "drafter", "hybrid", "grammar", "ubatches")
 """`StepInputs` feature fields that `TorchStepInputs` carries under the same names."""
 METADATA_FEATURES = ("dcp_local_seq_lens",)
 """`AttentionMetadata` feature fields that `TorchAttentionMetadata` carries under the same names."""
-INT64_FIELDS = ("mrope_positions",)
-"""int64 in vLLM's runners (``MRotaryEmbedding`` positions)."""
+INT64_FIELDS = ("mrope_positions", "lora.token_lora_indices", "lora.sampler_indices", "lora.sampler_indices_padded",
+                "lora.embeddings_indices", "logits_indirection.logits_indices",
+                "logits_indirection.expanded_idx_mapping", "logits_indirection.logits_pos")
+"""int64 in vLLM: ``MRotaryEmbedding`` positions; the LoRA index tensors ``convert_mapping`` builds
+(torch.long); V2's ``logits_indices``, ``expanded_idx_mapping`` (``idx_mapping`` is int64) and the
+positions the sampler reads."""
 INT64_SUFFIXES = (".positions",)
 """A micro-batch's ``positions`` are int64, like the step's (``ubatches.batches.0.positions``)."""
 

@@ -79,6 +79,8 @@ class TorchStepInputs:
     mrope_positions: torch.Tensor | None = None  # [3, num_tokens_padded] int64; pad 0
     prompt_embeds: Any = None  # the step's PromptEmbedsMetadata with torch leaves (bool, int32)
     request_distribution: torch.Tensor | None = None  # [3] int32: decode_end, prefill_end, mixed_end
+    lora: Any = None  # the step's LoRAMetadata with torch leaves (slot indices int64, the rest int32)
+    logits_indirection: Any = None  # the step's LogitsIndirection with torch leaves (see torch_bridge.features)
     drafter: Any = None  # the step's DrafterTargetInputs with torch leaves (int32, bool)
     hybrid: Any = None  # the step's HybridMetadata with torch leaves (int32, bool)
     grammar: Any = None  # the step's GrammarMetadata with int32 torch leaves

@@ -33,6 +33,17 @@ the host check of its `BatchState` inputs (module, feature, vLLM source):
 - `ubatch`: micro-batches (dual-batch overlap); `vllm/v1/worker/ubatch_utils.py::maybe_create_ubatch_slices`
 - `logits_rows`: which request and place every logits row belongs to (read by `grammar`);
   `vllm/v1/worker/gpu/input_batch.py::expand_idx_mapping`
+- `lora` (settings in `lora_config`): LoRA mappings, slot indices, punica kernel metadata, CUDA-graph key;
+  `vllm/v1/worker/gpu_input_batch.py::InputBatch.make_lora_inputs`,
+  `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`,
+  `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
+  `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
+- `logits_indirection`: V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...);
+  `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`,
+  `vllm/v1/worker/gpu/input_batch.py::_expand_idx_mapping_kernel`
+
+``FeatureConfig(runner="v2")`` switches every output to vLLM's model runner V2 where V1 and V2
+differ (the batch order, LoRA's prompt mapping and graph key, the logits indirection).
 
 `with_features` (`dispatch`) adds the outputs of the features that are on to a prepared step,
 inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
@@ -40,13 +51,14 @@ inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
 """
 
 from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, HYBRID_MODES, MROPE_NUM_DIMS, REORDER_MODES,
-                                     AttnState, DCPConfig, DrafterConfig, FeatureConfig, HybridConfig,
+                                     RUNNERS, AttnState, DCPConfig, DrafterConfig, FeatureConfig, HybridConfig,
                                      KVCacheGroupSpec)
 from jaxprep.features.dispatch import with_features
 from jaxprep.features.inputs import check_feature_shapes, check_feature_values, check_group_blocks, required_fields
+from jaxprep.features.lora_config import LoRAConfig
 
 __all__ = [
-    "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "HYBRID_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "AttnState",
-    "DCPConfig", "DrafterConfig", "FeatureConfig", "HybridConfig", "KVCacheGroupSpec", "check_feature_shapes",
-    "check_feature_values", "check_group_blocks", "required_fields", "with_features",
+    "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "HYBRID_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "RUNNERS", "AttnState",
+    "DCPConfig", "DrafterConfig", "FeatureConfig", "HybridConfig", "KVCacheGroupSpec", "LoRAConfig",
+    "check_feature_shapes", "check_feature_values", "check_group_blocks", "required_fields", "with_features",
 ]

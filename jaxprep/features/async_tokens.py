@@ -8,7 +8,15 @@ host round trip; so are last step's draft tokens when spec decode is on.
 
 For a request sampled last step at batch row ``prev`` and now at batch row ``b`` with ``D`` drafts:
 ``input_ids[qsl[b+1] - 1 - D] = prev_sampled_token_ids[prev]`` and the ``D`` tokens after it are
-``prev_draft_token_ids[prev, :D]``. Placeholders left anywhere else are clamped to 0.
+``prev_draft_token_ids[prev, :D]``. Placeholders left anywhere else (`PLACEHOLDER_TOKEN_ID`) are
+clamped to 0 in the step's ``input_ids`` (`clamp_placeholders`), but the spec-decode drafts are
+read before that clamp, as vLLM V1 reads them: a draft no step wrote stays -1 and is never
+accepted. vLLM's chain: the async scheduler schedules ``[-1] * K`` as every request's drafts
+(`vllm/v1/core/sched/async_scheduler.py::AsyncScheduler._update_after_schedule`),
+`vllm/v1/worker/gpu_input_batch.py::InputBatch.update_req_spec_token_ids` writes them into the
+token table, `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_input_ids` overwrites
+only the drafts of requests sampled last step, ``_calc_spec_decode_metadata`` gathers
+``draft_token_ids`` from ``input_ids``, and only then ``_preprocess`` clamps ``input_ids`` to >= 0.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ def write_prev_tokens(input_ids: Int32[Array, " num_tokens_padded"], rows: Int32
                       prev_sampled_token_ids: Int32[Array, " max_num_reqs"],
                       prev_draft_token_ids: Int32[Array, "max_num_reqs K"] | None,
                       ) -> Int32[Array, " num_tokens_padded"]:
-    """``input_ids`` with last step's sampled (and draft) tokens written in.
+    """``input_ids`` with last step's sampled (and draft) tokens written in; placeholders kept.
 
     # last batch [r0, r1, r2], r2 discarded; now [r1, r0, r2] with S [1, 1, 3]:
     #   prev rows [1, 0, -1] -> input_ids[0] = sampled[1], input_ids[1] = sampled[0]; r2 keeps the table's ids
@@ -48,6 +56,14 @@ def write_prev_tokens(input_ids: Int32[Array, " num_tokens_padded"], rows: Int32
         keep = has_prev[:, None] & (j[None, :] < drafts[:, None])
         draft_dest = jnp.where(keep, sampled_dest[:, None] + 1 + j[None, :], num_tokens_padded)
         input_ids = input_ids.at[draft_dest].set(prev_draft_token_ids[prev_row], mode="drop")
+    return input_ids
+
+
+def clamp_placeholders(input_ids: Int32[Array, " num_tokens_padded"]) -> Int32[Array, " num_tokens_padded"]:
+    """The model's ``input_ids``: every placeholder left (-1) becomes `PAD_INPUT_ID`.
+
+    # [502, -1, 34] -> [502, 0, 34]
+    """
     return jnp.maximum(input_ids, PAD_INPUT_ID)
 
 

@@ -11,11 +11,15 @@ import dataclasses
 import enum
 
 from jaxprep._checks import cdiv, check_positive_int, max_block_id
+from jaxprep._constants import INT32_MAX
+from jaxprep.features.lora_config import LoRAConfig
 
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
 REORDER_MODES = (None, "decode_first", "v2")
 HYBRID_MODES = ("none", "align")
+RUNNERS = ("v1", "v2")
+"""`FeatureConfig.runner`: whose semantics the outputs follow, vLLM's model runner V1 or V2."""
 MROPE_NUM_DIMS = 3
 """Rows of M-RoPE positions (temporal, height, width), as in Qwen2-VL."""
 
@@ -171,6 +175,14 @@ class FeatureConfig:
       reorder: None (state-row order), "decode_first" (tpu-inference) or "v2" (vLLM V2 sort),
       docs/semantics.md#batch-order.
       request_distribution: `StepInputs.request_distribution` ``[decode_end, prefill_end, mixed_end]``.
+      runner: "v1" (default) or "v2": every output follows that vLLM model runner where the two
+        differ (docs/semantics.md, V1 and V2). "v2" implies V2's batch order (`batch_order`) and
+        the logits indirection unless ``logits_indirection=False``; a ``reorder`` other than "v2"
+        is rejected with it.
+      lora: `jaxprep.LoRAConfig`: `StepInputs.lora` from `BatchState.lora_ids` / ``lora_slots``.
+      logits_indirection: `StepInputs.logits_indirection`, V2's logits rows (``cu_num_logits``,
+        ``expanded_idx_mapping``, ...). ``None``: on exactly when ``runner="v2"``
+        (`logits_indirection_on`).
       drafter: EAGLE / MTP drafter inputs (`jaxprep.features.drafter`); needs spec decode. ``None``: off.
       hybrid: Mamba / linear-attention metadata (`jaxprep.features.hybrid`). ``None``: off.
       structured_outputs: grammar-bitmask rows per logits row (`jaxprep.features.grammar`), from
@@ -193,6 +205,9 @@ class FeatureConfig:
     mask_kv_len: int | None = None
     reorder: str | None = None
     request_distribution: bool = False
+    runner: str = "v1"
+    lora: LoRAConfig | None = None
+    logits_indirection: bool | None = None
     drafter: DrafterConfig | None = None
     hybrid: HybridConfig | None = None
     structured_outputs: bool = False
@@ -200,6 +215,7 @@ class FeatureConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
+        self._check_runner()
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"FeatureConfig.num_speculative_tokens must be an int >= 0, "
                              f"got {self.num_speculative_tokens!r}")
@@ -213,13 +229,37 @@ class FeatureConfig:
                              f"num_speculative_tokens > 0")
         if self.dcp is not None and any(g.sliding_window for g in self.kv_groups):
             raise ValueError("FeatureConfig: DCP does not support sliding-window KV groups (as in vLLM)")
-        for name, kind in (("drafter", DrafterConfig), ("hybrid", HybridConfig)):
+        for name, kind in (("drafter", DrafterConfig), ("hybrid", HybridConfig), ("lora", LoRAConfig)):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
                 raise ValueError(f"FeatureConfig.{name} must be a jaxprep.{kind.__name__} or None, "
                                  f"got {getattr(self, name)!r}")
         if self.drafter is not None and not self.spec_decode:
             raise ValueError("FeatureConfig.drafter needs num_speculative_tokens > 0 (the drafter proposes them)")
         check_positive_int("FeatureConfig.num_ubatches", self.num_ubatches)
+
+    def _check_runner(self) -> None:
+        """runner="v2" implies V2's batch order and the logits indirection (unless switched off).
+
+        The implied values are properties (`batch_order`, `logits_indirection_on`), not rewritten
+        fields, so ``dataclasses.replace(features, runner=...)`` changes them too.
+        """
+        _check_choice("runner", self.runner, RUNNERS)
+        if self.runner == "v2" and self.reorder not in (None, "v2"):
+            raise ValueError(f"FeatureConfig(runner='v2', reorder={self.reorder!r}) contradicts itself: "
+                             f"the V2 runner sorts its batch one way (reorder='v2'); drop reorder")
+        if self.logits_indirection is not None and not isinstance(self.logits_indirection, bool):
+            raise ValueError(f"FeatureConfig.logits_indirection must be a bool or None, "
+                             f"got {self.logits_indirection!r}")
+
+    @property
+    def batch_order(self) -> str | None:
+        """The batch order in force: ``reorder``, or "v2" under ``runner="v2"`` (None: state-row order)."""
+        return self.reorder or ("v2" if self.runner == "v2" else None)
+
+    @property
+    def logits_indirection_on(self) -> bool:
+        """Whether the step carries `StepInputs.logits_indirection`."""
+        return self.runner == "v2" if self.logits_indirection is None else self.logits_indirection
 
     @property
     def spec_decode(self) -> bool:
@@ -235,8 +275,8 @@ class FeatureConfig:
         """True unless every feature is off (the plain step)."""
         return bool(self.spec_decode or self.discard_request_mask or self.kv_groups or self.dcp or self.mrope
                     or self.prompt_embeds or self.async_tokens or self.attn_state or self.attn_mask
-                    or self.reorder or self.request_distribution or self.drafter or self.hybrid
-                    or self.structured_outputs or self.num_ubatches > 1)
+                    or self.batch_order or self.request_distribution or self.lora or self.logits_indirection_on
+                    or self.drafter or self.hybrid or self.structured_outputs or self.num_ubatches > 1)
 
     def check_against(self, config) -> None:
         """Checks that need the `PrepConfig` (block sizes, lengths); raises ValueError."""
@@ -247,6 +287,9 @@ class FeatureConfig:
             for block_size in {config.block_size, *(g.block_size for g in self.kv_groups)}:
                 if block_size % self.dcp.interleave:
                     raise ValueError(f"DCPConfig.interleave={self.dcp.interleave} must divide block size {block_size}")
+        if self.lora is not None and config.max_num_batched_tokens * (self.lora.max_loras + 1) > INT32_MAX:
+            raise ValueError(f"FeatureConfig.lora: max_num_batched_tokens * (max_loras + 1) overflows int32 "
+                             f"sampler_indices_padded (max {INT32_MAX})")
         if self.mask_kv_len is not None and self.mask_kv_len > config.max_model_len:
             raise ValueError(f"FeatureConfig.mask_kv_len={self.mask_kv_len} exceeds "
                              f"max_model_len={config.max_model_len}")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxprep._constants import NO_GRAMMAR, NULL_BLOCK_ID
 from jaxprep._layout import Layout
 from jaxprep._ragged import slot_mapping, take_rows
-from jaxprep.features.async_tokens import write_prev_tokens
+from jaxprep.features.async_tokens import clamp_placeholders, write_prev_tokens
 from jaxprep.features.attn_state import attn_state
 from jaxprep.features.dcp import dcp_local_seq_lens, dcp_slot_mapping
 from jaxprep.features.discard import discard_request_mask
@@ -23,7 +23,9 @@ from jaxprep.features.drafter import drafter_target_inputs
 from jaxprep.features.grammar import grammar_metadata
 from jaxprep.features.hybrid import HybridRows, hybrid_metadata
 from jaxprep.features.kv_groups import KVGroupMetadata, group_block_table
+from jaxprep.features.logits_indirection import logits_indirection
 from jaxprep.features.logits_rows import logits_rows
+from jaxprep.features.lora import lora_metadata
 from jaxprep.features.masks import attn_mask
 from jaxprep.features.mrope import mrope_positions
 from jaxprep.features.prompt_embeds import prompt_embeds_metadata
@@ -41,17 +43,20 @@ def with_features(step, state, config, layout: Layout):
         drafts = jnp.zeros_like(layout.scheduled)
     updates = _attention_outputs(step, state, config, layout, drafts)
     input_ids = step.input_ids
-    if features.async_tokens:
-        input_ids = write_prev_tokens(input_ids, layout.rows, step.attn_metadata.query_start_loc, layout.is_real_req,
-                                      drafts, state.prev_batch_rows, state.prev_sampled_token_ids,
+    if features.async_tokens:  # the drafts are read before placeholders are clamped, as in vLLM V1
+        unclamped = write_prev_tokens(input_ids, layout.rows, step.attn_metadata.query_start_loc,
+                                      layout.is_real_req, drafts, state.prev_batch_rows,
+                                      state.prev_sampled_token_ids,
                                       state.prev_draft_token_ids if features.spec_decode else None)
+        input_ids = clamp_placeholders(unclamped)
     if features.prompt_embeds:
         updates["prompt_embeds"], input_ids = prompt_embeds_metadata(
             state.is_token_ids, state.prompt_embeds_start, layout.token_rows, step.positions,
             layout.is_real_token, input_ids)
     if features.spec_decode:
-        updates["spec_decode"] = spec_decode_metadata(drafts, step.attn_metadata.query_start_loc,
-                                                      layout.is_real_req, input_ids, features.num_speculative_tokens)
+        updates["spec_decode"] = spec_decode_metadata(drafts, step.attn_metadata.query_start_loc, layout.is_real_req,
+                                                      unclamped if features.async_tokens else input_ids,
+                                                      features.num_speculative_tokens)
     if features.discard_request_mask:
         prompt = take_rows(state.prefill_len, layout.rows, fill_value=0)
         updates["discard_request_mask"] = discard_request_mask(layout.computed, layout.scheduled, prompt,
@@ -60,6 +65,7 @@ def with_features(step, state, config, layout: Layout):
         updates["mrope_positions"] = mrope_positions(state.mrope_positions, state.mrope_position_delta,
                                                      state.prefill_len, layout.token_rows, step.positions,
                                                      layout.is_real_token)
+    updates.update(_mrv2_outputs(step, state, features, layout, drafts, input_ids))
     updates.update(_runner_outputs(step, state, config, layout, drafts, updates.get("spec_decode")))
     step = dataclasses.replace(step, input_ids=input_ids, **updates)
     if features.num_ubatches > 1:  # last: it splits the finished step
@@ -82,6 +88,20 @@ def _runner_outputs(step, state, config, layout: Layout, drafts, spec_decode) ->
         out["grammar"] = grammar_metadata(take_rows(state.grammar_index, layout.rows, fill_value=NO_GRAMMAR),
                                           logits_rows(spec_decode, layout.is_real_req),
                                           1 + features.num_speculative_tokens)
+    return out
+
+
+def _mrv2_outputs(step, state, features, layout: Layout, drafts, input_ids) -> dict:
+    """LoRA and V2's logits indirection (read the final ``input_ids``)."""
+    out = {}
+    query_start_loc = step.attn_metadata.query_start_loc
+    if features.lora is not None:
+        out["lora"] = lora_metadata(state.lora_ids, state.lora_slots, layout.rows, layout.is_real_req, drafts,
+                                    layout.token_rows, layout.is_real_token, query_start_loc, features)
+    if features.logits_indirection_on:
+        out["logits_indirection"] = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, query_start_loc,
+                                                       step.positions, input_ids, layout.is_real_token,
+                                                       features.num_speculative_tokens)
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
-from jaxprep.features import async_tokens, grammar, hybrid, kv_groups, masks, mrope, prompt_embeds, spec_decode
+from jaxprep.features import async_tokens, grammar, hybrid, kv_groups, lora, masks, mrope, prompt_embeds, spec_decode
 from jaxprep.features.config import MROPE_NUM_DIMS
 
 
@@ -43,6 +43,8 @@ def required_fields(features) -> dict[str, str]:
             needs["mamba_checkpoint_offsets"] = "hybrid.checkpoints"
     if features.structured_outputs:
         needs["grammar_index"] = "structured_outputs"
+    if features.lora is not None:
+        needs.update(lora_ids="lora", lora_slots="lora")
     return needs
 
 
@@ -57,7 +59,8 @@ def check_feature_shapes(host: dict, config) -> None:
                "prev_sampled_token_ids", "prev_batch_rows", "num_accepted_tokens", "mamba_checkpoint_offsets",
                "grammar_index")
     expected = dict.fromkeys(per_row, (rows,))
-    expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width))
+    expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width),
+                    **lora.expected_shapes(config))
     if "prev_draft_token_ids" in host:
         draft_width = features.num_speculative_tokens if features.spec_decode else host["prev_draft_token_ids"].shape[1]
         expected["prev_draft_token_ids"] = (rows, draft_width)
@@ -101,5 +104,7 @@ def check_feature_values(host: dict, core: dict, config) -> None:
         hybrid.check_hybrid_values(host, computed, scheduled, config)
     if features.structured_outputs:
         grammar.check_grammar_index(host["grammar_index"].astype(np.int64), scheduled)
+    if features.lora is not None:
+        lora.check_lora_inputs(host["lora_ids"].astype(np.int64), host["lora_slots"].astype(np.int64), in_batch)
     if features.attn_mask in ("rows_bool", "rows_additive"):
         masks.check_row_mask_columns(computed, scheduled, features.mask_columns(config))

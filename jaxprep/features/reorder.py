@@ -1,15 +1,19 @@
 """Batch order (docs/semantics.md#batch-order): decodes first, and tpu-inference's ``request_distribution``
 (docs/semantics.md#request-distribution).
 
-Without `FeatureConfig.reorder` the batch is the rows with work in state-row order (vLLM V1 with
-FlashAttention). With it, the batch rows are sorted on the device; ``StepInputs.idx_mapping``
-still maps every batch row back to its state row, so a sampler writes results back through it.
+Without a batch order (`FeatureConfig.batch_order`: ``reorder``, or "v2" under ``runner="v2"``) the
+batch is the rows with work in state-row order (vLLM V1 with FlashAttention). With it, the batch
+rows are sorted on the device; ``StepInputs.idx_mapping`` still maps every batch row back to its
+state row, so a sampler writes results back through it.
 
 - ``"decode_first"`` (tpu-inference ``_reorder_batch``): decodes, then everything else; a decode
   is a row whose scheduled tokens are its last sampled token and its drafts (``S == 1 + D``).
 - ``"v2"`` (vLLM V2 ``sort_batch_req_ids``): sorted by ``(not has_drafts, S != 1 + K, S)``.
 
-Both are stable: ties keep state-row order.
+Both are stable: ties keep state-row order. V2 itself breaks ties by scheduler order (arrival
+order); with ``FeatureConfig(runner="v2")`` state rows are V2's slots, which V2 hands out from the
+top (`vllm/v1/worker/gpu/states.py`: the first request gets slot ``max_num_reqs - 1``), so ties
+then go by descending state row, arrival order for requests admitted one after another.
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ _NOT_IN_BATCH = 3
 
 
 def reordered_rows(state, num_reqs_padded: int, features: FeatureConfig) -> Int32[Array, " num_reqs_padded"]:
-    """State row of each batch row in the ``features.reorder`` order; padding rows get ``max_num_reqs``.
+    """State row of each batch row in the ``features.batch_order`` order; padding rows get ``max_num_reqs``.
 
     # S [3, 1, 0, 2, 1], decode_first -> [1, 4, 0, 3, 5]
     # S [3, 2, 5] (docs/semantics.md#example-a-step-1), v2 -> [1, 0, 2]
+    # S [2, 2] at slots [4, 5], K 1, runner v2 -> ties by descending slot: [5, 4]
     """
     scheduled = state.num_scheduled_tokens
     drafts = state.num_draft_tokens if features.spec_decode else jnp.zeros_like(scheduled)
     has_work = scheduled > 0
-    if features.reorder == "decode_first":
+    if features.batch_order == "decode_first":
         primary = jnp.where(scheduled == 1 + drafts, 0, 1)
         keys = (jnp.where(has_work, primary, _NOT_IN_BATCH),)
     else:
@@ -40,6 +45,8 @@ def reordered_rows(state, num_reqs_padded: int, features: FeatureConfig) -> Int3
         primary = jnp.where(drafts > 0, 0, 1)
         keys = (scheduled, (scheduled != decode_query_len).astype(jnp.int32),
                 jnp.where(has_work, primary, _NOT_IN_BATCH))
+        if features.runner == "v2":  # least significant key: descending slot
+            keys = (-jnp.arange(scheduled.shape[0], dtype=jnp.int32), *keys)
     order = jnp.lexsort(keys)[:num_reqs_padded].astype(jnp.int32)  # lexsort: last key is primary
     sentinel = scheduled.shape[0]
     return jnp.where(has_work[order], order, sentinel)

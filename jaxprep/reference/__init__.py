@@ -14,6 +14,12 @@
   kernels and builders run; `vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py`,
   `vllm/v1/attention/backends/mamba_attn.py`, `vllm/v1/worker/gpu/structured_outputs.py`,
   `vllm/v1/worker/ubatch_utils.py`
+- `lora`: LoRA mappings, slot indices, punica kernel metadata and CUDA-graph keys;
+  `vllm/v1/worker/gpu_input_batch.py::InputBatch.make_lora_inputs`,
+  `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`,
+  `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
+  `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
+- `logits`: V2's logits indirection; `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`
 
 The serving loop's oracle (state transitions) is `jaxprep.serving.reference`.
 """

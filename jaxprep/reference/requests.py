@@ -18,9 +18,13 @@ def batched_arange(counts) -> np.ndarray:
     return np.concatenate([np.arange(int(c)) for c in counts] + [np.zeros(0, np.int64)]).astype(np.int64)
 
 
-def batch_order_reference(num_scheduled, num_draft, mode: str | None, num_speculative_tokens: int = 0) -> np.ndarray:
-    """State rows of the batch in order: row order, decode-first, or vLLM V2's sort key."""
+def batch_order_reference(num_scheduled, num_draft, mode: str | None, num_speculative_tokens: int = 0,
+                          runner: str = "v1") -> np.ndarray:
+    """State rows of the batch in order: row order, decode-first, or vLLM V2's sort key (ties: row
+    order, or descending slot, V2's arrival order, under ``runner="v2"``)."""
     rows = [int(r) for r in np.flatnonzero(np.asarray(num_scheduled) > 0)]
+    if runner == "v2":
+        rows.reverse()
     scheduled = {r: int(num_scheduled[r]) for r in rows}
     drafts = {r: int(num_draft[r]) for r in rows}
     if mode == "decode_first":
@@ -80,8 +84,10 @@ def discard_request_mask_reference(num_computed, num_scheduled, prefill_len) -> 
 
 
 def async_input_ids_reference(input_ids, num_scheduled, num_draft, prev_positions, prev_sampled,
-                              prev_drafts=None) -> np.ndarray:
-    """vLLM V1 ``_prepare_input_ids`` (docs/semantics.md#async-scheduling), one request at a time.
+                              prev_drafts=None, clamp: bool = True) -> np.ndarray:
+    """vLLM V1 ``_prepare_input_ids`` (docs/semantics.md#async-scheduling), one request at a time, then
+    (``clamp``) the clamp of ``_preprocess``; ``clamp=False`` gives the ids ``_calc_spec_decode_metadata``
+    reads.
 
     ``prev_positions[r]``: last step's batch row of batch row r's request, or -1.
     """
@@ -95,7 +101,7 @@ def async_input_ids_reference(input_ids, num_scheduled, num_draft, prev_position
         ids[flat - drafts] = prev_sampled[prev]
         for i in range(drafts):
             ids[flat - drafts + 1 + i] = prev_drafts[prev][i]
-    return np.maximum(ids, 0)
+    return np.maximum(ids, 0) if clamp else ids
 
 
 def attn_state_reference(num_computed, num_scheduled, num_draft, *, spec_decode: bool, method: str | None,

@@ -26,6 +26,10 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     checks = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table[2:]}
     assert checks["tests (dry run, CPU)"] == "ok"
     assert any(name.startswith("bench_gpu: 256 req decode") for name in checks)
+    assert "bench_gpu: step" not in checks  # a second table's header row is a header, not a result
+    details = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in table[2:]}
+    decode = next(detail for name, detail in details.items() if name.startswith("bench_gpu: 256 req decode"))
+    assert decode.startswith("jaxprep device µs: ")  # read under the step table's own columns
     assert "backend cpu" in result.stdout
     assert sorted(os.listdir(tmp_path))  # each step's log was written
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import jaxprep
-from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_padded
+from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig, prepare_padded
 from jaxprep import _ragged as ragged
 from jaxprep.features import DrafterConfig, HybridConfig, drafter, grammar
 from jaxprep.prepare import prepare_packed
@@ -55,13 +55,14 @@ ALL_FEATURES = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp",
                              kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                              dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True,
                              attn_state=True, attn_mask="rows_bool", mask_kv_len=32, request_distribution=True,
+                             lora=LoRAConfig(max_loras=4, vocab_size=1000), logits_indirection=True,
                              drafter=DrafterConfig(), structured_outputs=True, num_ubatches=2,
                              hybrid=HybridConfig(mode="align", block_size=8, num_speculative_blocks=2, chunk_size=8,
                                                  checkpoints=True))
 SMALL = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
 LARGE = PrepConfig(max_num_reqs=1024, max_model_len=4096, max_num_batched_tokens=16384, block_size=16)
 LARGE_FEATURES = PrepConfig(max_num_reqs=256, max_model_len=1024, max_num_batched_tokens=8192, block_size=4,
-                            features=dataclasses.replace(ALL_FEATURES, reorder="v2"))
+                            features=dataclasses.replace(ALL_FEATURES, runner="v2"))
 
 
 def _serving_config(prep: PrepConfig) -> ServingConfig:

@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, count_compiles, prepare_padded
+from jaxprep import (
+    BatchState,
+    DCPConfig,
+    FeatureConfig,
+    KVCacheGroupSpec,
+    LoRAConfig,
+    PrepConfig,
+    count_compiles,
+    prepare_padded,
+)
 from jaxprep.config import block_table_width
 from jaxprep.features import DrafterConfig, HybridConfig
 from jaxprep.state import OPTIONAL_FIELDS
@@ -17,7 +26,8 @@ from support.feature_batches import block_table, feature_batches, run_step
 from support.runner_examples import check_pieces_make_the_step
 
 OPTIONAL_OUTPUTS = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                    "attn_state", "attn_mask", "request_distribution", "drafter", "hybrid", "grammar", "ubatches")
+                    "attn_state", "attn_mask", "request_distribution", "lora", "logits_indirection", "drafter",
+                    "hybrid", "grammar", "ubatches")
 
 
 def test_plain_step_has_no_feature_outputs_or_inputs():
@@ -43,6 +53,7 @@ def test_equal_feature_configs_share_one_executable():
 
 @pytest.mark.parametrize("features", [FeatureConfig(num_speculative_tokens=2), FeatureConfig(mrope=True),
                                       FeatureConfig(async_tokens=True, prompt_embeds=True),
+                                      FeatureConfig(runner="v2", lora=LoRAConfig(max_loras=2)),
                                       FeatureConfig(kv_groups=(KVCacheGroupSpec(4), KVCacheGroupSpec(8))),
                                       FeatureConfig(num_speculative_tokens=1, drafter=DrafterConfig(),
                                                     structured_outputs=True, hybrid=HybridConfig(
@@ -66,7 +77,8 @@ def test_empty_state_holds_every_input_a_feature_needs(features):
 ALL = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp", discard_request_mask=True,
                     kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                     dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True, attn_state=True,
-                    attn_mask="rows_bool", request_distribution=True, drafter=DrafterConfig(),
+                    attn_mask="rows_bool", request_distribution=True, lora=LoRAConfig(max_loras=3, vocab_size=100),
+                    logits_indirection=True, drafter=DrafterConfig(),
                     hybrid=HybridConfig(num_speculative_blocks=2, chunk_size=4, checkpoints=True),
                     structured_outputs=True, num_ubatches=2)
 SINGLES = {
@@ -81,14 +93,17 @@ SINGLES = {
     "drafter": FeatureConfig(num_speculative_tokens=2, drafter=DrafterConfig()),
     "hybrid": FeatureConfig(num_speculative_tokens=2, hybrid=ALL.hybrid),
     "grammar": FeatureConfig(num_speculative_tokens=2, structured_outputs=True),
+    "lora": FeatureConfig(lora=ALL.lora, num_speculative_tokens=2),
+    "logits_indirection": FeatureConfig(logits_indirection=True, num_speculative_tokens=2),
 }
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_all_features_at_once_match_each_feature_alone(data):
+def test_all_features_at_once_match_each_feature_alone(runner, data):
     base = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
-    config = dataclasses.replace(base, features=ALL)
+    config = dataclasses.replace(base, features=dataclasses.replace(ALL, runner=runner))
     arrays = data.draw(feature_batches(config, max_drafts=2))
     seq_lens = arrays["num_computed_tokens"] + arrays["num_scheduled_tokens"]
     arrays["extra_block_tables"] = [block_table(5, block_table_width(40, 8), seq_lens, 8, 2)]
@@ -104,9 +119,13 @@ def test_all_features_at_once_match_each_feature_alone(data):
                   num_accepted_tokens=np.ones(5, np.int32),
                   mamba_checkpoint_offsets=np.minimum(arrays["num_scheduled_tokens"] // 2, 3).astype(np.int32),
                   grammar_index=np.where(arrays["num_scheduled_tokens"] > 0,
-                                         np.cumsum(arrays["num_scheduled_tokens"] > 0) - 1, -1).astype(np.int32))
+                                         np.cumsum(arrays["num_scheduled_tokens"] > 0) - 1, -1).astype(np.int32),
+                  lora_ids=np.array([0, 4, 9, 4, 0], np.int32),
+                  lora_slots=np.array([9, -1, 4], np.int32))
     step = run_step(arrays, config, "jit")
     for name, features in SINGLES.items():
+        if runner == "v2":  # V2's order reads the drafts (decode_query_len = 1 + K): give every step the same
+            features = dataclasses.replace(features, runner=runner, num_speculative_tokens=2)
         alone = run_step(arrays, dataclasses.replace(base, features=features), "jit")
         want, got = jax.tree_util.tree_leaves(getattr(alone, name)), jax.tree_util.tree_leaves(getattr(step, name))
         assert len(want) == len(got) > 0, name

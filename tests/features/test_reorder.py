@@ -62,11 +62,12 @@ CASES = [FeatureConfig(reorder="decode_first", request_distribution=True),
          FeatureConfig(reorder="v2", request_distribution=True),
          FeatureConfig(reorder="v2", num_speculative_tokens=2, request_distribution=True),
          FeatureConfig(reorder="decode_first", num_speculative_tokens=2, request_distribution=True),
+         FeatureConfig(runner="v2", num_speculative_tokens=2, request_distribution=True, logits_indirection=False),
          FeatureConfig(request_distribution=True)]
 
 
 @pytest.mark.parametrize("mode", RUN_MODES)
-@pytest.mark.parametrize("features", CASES, ids=lambda f: f"{f.reorder}-k{f.num_speculative_tokens}")
+@pytest.mark.parametrize("features", CASES, ids=lambda f: f"{f.batch_order}-{f.runner}-k{f.num_speculative_tokens}")
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_reordered_step_matches_reference(mode, features, data):
@@ -74,7 +75,7 @@ def test_reordered_step_matches_reference(mode, features, data):
     k = features.num_speculative_tokens
     arrays = data.draw(feature_batches(config, max_drafts=k))
     drafts = arrays.get("num_draft_tokens", np.zeros(6, np.int32))
-    order = batch_order_reference(arrays["num_scheduled_tokens"], drafts, features.reorder, k)
+    order = batch_order_reference(arrays["num_scheduled_tokens"], drafts, features.batch_order, k, features.runner)
     step = run_step(arrays, config, mode)
     ref = prepare_reference_ordered(arrays["token_ids"], arrays["block_table"], arrays["num_computed_tokens"],
                                     arrays["num_scheduled_tokens"], config.block_size, order)
@@ -83,6 +84,6 @@ def test_reordered_step_matches_reference(mode, features, data):
         np.testing.assert_array_equal(value, want[name], err_msg=name)
     distribution = request_distribution_reference(arrays["num_scheduled_tokens"][order], drafts[order])
     np.testing.assert_array_equal(step.request_distribution, distribution)
-    if features.reorder == "decode_first" or features.reorder == "v2" and k == 0:  # every decode comes first
+    if features.batch_order == "decode_first" or features.batch_order == "v2" and k == 0:  # every decode comes first
         is_decode = arrays["num_scheduled_tokens"][order] == drafts[order] + 1
         assert int(step.request_distribution[0]) == int(is_decode.sum())

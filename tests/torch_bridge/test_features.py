@@ -16,7 +16,7 @@ from numpy.testing import assert_array_equal as assert_equal
 torch = pytest.importorskip("torch")
 
 import torch_bridge  # noqa: E402
-from jaxprep import DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig  # noqa: E402
+from jaxprep import DCPConfig, FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig  # noqa: E402
 from jaxprep.config import block_table_width  # noqa: E402
 from jaxprep.reference import prepare_reference  # noqa: E402
 from jaxprep.reference.kv_cache import (  # noqa: E402
@@ -25,6 +25,8 @@ from jaxprep.reference.kv_cache import (  # noqa: E402
     kernel_block_table_reference,
     sliding_window_reference,
 )
+from jaxprep.reference.logits import logits_indirection_reference  # noqa: E402
+from jaxprep.reference.lora import lora_reference  # noqa: E402
 from jaxprep.reference.requests import (  # noqa: E402
     discard_request_mask_reference,
     request_distribution_reference,
@@ -33,6 +35,7 @@ from jaxprep.reference.requests import (  # noqa: E402
 from jaxprep.reference.tokens import mrope_reference, prompt_embeds_reference  # noqa: E402
 from support.bridge_checks import assert_views_of  # noqa: E402
 from support.feature_batches import batch_rows, block_table, build_feature_batch, pad, run_step  # noqa: E402
+from support.mrv2_examples import with_random_adapters  # noqa: E402
 
 K = 2
 BASE = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
@@ -43,16 +46,21 @@ CASES = {
     "dcp": FeatureConfig(kv_groups=GROUPS[:2], dcp=DCP),
     "spec_decode": FeatureConfig(num_speculative_tokens=K, discard_request_mask=True, request_distribution=True),
     "mrope_prompt_embeds": FeatureConfig(mrope=True, prompt_embeds=True),
+    "mrv2_lora": FeatureConfig(runner="v2", num_speculative_tokens=K, lora=LoRAConfig(max_loras=3, vocab_size=100)),
 }
 STRATEGIES = ("packed", "per_field")
 FEATURES = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-            "request_distribution")
-BOOL_FIELDS = ("discard_request_mask", "prompt_embeds.is_token_ids")
+            "request_distribution", "lora", "logits_indirection")
+BOOL_FIELDS = ("discard_request_mask", "prompt_embeds.is_token_ids", "logits_indirection.is_padding")
+INT64_NAMES = ("positions", "mrope_positions", "lora.token_lora_indices", "lora.sampler_indices",
+               "lora.sampler_indices_padded", "lora.embeddings_indices", "logits_indirection.logits_indices",
+               "logits_indirection.expanded_idx_mapping", "logits_indirection.logits_pos")
 
 
 def expected_dtype(name: str, slot_dtype=torch.int64) -> torch.dtype:
-    """vLLM's dtypes: int64 positions (M-RoPE too) and slots (int32 on the NPU), bool masks, else int32."""
-    if name in ("positions", "mrope_positions"):
+    """vLLM's dtypes: int64 positions (M-RoPE and the sampler's too), slots (int32 on the NPU) and the
+    LoRA and V2 index tensors vLLM builds as torch.long; bool masks; else int32."""
+    if name in INT64_NAMES:
         return torch.int64
     if name.endswith("slot_mapping"):
         return slot_dtype
@@ -80,9 +88,23 @@ def prepared(case: str):
     if features.prompt_embeds:
         arrays.update(is_token_ids=rng.random((rows, config.max_model_len)) < 0.5,
                       prompt_embeds_start=rng.integers(0, 1000, rows).astype(np.int32))
+    if features.lora is not None:
+        arrays = with_random_adapters(arrays, features.lora.max_loras, rng)
     step = run_step(arrays, config, "jit")
     assert int(step.attn_metadata.num_reqs) >= 3 and step.num_tokens_padded > int(step.attn_metadata.num_actual_tokens)
     return config, arrays, step
+
+
+def _tree_pairs(prefix: str, torch_tree, jax_tree) -> dict[str, tuple]:
+    """{"lora.token_mapping_meta.active_lora_ids": (tensor, array), ...} over a feature's nested dataclasses."""
+    pairs = {}
+    for field in dataclasses.fields(jax_tree):
+        got, want = getattr(torch_tree, field.name), getattr(jax_tree, field.name)
+        if dataclasses.is_dataclass(want):
+            pairs.update(_tree_pairs(f"{prefix}.{field.name}", got, want))
+        elif want is not None:
+            pairs[f"{prefix}.{field.name}"] = (got, want)
+    return pairs
 
 
 def paired_fields(inputs, step) -> dict[str, tuple]:
@@ -94,11 +116,9 @@ def paired_fields(inputs, step) -> dict[str, tuple]:
     for g, (got, want) in enumerate(zip(inputs.kv_groups or (), step.kv_groups or (), strict=True)):
         pairs[f"kv_groups.{g}.block_table_tensor"] = (got.block_table_tensor, want.block_table)
         pairs[f"kv_groups.{g}.slot_mapping"] = (got.slot_mapping, want.slot_mapping)
-    for tree in ("spec_decode", "prompt_embeds"):
+    for tree in ("spec_decode", "prompt_embeds", "lora", "logits_indirection"):
         if getattr(step, tree) is not None:
-            for field in dataclasses.fields(getattr(step, tree)):
-                pairs[f"{tree}.{field.name}"] = (getattr(getattr(inputs, tree), field.name),
-                                                 getattr(getattr(step, tree), field.name))
+            pairs.update(_tree_pairs(tree, getattr(inputs, tree), getattr(step, tree)))
     for name in ("discard_request_mask", "mrope_positions", "request_distribution"):
         if getattr(step, name) is not None:
             pairs[name] = (getattr(inputs, name), getattr(step, name))
@@ -231,7 +251,7 @@ def test_group_attn_metadata_is_the_steps_with_the_groups_tables():
         plain.group_attn_metadata(0)
 
 
-@pytest.mark.parametrize("case", ["dcp", "mrope_prompt_embeds", "spec_decode"])
+@pytest.mark.parametrize("case", ["dcp", "mrope_prompt_embeds", "spec_decode", "mrv2_lora"])
 @pytest.mark.cpu_only("the Ascend path stages from JAX on the host CPU")
 def test_to_npu_carries_the_features_in_the_one_staged_copy(fake_npu, case):
     """Group slot mappings int32 like the step's; group block tables in FIA's layout (a null dummy row)."""
@@ -255,3 +275,26 @@ def test_a_donated_feature_array_is_named():
     step.kv_groups[1].slot_mapping.delete()
     with pytest.raises(ValueError, match="kv_groups.1.slot_mapping was deleted"):
         torch_bridge.to_torch(step)
+
+
+def test_lora_and_logits_indirection_match_reference():
+    """V2 runner: the bridged LoRA index tensors (int64) and logits rows against the NumPy references."""
+    config, arrays, step = prepared("mrv2_lora")
+    inputs = torch_bridge.to_torch(step)
+    num_reqs = int(step.attn_metadata.num_reqs)
+    rows = np.asarray(step.idx_mapping)[:num_reqs]
+    want = lora_reference(arrays["lora_ids"], arrays["lora_slots"], rows, arrays["num_scheduled_tokens"],
+                          arrays["num_draft_tokens"], config.features.lora, "v2", True)
+    for name in ("token_lora_mapping", "prompt_lora_mapping", "token_lora_indices", "sampler_indices",
+                 "sampler_indices_padded", "embeddings_indices"):
+        got = getattr(inputs.lora, name)
+        np.testing.assert_array_equal(got[: len(want[name])].cpu().numpy(), want[name], err_msg=name)
+    meta = inputs.lora.token_mapping_meta
+    for name in ("active_lora_ids", "num_tokens_per_lora", "lora_token_start_loc"):
+        np.testing.assert_array_equal(getattr(meta, name).cpu().numpy(), want["token_mapping_meta"][name], err_msg=name)
+    scheduled, drafts = arrays["num_scheduled_tokens"][rows], arrays["num_draft_tokens"][rows]
+    logits = logits_indirection_reference(rows, scheduled, drafts, np.asarray(step.positions),
+                                          np.asarray(step.input_ids), step.num_tokens_padded)
+    for name, value in logits.items():
+        got = getattr(inputs.logits_indirection, name).cpu().numpy()
+        np.testing.assert_array_equal(got[: len(value)], value, err_msg=name)
