@@ -31,14 +31,12 @@ the host check of its `BatchState` inputs (module, feature, vLLM source):
 - `grammar`: structured outputs, the grammar-bitmask row of each logits row;
   `vllm/v1/worker/gpu/structured_outputs.py`
 - `ubatch`: micro-batches (dual-batch overlap); `vllm/v1/worker/ubatch_utils.py::maybe_create_ubatch_slices`
-- `logits_rows`: which request and place every logits row belongs to (read by `grammar`);
-  `vllm/v1/worker/gpu/input_batch.py::expand_idx_mapping`
 - `lora` (settings in `lora_config`): LoRA mappings, slot indices, punica kernel metadata, CUDA-graph key;
   `vllm/v1/worker/gpu_input_batch.py::InputBatch.make_lora_inputs`,
   `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`,
   `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
   `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
-- `logits_indirection`: V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...);
+- `logits_indirection`: V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...), also read by `grammar`;
   `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`,
   `vllm/v1/worker/gpu/input_batch.py::_expand_idx_mapping_kernel`
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxprep._constants import NO_GRAMMAR, NULL_BLOCK_ID
+from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._layout import Layout
 from jaxprep._ragged import slot_mapping, take_rows
 from jaxprep.features.async_tokens import clamp_placeholders, write_prev_tokens
@@ -24,7 +24,6 @@ from jaxprep.features.grammar import grammar_metadata
 from jaxprep.features.hybrid import HybridRows, hybrid_metadata
 from jaxprep.features.kv_groups import KVGroupMetadata, group_block_table
 from jaxprep.features.logits_indirection import logits_indirection
-from jaxprep.features.logits_rows import logits_rows
 from jaxprep.features.lora import lora_metadata
 from jaxprep.features.masks import attn_mask
 from jaxprep.features.mrope import mrope_positions
@@ -65,15 +64,19 @@ def with_features(step, state, config, layout: Layout):
         updates["mrope_positions"] = mrope_positions(state.mrope_positions, state.mrope_position_delta,
                                                      state.prefill_len, layout.token_rows, step.positions,
                                                      layout.is_real_token)
-    updates.update(_mrv2_outputs(step, state, features, layout, drafts, input_ids))
-    updates.update(_runner_outputs(step, state, config, layout, drafts, updates.get("spec_decode")))
+    logits = None  # V2's logits rows: an output, and what structured outputs read
+    if features.logits_indirection_on or features.structured_outputs:
+        logits = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, step.attn_metadata.query_start_loc,
+                                    step.positions, input_ids, layout.is_real_token, features.num_speculative_tokens)
+    updates.update(_mrv2_outputs(state, features, layout, drafts, step.attn_metadata.query_start_loc, logits))
+    updates.update(_runner_outputs(step, state, config, layout, drafts, logits))
     step = dataclasses.replace(step, input_ids=input_ids, **updates)
     if features.num_ubatches > 1:  # last: it splits the finished step
         step = dataclasses.replace(step, ubatches=split_step(step, features.num_ubatches))
     return step
 
 
-def _runner_outputs(step, state, config, layout: Layout, drafts, spec_decode) -> dict:
+def _runner_outputs(step, state, config, layout: Layout, drafts, logits) -> dict:
     """Drafter, hybrid-model and structured-output metadata (vLLM's model runners compute them per step)."""
     features, out = config.features, {}
     if features.drafter is not None:
@@ -85,23 +88,19 @@ def _runner_outputs(step, state, config, layout: Layout, drafts, spec_decode) ->
                                         HybridRows(layout.rows, layout.scheduled, layout.computed, drafts,
                                                    layout.is_real_req), step.num_tokens_padded)
     if features.structured_outputs:
-        out["grammar"] = grammar_metadata(take_rows(state.grammar_index, layout.rows, fill_value=NO_GRAMMAR),
-                                          logits_rows(spec_decode, layout.is_real_req),
+        out["grammar"] = grammar_metadata(state.grammar_index, step.idx_mapping, logits,
                                           1 + features.num_speculative_tokens)
     return out
 
 
-def _mrv2_outputs(step, state, features, layout: Layout, drafts, input_ids) -> dict:
-    """LoRA and V2's logits indirection (read the final ``input_ids``)."""
+def _mrv2_outputs(state, features, layout: Layout, drafts, query_start_loc, logits) -> dict:
+    """LoRA and V2's logits indirection (built from the final ``input_ids``)."""
     out = {}
-    query_start_loc = step.attn_metadata.query_start_loc
     if features.lora is not None:
         out["lora"] = lora_metadata(state.lora_ids, state.lora_slots, layout.rows, layout.is_real_req, drafts,
                                     layout.token_rows, layout.is_real_token, query_start_loc, features)
     if features.logits_indirection_on:
-        out["logits_indirection"] = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, query_start_loc,
-                                                       step.positions, input_ids, layout.is_real_token,
-                                                       features.num_speculative_tokens)
+        out["logits_indirection"] = logits
     return out
 
 

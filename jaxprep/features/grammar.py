@@ -24,7 +24,7 @@ from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR
 from jaxprep._ragged import take_rows
 from jaxprep._typing import Array, Int32, StepArray
-from jaxprep.features.logits_rows import LogitsRows
+from jaxprep.features.logits_indirection import LogitsIndirection
 
 BITS_PER_WORD = 32
 
@@ -33,7 +33,7 @@ BITS_PER_WORD = 32
 @typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class GrammarMetadata:
-    """Bitmask rows per logits row (`StepInputs.grammar`); ``num_logits_padded`` as `jaxprep.features.logits_rows`."""
+    """Bitmask rows per logits row (`StepInputs.grammar`), the rows of `LogitsIndirection`."""
 
     bitmask_rows: Int32[StepArray, " num_logits_padded"]  # g * stride + i; NO_GRAMMAR: untouched (and pad)
     mapping: Int32[StepArray, " num_reqs_padded_times_stride"]  # vLLM's: bitmask row -> b * stride + i; pad -1
@@ -41,15 +41,18 @@ class GrammarMetadata:
     local_pos: Int32[StepArray, " num_logits_padded"]  # i: the row's place in its request; pad 0
 
 
-def grammar_metadata(grammar_index: Int32[Array, " num_reqs_padded"], rows: LogitsRows,
-                     stride: int) -> GrammarMetadata:
-    """``grammar_index`` per batch row (NO_GRAMMAR for padding) -> `GrammarMetadata`.
+def grammar_metadata(state_grammar_index: Int32[Array, " max_num_reqs"], idx_mapping: Int32[Array, " num_reqs_padded"],
+                     logits: LogitsIndirection, stride: int) -> GrammarMetadata:
+    """`BatchState.grammar_index` read through the step's rows -> `GrammarMetadata`.
 
+    ``idx_mapping`` and ``logits.expanded_idx_mapping`` name state rows (pad -1, read as NO_GRAMMAR).
     # running example: g per batch row [0, 2, 1, -1], n [3, 2, 1, 1], stride 3
     #   mapping [0,1,2, 6,7,8, 3,4,5]; bitmask_rows [0,1,2, 6,7, 3, -1]
     """
+    grammar_index = take_rows(state_grammar_index, idx_mapping, fill_value=NO_GRAMMAR)  # per batch row
+    row_g = take_rows(state_grammar_index, logits.expanded_idx_mapping, fill_value=NO_GRAMMAR)  # per logits row
+    local_pos = logits.expanded_local_pos
     num_reqs_padded = grammar_index.shape[0]
-    row_g = jnp.where(rows.is_real, grammar_index[rows.batch_row], NO_GRAMMAR)
     has_rows = grammar_index >= 0
     # vLLM's mapping: entry g * stride + i names logits row (b, i) of the request at batch row b
     size = num_reqs_padded * stride
@@ -58,8 +61,8 @@ def grammar_metadata(grammar_index: Int32[Array, " num_reqs_padded"], rows: Logi
     targets = (block[:, None] * stride + offsets).reshape(-1)  # padding rows write past the end
     values = (jnp.arange(num_reqs_padded, dtype=jnp.int32)[:, None] * stride + offsets).reshape(-1)
     mapping = jnp.full((size + stride,), NO_GRAMMAR, jnp.int32).at[targets].set(values, mode="promise_in_bounds")
-    return GrammarMetadata(bitmask_rows=jnp.where(row_g >= 0, row_g * stride + rows.local_pos, NO_GRAMMAR),
-                           mapping=mapping[:size], row_grammar_index=row_g, local_pos=rows.local_pos)
+    return GrammarMetadata(bitmask_rows=jnp.where(row_g >= 0, row_g * stride + local_pos, NO_GRAMMAR),
+                           mapping=mapping[:size], row_grammar_index=row_g, local_pos=local_pos)
 
 
 def apply_grammar_bitmask_body(logits: Array, bitmask: Int32[Array, "num_masks words"], grammar: GrammarMetadata):

@@ -1,17 +1,13 @@
 """NumPy reference of the structured-output bitmask rows (vLLM V2 ``structured_outputs.py``), for reading.
 
 Written the way vLLM's worker does it: a Python list for the mapping, one program per bitmask row
-for the apply kernel, a Python loop for the invalid-draft limits; unpadded, in batch order.
+for the apply kernel, a Python loop for the invalid-draft limits; unpadded, in batch order. The logits
+rows (``cu_num_logits``) are V2's, `jaxprep.reference.logits.logits_indirection_reference`.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-
-def cu_num_logits_reference(num_draft_tokens) -> np.ndarray:
-    """``[0, cumsum(D + 1)]``: one logits row per draft plus the bonus row, per request."""
-    return np.concatenate([[0], np.cumsum(np.asarray(num_draft_tokens, np.int64) + 1)])
 
 
 def grammar_mapping_reference(grammar_batch_rows, stride: int) -> list[int]:

@@ -16,10 +16,10 @@ from jaxprep._constants import NO_GRAMMAR
 from jaxprep.features.grammar import apply_grammar_bitmask, grammar_invalid_drafts
 from jaxprep.reference.grammar import (
     apply_grammar_bitmask_reference,
-    cu_num_logits_reference,
     grammar_invalid_drafts_reference,
     grammar_mapping_reference,
 )
+from jaxprep.reference.logits import logits_indirection_reference
 from support.feature_batches import RUN_MODES, feature_batches, run_step
 from support.runner_examples import running_config, running_example
 
@@ -129,6 +129,13 @@ def test_matches_reference_over_random_grammars(arrays, data):
     batch_rows = np.asarray(step.idx_mapping)[: int(step.attn_metadata.num_reqs)].tolist()
     grammar_batch_rows = [batch_rows.index(row) for row in order]
     drafts = np.asarray(step.spec_decode.num_draft_tokens)[: len(batch_rows)]
+    logits_rows = logits_indirection_reference(batch_rows, np.diff(np.asarray(step.attn_metadata.query_start_loc))
+                                               [: len(batch_rows)], drafts, np.asarray(step.positions),
+                                               np.asarray(step.input_ids), step.num_tokens_padded)
+    num_logits = int(logits_rows["cu_num_logits"][-1])
+    np.testing.assert_array_equal(np.asarray(step.grammar.local_pos)[:num_logits], logits_rows["expanded_local_pos"])
+    np.testing.assert_array_equal(np.asarray(step.grammar.row_grammar_index)[:num_logits],
+                                  arrays["grammar_index"][logits_rows["expanded_idx_mapping"]])
     mapping = grammar_mapping_reference(grammar_batch_rows, K + 1)
     assert np.asarray(step.grammar.mapping)[: len(mapping)].tolist() == mapping
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
@@ -136,7 +143,7 @@ def test_matches_reference_over_random_grammars(arrays, data):
     logits = rng.standard_normal((step.spec_decode.logits_indices.shape[0], VOCAB)).astype(np.float32)
     got = np.asarray(apply_grammar_bitmask(jnp.asarray(logits), jnp.asarray(bitmask), step.grammar))
     np.testing.assert_array_equal(got, apply_grammar_bitmask_reference(logits, bitmask, mapping,
-                                                                       cu_num_logits_reference(drafts), K + 1))
+                                                                       logits_rows["cu_num_logits"], K + 1))
     acceptable = [data.draw(st.integers(0, K)) for _ in order] if data.draw(st.booleans()) else None
     invalid, any_invalid = grammar_invalid_drafts(step.grammar, None if acceptable is None else
                                                   jnp.asarray(acceptable + [0], jnp.int32))

@@ -1,15 +1,9 @@
-"""The running example of vLLM's model runner V2 features, as jaxprep batch state (test helper).
+"""The running example (`support.mrv2_examples`, its table) as the drafter, hybrid, grammar and
+micro-batch tests read it (test helper).
 
-Four requests in slots 5, 3, 2, 1 (state rows here; row 4 holds a live request that is not
-scheduled, row 0 is free), ``max_num_reqs 6``, ``max_model_len 32``, block size 4, budget 16,
-``K = 2`` speculative tokens. Token ``t`` of request ``i`` is ``10 (i + 1) + t``. vLLM V2 sorts
-the batch to ``[r0, r3, r2, r1]``, so ``idx_mapping = [5, 1, 2, 3]``.
-
-| req | slot | prompt | outputs | C | S | drafts | blocks |
-| r0  | 5    | 5      | 5       | 9 | 3 | 50, 51 | 1, 2, 3 |
-| r1  | 3    | 20     | 0       | 4 | 6 | -      | 4, 5, 6 |
-| r2  | 2    | 8      | 5       | 12| 1 | -      | 7, 8, 9, 10 |
-| r3  | 1    | 4      | 4       | 7 | 2 | 60     | 11, 12, 13 |
+The requests sit at their V2 slots 5, 3, 2, 1 as state rows (row 4 holds a live request that is not
+scheduled, row 0 is free); ``prefill_len`` is each request's prompt length. vLLM V2 sorts the batch
+to ``[r0, r3, r2, r1]``, so ``idx_mapping = [5, 1, 2, 3]``.
 """
 
 from __future__ import annotations
@@ -20,13 +14,10 @@ import numpy as np
 
 from jaxprep import FeatureConfig, PrepConfig, StepInputs
 from jaxprep._constants import NULL_BLOCK_ID, PAD_LOGITS_INDEX, PAD_SEQ_LEN, PAD_STATE_ROW
+from support.mrv2_examples import REQUESTS, K
+from support.mrv2_examples import V2_SLOTS as SLOTS
 
-K = 2
-SLOTS = (5, 3, 2, 1)  # r0..r3
-PROMPTS, OUTPUTS = (5, 20, 8, 4), (5, 0, 5, 4)
-COMPUTED, SCHEDULED = (9, 4, 12, 7), (3, 6, 1, 2)
-DRAFTS = ((50, 51), (), (), (60,))
-BLOCKS = ((1, 2, 3), (4, 5, 6), (7, 8, 9, 10), (11, 12, 13))
+PROMPTS, OUTPUTS, COMPUTED, SCHEDULED, DRAFTS, _, BLOCKS = (tuple(column) for column in zip(*REQUESTS, strict=True))
 IDX_MAPPING = (5, 1, 2, 3)  # batch order r0, r3, r2, r1
 
 
