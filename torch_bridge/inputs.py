@@ -81,6 +81,10 @@ class TorchStepInputs:
     request_distribution: torch.Tensor | None = None  # [3] int32: decode_end, prefill_end, mixed_end
     lora: Any = None  # the step's LoRAMetadata with torch leaves (slot indices int64, the rest int32)
     logits_indirection: Any = None  # the step's LogitsIndirection with torch leaves (see torch_bridge.features)
+    drafter: Any = None  # the step's DrafterTargetInputs with torch leaves (int32, bool)
+    hybrid: Any = None  # the step's HybridMetadata with torch leaves (int32, bool)
+    grammar: Any = None  # the step's GrammarMetadata with int32 torch leaves
+    ubatches: Any = None  # the step's MicroBatches: each micro-batch a StepInputs with torch leaves
     jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
 
     def group_attn_metadata(self, group: int) -> TorchAttentionMetadata:

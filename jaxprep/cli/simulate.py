@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int_in(1), default=1, metavar="N",
                         help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
                              "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule step N+1 while the device runs step N (tokens reach the host one step "
+                             "late; single steps, one device) and report the share of host time that overlaps "
+                             "device work")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
                         help="JAX persistent compilation cache directory: a second run warms up from disk")
     _add_spec_decode_arguments(parser)
@@ -112,6 +116,8 @@ def _check_spec_decode(args: argparse.Namespace) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """Combinations of flags that cannot work, before anything is compiled; fills --max-prompt-len."""
     _check_spec_decode(args)
+    require(not (args.async_scheduling and args.spec_decode), "--async-scheduling: runs without speculative "
+            f"decoding, not --spec-decode {args.spec_decode}")
     if args.max_prompt_len is None:
         args.max_prompt_len = min(DEFAULTS["max_prompt_len"], args.max_model_len - 1)
     require(args.max_prompt_len < args.max_model_len, f"--max-prompt-len {args.max_prompt_len}: must be < "
@@ -130,9 +136,13 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
     import jax
 
+    if args.async_scheduling:  # before the CPU client starts: a dispatch returns before its step is done
+        jax.config.update("jax_cpu_enable_async_dispatch", True)
     visible = jax.device_count()
     require(args.devices <= visible, f"--devices {args.devices}: must be <= {visible}, the "
             f"{jax.default_backend()} devices JAX sees")
+    require(not (args.async_scheduling and args.devices > 1), f"--async-scheduling: runs on one device, "
+            f"not --devices {args.devices}")
     if args.compile_cache:
         check_folder("--compile-cache", args.compile_cache)
     if args.plot:
@@ -155,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
     summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
     summary["devices"] = args.devices
     summary.update(_spec_decode_summary(engine.stats, args))
+    if args.async_scheduling:
+        summary.update(async_overlap=round(engine.stats.overlap, 4),
+                       host_us_per_dispatch=round(engine.stats.host_s / engine.stats.dispatches * 1e6, 1))
     summary["model"] = "tiny paged-KV model" if args.model is None else f"{model.model_type} from {args.model}"
     if args.check:
         requests = progress_bar(args.progress, "check: dense recompute", "req", iterable=finished)
@@ -216,13 +229,17 @@ def _engine(config, model, args, params=None):
     """One `Engine`, or a `DataParallelEngine` over ``args.devices`` devices."""
     from jaxprep.serving import Engine
 
+    if args.async_scheduling:
+        from jaxprep.serving.overlap import AsyncEngine
+
+        return AsyncEngine(config, model, seed=args.seed, params=params, keep_history=True)
     if args.devices == 1:
-        return Engine(config, model, seed=args.seed, time_prep=True, params=params)
+        return Engine(config, model, seed=args.seed, time_prep=True, params=params, keep_history=True)
     from jaxprep.serving.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
     return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
-                              params=params)
+                              params=params, keep_history=True)
 
 
 def _warmup(engine, when: str) -> float:
@@ -265,8 +282,8 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
         "warmup_s": round(warmup_s, 3),
         "tokens_per_s": round(stats.scheduled_tokens / wall_s, 1),
         "output_tokens_per_s": round(stats.output_tokens / wall_s, 1),
-        "prep_us_median": round(float(np.median(prep_us)), 1),
-        "prep_us_p99": round(float(np.percentile(prep_us, 99)), 1),
+        "prep_us_median": round(float(np.median(prep_us)), 1) if len(prep_us) else None,  # None: async
+        "prep_us_p99": round(float(np.percentile(prep_us, 99)), 1) if len(prep_us) else None,
         "prep_method": "separate non-donating jitted call (unpack + state updates + prepare_padded) on the "
                        "step's own state and packed updates, before the step, timed to block_until_ready",
         "padding_waste": round(stats.padding_waste, 4),

@@ -45,6 +45,7 @@ BAD = [
     (["simulate", "--devices", "4096"], "--devices", "4096: must be <= "),  # more than this process's JAX sees
     (["simulate", "--compile-cache", NOT_A_FOLDER], "--compile-cache", "exists and is not a folder"),
     (["simulate", "--check=1"], "--check", "ignored explicit argument '1'"),
+    (["simulate", "--async-scheduling=1"], "--async-scheduling", "ignored explicit argument '1'"),
     (["simulate", "--json=1"], "--json", "ignored explicit argument '1'"),
     (["simulate", "--plot", "chart.txt"], "--plot", "chart.txt: must end in .png"),
     (["simulate", "--plot", os.path.join(ROOT, "no-such-folder", "chart.png")], "--plot", "does not exist"),
@@ -58,6 +59,8 @@ BAD = [
     (["simulate", "--prompt-lookup-max", "3"], "--prompt-lookup-max", "3: needs --spec-decode ngram"),
     (["simulate", "--spec-decode", "ngram", "--prompt-lookup-min", "4", "--prompt-lookup-max", "2"],
      "--prompt-lookup-min", "4: must be <= --prompt-lookup-max 2"),
+    (["simulate", "--async-scheduling", "--spec-decode", "ngram"], "--async-scheduling",
+     "runs without speculative decoding, not --spec-decode ngram"),
     (["simulate", "--workload", "loops"], "--workload", "loops: must be one of random, repetitive"),
     (["generate"], "--model", ": required"),
     (["generate", "--model", NOT_A_FOLDER, "--prompt-ids", "1"], "--model", "README.md: is not a folder"),

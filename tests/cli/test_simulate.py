@@ -78,3 +78,17 @@ def test_no_bars_when_stderr_is_not_a_terminal(capsys):
     bar.update(5)
     bar.close()
     assert "warm-up: 2 buckets" in capsys.readouterr().err
+
+
+def test_async_scheduling_checks_and_reports_overlap():
+    """--async-scheduling: greedy tokens still the dense ones, single steps only, and the overlap share
+    reported; with several devices it is a usage error (exit 2, one line naming both flags)."""
+    result = run_jaxprep("--async-scheduling", "--check", "--json", *SMALL)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["check_passed"] is True and summary["compiles_after_warmup"] == 0
+    assert summary["multi_step_dispatches"] == 0 and summary["steps"] == summary["dispatches"]
+    assert 0 <= summary["async_overlap"] <= 1 and summary["host_us_per_dispatch"] > 0
+    refused = run_jaxprep("--async-scheduling", "--devices", "2", *SMALL)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1].endswith("--async-scheduling: runs on one device, not --devices 2")

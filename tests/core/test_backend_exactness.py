@@ -29,6 +29,7 @@ import pytest
 import jaxprep
 from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig, prepare_padded
 from jaxprep import _ragged as ragged
+from jaxprep.features import DrafterConfig, HybridConfig, drafter, grammar
 from jaxprep.prepare import prepare_packed
 from jaxprep.serving import (
     KVCache,
@@ -55,7 +56,10 @@ ALL_FEATURES = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp",
                              kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                              dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True,
                              attn_state=True, attn_mask="rows_bool", mask_kv_len=32, request_distribution=True,
-                             lora=LoRAConfig(max_loras=4, vocab_size=1000), logits_indirection=True)
+                             lora=LoRAConfig(max_loras=4, vocab_size=1000), logits_indirection=True,
+                             drafter=DrafterConfig(), structured_outputs=True, num_ubatches=2,
+                             hybrid=HybridConfig(mode="align", block_size=8, num_speculative_blocks=2, chunk_size=8,
+                                                 checkpoints=True))
 SMALL = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
 LARGE = PrepConfig(max_num_reqs=1024, max_model_len=4096, max_num_batched_tokens=16384, block_size=16)
 LARGE_FEATURES = PrepConfig(max_num_reqs=256, max_model_len=1024, max_num_batched_tokens=8192, block_size=4,
@@ -111,7 +115,23 @@ def _cases():
         ("sharded.update_and_prepare_sharded", sharded.update_and_prepare_sharded, (state, packed[None]),
          dict(config=serving, num_tokens_padded=32, mesh=mesh)),
     ]
-    return cases + _bridge_cases()
+    return cases + _runner_feature_cases() + _bridge_cases()
+
+
+def _runner_feature_cases():
+    """The drafter and grammar functions that run after the step, on an every-feature step."""
+    config = dataclasses.replace(SMALL, features=ALL_FEATURES)
+    step = prepare_padded(BatchState.empty(config), config, 32)
+    rows = np.zeros(step.num_reqs_padded, np.int32)
+    draft = drafter.draft_prefill(step, rows, np.zeros(config.max_num_reqs, np.int32))
+    logits = np.zeros((step.grammar.bitmask_rows.shape[0], 64), np.float32)
+    return [("drafter.draft_prefill", drafter.draft_prefill, (step, rows, np.zeros(5, np.int32)), {}),
+            ("drafter.draft_decode_start", drafter.draft_decode_start, (draft, rows, step), dict(config=config)),
+            ("drafter.draft_decode_advance", drafter.draft_decode_advance,
+             (drafter.draft_decode_start(draft, rows, step, config=config), rows, step), dict(config=config)),
+            ("grammar.apply_grammar_bitmask", grammar.apply_grammar_bitmask,
+             (logits, np.zeros((15, 2), np.int32), step.grammar), {}),
+            ("grammar.grammar_invalid_drafts", grammar.grammar_invalid_drafts, (step.grammar, rows), {})]
 
 
 def _spec_serve_step_case():
@@ -170,6 +190,9 @@ COVERED = {
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
     "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
     "jaxprep.packing.pack", "torch_bridge.npu.fia_layout", "jaxprep.serving.ngram.propose_ngram_jit",
+    "jaxprep.features.drafter.draft_prefill", "jaxprep.features.drafter.draft_decode_start",
+    "jaxprep.features.drafter.draft_decode_advance", "jaxprep.features.grammar.apply_grammar_bitmask",
+    "jaxprep.features.grammar.grammar_invalid_drafts",
 }
 
 
