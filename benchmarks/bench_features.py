@@ -44,6 +44,9 @@ from jaxprep import (  # noqa: E402
     validate,
 )
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
+from jaxprep.features import DrafterConfig, HybridConfig  # noqa: E402
+from jaxprep.features.drafter import draft_decode_start, draft_prefill  # noqa: E402
+from jaxprep.features.grammar import apply_grammar_bitmask, grammar_invalid_drafts  # noqa: E402
 from jaxprep.features.sampling import empty_sampling_rows  # noqa: E402
 
 K = 3  # draft tokens per decode when spec decode is on
@@ -70,6 +73,12 @@ FEATURES = {
     "reorder decode_first": FeatureConfig(reorder="decode_first"),
     "reorder v2": FeatureConfig(reorder="v2"),
     "request_distribution": FeatureConfig(request_distribution=True),
+    "drafter (K=3, target side)": FeatureConfig(num_speculative_tokens=K, drafter=DrafterConfig()),
+    "hybrid (none, chunk 256)": FeatureConfig(hybrid=HybridConfig(chunk_size=256)),
+    "hybrid (align, K=3, ckpt)": FeatureConfig(num_speculative_tokens=K, hybrid=HybridConfig(
+        mode="align", block_size=BLOCK_SIZE, num_speculative_blocks=K, chunk_size=256, checkpoints=True)),
+    "structured_outputs (K=3)": FeatureConfig(num_speculative_tokens=K, structured_outputs=True),
+    "ubatches (2)": FeatureConfig(num_ubatches=2),
     "runner v2 (order + logits rows)": FeatureConfig(runner="v2"),
     "logits_indirection (V1)": FeatureConfig(logits_indirection=True),
     "lora (8 slots)": FeatureConfig(lora=LORA),
@@ -91,6 +100,10 @@ FEATURES.update({
     "every feature + sampling": dataclasses.replace(EVERY, sampling=SAMPLING),
     "every feature + v2 + lora + sampling": dataclasses.replace(EVERY, runner="v2", lora=LORA, sampling=SAMPLING),
 })
+SPEC_BASE = "spec_decode (K=3)"
+"""The runner features with K drafts add to this one (their rows above say so); the post-step functions
+below run on its step with the feature on."""
+VOCAB = 32_000
 
 
 def batch(config: PrepConfig, num_reqs: int, num_tokens: int, rng) -> dict:
@@ -149,6 +162,21 @@ def _feature_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
         arrays["temperature"] = np.choose(kind, [0.0, 0.7, 1.0]).astype(np.float32)
         arrays["top_k"] = np.where(kind == 1, 50, features.sampling.vocab_size).astype(np.int32)
         arrays["top_p"] = np.where(kind == 2, 0.9, 1.0).astype(np.float32)
+    return _runner_inputs(arrays, config, rng)
+
+
+def _runner_inputs(arrays: dict, config: PrepConfig, rng) -> dict:
+    """Mamba state blocks, accepted counts and checkpoints; a grammar on every other request."""
+    features, rows = config.features, config.max_num_reqs
+    if features.hybrid is not None:
+        width = features.hybrid.table_width(config.max_model_len)
+        arrays["mamba_block_table"] = (1 + np.arange(rows * width, dtype=np.int32)).reshape(rows, width)
+        arrays["num_accepted_tokens"] = np.ones(rows, np.int32)
+        scheduled = arrays["num_scheduled_tokens"]
+        arrays["mamba_checkpoint_offsets"] = np.where(scheduled > 64, scheduled // 2, 0).astype(np.int32)
+    if features.structured_outputs:
+        with_grammar = np.arange(rows) % 2 == 0
+        arrays["grammar_index"] = np.where(with_grammar, np.cumsum(with_grammar) - 1, -1).astype(np.int32)
     return arrays
 
 
@@ -169,6 +197,31 @@ def baseline_step(config: PrepConfig, num_tokens: int, plain_call):
     scheduled, num_reqs_padded = arrays["num_scheduled_tokens"], config.num_reqs_padded(num_tokens)
     assert_same_step(plain_call(), baseline.prepare(scheduled, num_tokens, num_reqs_padded))
     return lambda: baseline.prepare(scheduled, num_tokens, num_reqs_padded)
+
+
+def post_step_calls(base: PrepConfig, num_reqs: int, num_tokens: int) -> dict:
+    """The drafter and grammar functions that run after verification / on the logits, timed alone."""
+    features = FeatureConfig(num_speculative_tokens=K, drafter=DrafterConfig(), structured_outputs=True)
+    config = dataclasses.replace(base, features=features)
+    state = BatchState.from_numpy(**batch(config, num_reqs, num_tokens, np.random.default_rng(0)))
+    step = jax.block_until_ready(prepare_inputs(state, config, num_tokens))
+    rows = step.num_reqs_padded
+    sampled = jax.device_put(np.where(np.asarray(step.idx_mapping) >= 0, 2, 0).astype(np.int32))
+    last = jax.device_put(np.ones(config.max_num_reqs, np.int32))
+    draft = jax.block_until_ready(draft_prefill(step, sampled, last))
+    tokens = jax.device_put(np.ones(rows, np.int32))
+    num_logits = step.grammar.bitmask_rows.shape[0]
+    logits = jax.device_put(np.zeros((num_logits, VOCAB), np.float32))
+    bitmask = jax.device_put(np.full((num_logits, cdiv(VOCAB, 32)), -1, np.int32))
+    acceptable = jax.device_put(np.ones(rows, np.int32))
+    return {
+        "draft_prefill (step 0 inputs)": lambda: jax.block_until_ready(draft_prefill(step, sampled, last)),
+        "draft_decode_start (step 1)": lambda: jax.block_until_ready(draft_decode_start(draft, tokens, step,
+                                                                                        config=config)),
+        f"apply_grammar_bitmask (V={VOCAB})": lambda: jax.block_until_ready(apply_grammar_bitmask(logits, bitmask,
+                                                                                              step.grammar)),
+        "grammar_invalid_drafts": lambda: jax.block_until_ready(grammar_invalid_drafts(step.grammar, acceptable)),
+    }
 
 
 def main() -> None:
@@ -192,6 +245,8 @@ def main() -> None:
         validate(state, config)
         compile_s[name], calls[name] = setup_step(state, config, args.tokens)
     calls[BASELINE] = baseline_step(base, args.tokens, calls["plain"])
+    post_steps = post_step_calls(base, args.reqs, args.tokens)
+    calls.update(post_steps)
     medians = interleaved_us(calls, args.iters, args.rounds)
     print(f"# jaxprep feature costs: {args.reqs} requests, {args.tokens} tokens (bucket {args.tokens}), "
           f"max_model_len {args.max_model_len}, best of {args.rounds} medians of {args.iters} calls, rounds "
@@ -202,8 +257,13 @@ def main() -> None:
     plain, v1 = medians["plain"], medians.pop(BASELINE)
     print(f"{BASELINE:30s} {'-':>9s} {v1:10.1f} {v1 - plain:+9.1f} {v1 / plain:6.2f} {1:6.2f}")
     for name, median in medians.items():
+        if name in post_steps:
+            continue
         print(f"{name:30s} {compile_s[name]:9.2f} {median:10.1f} {median - plain:+9.1f} {median / plain:6.2f} "
               f"{median / v1:6.2f}")
+    print(f"# after the step (own jitted calls, on the {SPEC_BASE} batch; ratio to plain prepare):")
+    for name in post_steps:
+        print(f"{name:30s} {'-':>9s} {medians[name]:10.1f} {'-':>9s} {medians[name] / plain:6.2f} {'-':>6s}")
 
 
 if __name__ == "__main__":

@@ -51,29 +51,42 @@ LADDERS = {
 }
 
 
-def record_trace(sizes: dict) -> list[tuple[int, int]]:
-    """Per dispatch: (tokens of its first iteration, [tokens of each later decode iteration])."""
+def run_recorded(sizes: dict, on_dispatch, token_buckets=None) -> PrepConfig:
+    """Serves the simulate workload of ``sizes`` (over `DEFAULTS`), calling ``on_dispatch(out, tokens)``
+    for every dispatch (the scheduler output and the tokens of each iteration); returns the prep config."""
     args = dict(DEFAULTS, **sizes)
     prep = PrepConfig(max_num_reqs=args["max_num_reqs"], max_model_len=args["max_model_len"],
                       max_num_batched_tokens=args["budget"], block_size=args["block_size"],
-                      num_blocks=args["num_blocks"], token_buckets=ladder(args["budget"], 1, 10**9))
+                      num_blocks=args["num_blocks"], token_buckets=token_buckets)
     config = ServingConfig(prep=prep, eos_token_id=1, decode_steps=args["decode_steps"])
     model = ModelConfig(vocab_size=args["vocab_size"], num_layers=args["layers"], d_model=args["d_model"],
                         num_heads=args["heads"], d_ff=2 * args["d_model"])
     workload = random_workload(args["seed"], num_requests=args["requests"], vocab_size=args["vocab_size"],
                                prompt_len=(4, min(args["max_prompt_len"], args["max_model_len"] - 1)),
                                max_tokens=(1, args["max_tokens"]), arrival_spread=args["arrival_spread"])
-    engine, trace = Engine(config, model, seed=args["seed"]), []
+    engine = Engine(config, model, seed=args["seed"])
     count = engine._count
 
     def recording_count(out, tokens, bucket):
-        later = (tokens[1:] >= 0).sum(axis=1)
-        trace.append((out.total_num_scheduled_tokens, [int(n) for n in later if n > 0]))
+        on_dispatch(out, tokens)
         count(out, tokens, bucket)
 
     engine._count = recording_count
     engine.submit(workload.requests, workload.arrival_steps)
     engine.run()
+    return prep
+
+
+def record_trace(sizes: dict) -> list[tuple[int, int]]:
+    """Per dispatch: (tokens of its first iteration, [tokens of each later decode iteration])."""
+    trace = []
+
+    def record(out, tokens):
+        later = (tokens[1:] >= 0).sum(axis=1)
+        trace.append((out.total_num_scheduled_tokens, [int(n) for n in later if n > 0]))
+
+    budget = dict(DEFAULTS, **sizes)["budget"]
+    run_recorded(sizes, record, token_buckets=ladder(budget, 1, 10**9))
     return trace
 
 

@@ -17,7 +17,7 @@ from jaxprep.state import BatchState
 from jaxprep.validate import InvalidBatchError, validate
 
 # optional features (FeatureConfig switches)
-from jaxprep.features import AttnState, DCPConfig, FeatureConfig, KVCacheGroupSpec
+from jaxprep.features import AttnState, DCPConfig, DrafterConfig, FeatureConfig, HybridConfig, KVCacheGroupSpec
 from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.features.kv_groups import KVGroupMetadata
 from jaxprep.features.logits_indirection import LogitsIndirection
@@ -35,7 +35,7 @@ __all__ = [
     "StepInputs", "count_compiles", "data_mesh", "default_token_buckets", "prepare_data_parallel", "prepare_inputs",
     "prepare_padded", "prepare_to_host", "stack_ranks", "use_compile_cache", "validate", "warmup",
     "AttnState", "DCPConfig", "FeatureConfig", "KVCacheGroupSpec", "KVGroupMetadata", "PromptEmbedsMetadata",
-    "SpecDecodeMetadata", "prev_batch_rows_from_step", "qwen2vl_prompt_positions",
+    "SpecDecodeMetadata", "prev_batch_rows_from_step", "qwen2vl_prompt_positions", "DrafterConfig", "HybridConfig",
     "LoRAConfig", "LoRAKernelMeta", "LoRAMetadata", "LogitsIndirection", "SamplingConfig", "SamplingMetadata",
     "SamplingParams",
 ]

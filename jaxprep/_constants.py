@@ -82,6 +82,49 @@ PAD_LOCAL_POS = 0
 
 PAD_NUM_DRAFT_TOKENS = 0
 """``num_draft_tokens_per_req`` entry of a padded batch row."""
+# EAGLE / MTP drafter inputs (jaxprep.features.drafter)
+
+DRAFT_REJECTED_INPUT_ID = 0
+"""Draft ``input_ids`` at a rejected token's place: vLLM leaves its buffer stale there (the draft
+model still runs on it, the KV it writes there is overwritten later)."""
+
+DRAFT_REJECTED_POSITION = 0
+"""Draft ``positions`` at a rejected token's place: stale in vLLM, like `DRAFT_REJECTED_INPUT_ID`."""
+
+PAD_LAST_TOKEN_INDEX = 0
+"""``last_token_indices`` entry of a padded batch row (vLLM writes 0)."""
+
+PAD_SAMPLE_SRC_POSITION = 0
+"""``sample_src_positions`` (the draft's sampling key) of a padded batch row: stale in vLLM."""
+
+PAD_NEXT_PREFILL_TOKEN = 0
+"""``next_prefill_tokens`` of a row whose prompt ends with this step, or a padded row (vLLM writes 0)."""
+
+# Hybrid Mamba / linear-attention metadata (jaxprep.features.hybrid)
+
+PAD_STATE_INDEX = 0
+"""State index (Mamba state block) of a padded row: the null block, as vLLM pads FULL-graph decode rows."""
+
+PAD_NUM_ACCEPTED_TOKENS = 1
+"""``num_accepted_tokens`` of a padded decode row: 1, the neutral value vLLM pads with."""
+
+NO_DECODE_DRAFTS = -1
+"""``num_decode_draft_tokens`` of a row that is not a decode (and of a padded row), as in vLLM V2."""
+
+PAD_CHUNK_SEQ_IDX = 0
+"""``seq_idx`` of a padded (zero-length) chunk: an in-bounds prefill index whose state nobody reads."""
+
+PAD_LAST_CHUNK_INDEX = 0
+"""``last_chunk_indices`` of a padded prefill row: an in-bounds chunk index whose state nobody reads."""
+
+NO_CHECKPOINT_CHUNK = -1
+"""``checkpoint_chunk_indices`` of a prefill row without a checkpoint (and of a padded row), as in vLLM."""
+
+# Structured outputs (jaxprep.features.grammar)
+
+NO_GRAMMAR = -1
+"""`BatchState.grammar_index` of a request with no bitmask rows this step; also a logits row's
+``bitmask_rows`` entry when it is left untouched, and a padded ``mapping`` entry."""
 
 # Sampling (jaxprep.features.sampling): the neutral value of each per-request sampling parameter. A padded
 # logits row reads these (a plain argmax with seed 0, as vLLM's gumbel kernel reads a row with idx < 0), and

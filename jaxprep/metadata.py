@@ -17,12 +17,16 @@ import jax
 from jaxprep._typing import Bool, Int32, StepArray
 
 if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
+    from jaxprep.features.drafter import DrafterTargetInputs
+    from jaxprep.features.grammar import GrammarMetadata
+    from jaxprep.features.hybrid import HybridMetadata
     from jaxprep.features.kv_groups import KVGroupMetadata
     from jaxprep.features.logits_indirection import LogitsIndirection
     from jaxprep.features.lora import LoRAMetadata
     from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
     from jaxprep.features.sampling import SamplingMetadata
     from jaxprep.features.spec_decode import SpecDecodeMetadata
+    from jaxprep.features.ubatch import MicroBatches
 
 
 @jax.tree_util.register_dataclass
@@ -66,6 +70,10 @@ class StepInputs:
     attn_state: Int32[StepArray, ""] | None = None  # jaxprep.AttnState value (docs/semantics.md#ascend-state)
     attn_mask: StepArray | None = None  # docs/semantics.md#ascend-masks, see jaxprep.features.masks
     request_distribution: Int32[StepArray, " 3"] | None = None  # [decode_end, prefill_end, mixed_end]
+    drafter: DrafterTargetInputs | None = None  # the target side of an EAGLE / MTP drafter
+    hybrid: HybridMetadata | None = None  # Mamba / linear-attention layers
+    grammar: GrammarMetadata | None = None  # structured outputs: bitmask row of each logits row
+    ubatches: MicroBatches | None = None  # dual-batch overlap: the step split into micro-batches
     lora: LoRAMetadata | None = None  # vLLM's LoRA mappings, slot indices, kernel metadata (jaxprep.features.lora)
     logits_indirection: LogitsIndirection | None = None  # V2's cu_num_logits, expanded_idx_mapping, ...
     sampling: SamplingMetadata | None = None  # every logits row's sampling parameters (jaxprep.features.sampling)

@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._constants import EMPTY_LORA_SLOT, MROPE_MISSING_POSITION, NO_LORA_ID, NO_PREV_ROW, NULL_BLOCK_ID
+from jaxprep._constants import (
+    EMPTY_LORA_SLOT,
+    MROPE_MISSING_POSITION,
+    NO_GRAMMAR,
+    NO_LORA_ID,
+    NO_PREV_ROW,
+    NULL_BLOCK_ID,
+)
 from jaxprep._typing import Array, Bool, Float32, Int32
 from jaxprep.config import PrepConfig, block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
@@ -55,6 +62,13 @@ class BatchState:
     prev_sampled_token_ids: Int32[Array, " max_num_reqs"] | None = None
     prev_draft_token_ids: Int32[Array, "max_num_reqs num_speculative_tokens"] | None = None
     prev_batch_rows: Int32[Array, " max_num_reqs"] | None = None  # -1: not sampled last step
+    # hybrid models (jaxprep.features.hybrid): the Mamba group's state blocks, accepted counts (spec decode),
+    # prefill checkpoint offsets (0: none)
+    mamba_block_table: Int32[Array, "max_num_reqs mamba_width"] | None = None
+    num_accepted_tokens: Int32[Array, " max_num_reqs"] | None = None
+    mamba_checkpoint_offsets: Int32[Array, " max_num_reqs"] | None = None
+    # structured outputs (jaxprep.features.grammar): the request's block of rows in this step's bitmask; -1: none
+    grammar_index: Int32[Array, " max_num_reqs"] | None = None
     # LoRA (jaxprep.features.lora): adapter id per state row (0: none), adapter id per GPU slot (-1: empty)
     lora_ids: Int32[Array, " max_num_reqs"] | None = None
     lora_slots: Int32[Array, " max_loras"] | None = None
@@ -130,6 +144,7 @@ class BatchState:
 _OPTIONAL_NDIM = {
     "num_draft_tokens": 1, "prefill_len": 1, "mrope_positions": 3, "mrope_position_delta": 1,
     "prompt_embeds_start": 1, "prev_sampled_token_ids": 1, "prev_draft_token_ids": 2, "prev_batch_rows": 1,
+    "mamba_block_table": 2, "num_accepted_tokens": 1, "mamba_checkpoint_offsets": 1, "grammar_index": 1,
     "lora_ids": 1, "lora_slots": 1, "top_k": 1, "seeds": 2, "prompt_bin_mask": 2, "output_bin_counts": 2,
 }
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -165,7 +180,7 @@ def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
     out = {}
     if features.spec_decode:
         out["num_draft_tokens"] = zeros
-    if features.discard_request_mask or features.mrope:
+    if features.discard_request_mask or features.mrope or features.drafter or features.hybrid:
         out["prefill_len"] = zeros
     if len(features.kv_groups) > 1:
         out["extra_block_tables"] = tuple(
@@ -187,6 +202,23 @@ def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
         out["lora_slots"] = np.full((features.lora.max_loras,), EMPTY_LORA_SLOT, INT32)
     if features.sampling is not None:
         out.update(empty_sampling_rows(rows, features.sampling))
+    out.update(_empty_runner_inputs(config))
+    return out
+
+
+def _empty_runner_inputs(config: PrepConfig) -> dict[str, np.ndarray]:
+    """Empty inputs of the hybrid and structured-output features: null state blocks, one accepted
+    token, no checkpoints, no grammar."""
+    features, rows, out = config.features, config.max_num_reqs, {}
+    if features.hybrid is not None:
+        width = features.hybrid.table_width(config.max_model_len)
+        out["mamba_block_table"] = np.full((rows, width), NULL_BLOCK_ID, INT32)
+        if features.spec_decode:
+            out["num_accepted_tokens"] = np.ones((rows,), INT32)
+        if features.hybrid.checkpoints:
+            out["mamba_checkpoint_offsets"] = np.zeros((rows,), INT32)
+    if features.structured_outputs:
+        out["grammar_index"] = np.full((rows,), NO_GRAMMAR, INT32)
     return out
 
 

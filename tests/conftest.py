@@ -35,3 +35,28 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("cpu_only")
         if marker is not None:
             item.add_marker(pytest.mark.skip(reason=f"cpu_only: {marker.args[0]} (JAX runs on {backend} here)"))
+
+
+# Every executable XLA:CPU compiles maps its code into the process; one pytest process that compiles
+# a few thousand of them reaches Linux's default limit of 65,530 memory maps (vm.max_map_count), and
+# LLVM aborts the next compile ("Fatal Python error: Aborted", no Python error). Between test modules,
+# when the process holds more than MAX_MEMORY_MAPS maps, JAX's caches are dropped (the next module
+# compiles what it needs again).
+MAX_MEMORY_MAPS = 30_000
+
+
+def memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return maps.read().count(b"\n")
+    except OSError:  # not Linux: no such limit to stay under
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bounded_memory_maps():
+    yield
+    if memory_maps() > MAX_MEMORY_MAPS:
+        jax.clear_caches()
+        if os.environ.get("JAXPREP_LOG_MAPS"):
+            print(f"\n[conftest] dropped JAX's caches at {MAX_MEMORY_MAPS}+ maps -> {memory_maps()} maps")

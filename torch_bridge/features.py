@@ -8,12 +8,13 @@ its own) and is rebuilt into its pytree with torch leaves:
     # step.spec_decode.draft_token_ids -> field "spec_decode.draft_token_ids"
     # step.attn_metadata.dcp_local_seq_lens -> field "dcp_local_seq_lens"
 
-torch dtypes follow vLLM: ``mrope_positions`` and the fields of `INT64_FIELDS` int64; each group's
-``slot_mapping`` takes the kind of the step's own ``slot_mapping`` (int64 on CPU/CUDA, int32 on the
-NPU); boolean masks stay bool; everything else (block tables, spec-decode indices,
-``request_distribution``, ``dcp_local_seq_lens``, the LoRA mappings and kernel metadata,
-``cu_num_logits``, ``expanded_local_pos``, the sampling rows' ``top_k`` and seed words) int32. A leaf
-that is neither int32 nor bool (the sampling rows' float32 parameters) is converted on its own.
+torch dtypes follow vLLM: ``mrope_positions``, the fields of `INT64_FIELDS` and each micro-batch's
+``positions`` int64; each group's (and micro-batch's) ``slot_mapping`` takes the kind of the step's
+own ``slot_mapping`` (int64 on CPU/CUDA, int32 on the NPU); boolean masks stay bool; everything else
+(block tables, spec-decode indices, ``request_distribution``, ``dcp_local_seq_lens``, the LoRA
+mappings and kernel metadata, ``cu_num_logits``, ``expanded_local_pos``, the drafter, hybrid and
+grammar metadata, the sampling rows' ``top_k`` and seed words) int32. A leaf that is neither int32
+nor bool (the sampling rows' float32 parameters) is converted on its own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch_bridge._torch import torch
 from torch_bridge.transfer import convert_leaf
 
 STEP_FEATURES = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                 "request_distribution", "lora", "logits_indirection", "sampling")
+                 "request_distribution", "lora", "logits_indirection", "sampling", "drafter", "hybrid", "grammar",
+                 "ubatches")
 """`StepInputs` feature fields that `TorchStepInputs` carries under the same names."""
 METADATA_FEATURES = ("dcp_local_seq_lens",)
 """`AttentionMetadata` feature fields that `TorchAttentionMetadata` carries under the same names."""
@@ -41,6 +43,8 @@ INT64_FIELDS = ("mrope_positions", "lora.token_lora_indices", "lora.sampler_indi
 """int64 in vLLM: ``MRotaryEmbedding`` positions; the LoRA index tensors ``convert_mapping`` builds
 (torch.long); V2's ``logits_indices``, ``expanded_idx_mapping`` (``idx_mapping`` is int64) and the
 positions the sampler reads (also as ``sampling.idx_mapping`` / ``sampling.pos``)."""
+INT64_SUFFIXES = (".positions",)
+"""A micro-batch's ``positions`` are int64, like the step's (``ubatches.batches.0.positions``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,6 +127,6 @@ def _kind(name: str, dtype, slot_kind: str) -> str | None:
         return BOOL
     if dtype != jnp.int32:
         return None
-    if name in INT64_FIELDS:
+    if name in INT64_FIELDS or (name.startswith("ubatches.") and name.endswith(INT64_SUFFIXES)):
         return INT64
     return slot_kind if name.endswith(".slot_mapping") else INT32

@@ -82,6 +82,10 @@ class TorchStepInputs:
     lora: Any = None  # the step's LoRAMetadata with torch leaves (slot indices int64, the rest int32)
     logits_indirection: Any = None  # the step's LogitsIndirection with torch leaves (see torch_bridge.features)
     sampling: Any = None  # the step's SamplingMetadata with torch leaves: float32 parameters, bool flags
+    drafter: Any = None  # the step's DrafterTargetInputs with torch leaves (int32, bool)
+    hybrid: Any = None  # the step's HybridMetadata with torch leaves (int32, bool)
+    grammar: Any = None  # the step's GrammarMetadata with int32 torch leaves
+    ubatches: Any = None  # the step's MicroBatches: each micro-batch a StepInputs with torch leaves
     jax_buffers: tuple[jax.Array, ...] = ()  # the JAX arrays the tensors share memory with
 
     def group_attn_metadata(self, group: int) -> TorchAttentionMetadata:

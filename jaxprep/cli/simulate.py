@@ -22,6 +22,8 @@ from jaxprep.config import cdiv
 DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_model_len=256, num_blocks=64,
                 layers=2, d_model=64, heads=4, vocab_size=512, decode_steps=8, max_prompt_len=96, max_tokens=64,
                 arrival_spread=30, seed=0)
+SPEC_DEFAULTS = dict(k=3, lookup=5)
+"""--num-speculative-tokens, and vLLM's prompt_lookup_min = max when neither is given."""
 MIN_PROMPT_LEN = 4
 """Prompts are MIN_PROMPT_LEN..--max-prompt-len tokens long (or all --max-prompt-len, if shorter)."""
 
@@ -60,8 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int_in(1), default=1, metavar="N",
                         help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
                              "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule step N+1 while the device runs step N (tokens reach the host one step "
+                             "late; single steps, one device) and report the share of host time that overlaps "
+                             "device work")
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
                         help="JAX persistent compilation cache directory: a second run warms up from disk")
+    _add_spec_decode_arguments(parser)
     parser.add_argument("--check", action="store_true",
                         help="check the greedy tokens against a dense recomputation; exit 1 if they differ "
                              "or anything compiled after warm-up")
@@ -74,8 +81,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(error=parser.error)
 
 
+def _add_spec_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spec-decode", choices=["ngram"], default=None,
+                        help="speculative decoding: the n-gram (prompt-lookup) drafter proposes drafts on the "
+                             "device, the step verifies them; the summary reports the acceptance rate")
+    parser.add_argument("--num-speculative-tokens", type=int_in(1), default=None, metavar="K",
+                        help=f"drafts per request and step with --spec-decode (default {SPEC_DEFAULTS['k']})")
+    for bound in ("min", "max"):
+        parser.add_argument(f"--prompt-lookup-{bound}", type=int_in(1), default=None, metavar="N",
+                            help=f"{'shortest' if bound == 'min' else 'longest'} n-gram the drafter matches "
+                                 f"(vLLM's rule: {SPEC_DEFAULTS['lookup']} when neither is given, else the other one)")
+    parser.add_argument("--workload", choices=["random", "repetitive"], default="random",
+                        help="random: uniform prompt tokens; repetitive: each prompt repeats a short random "
+                             "phrase, which n-gram drafting can match (default random)")
+
+
+def _check_spec_decode(args: argparse.Namespace) -> None:
+    """--spec-decode's companions need it; the lookup sizes follow vLLM's defaults
+    (`vllm/config/speculative.py::SpeculativeConfig.__post_init__`)."""
+    for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        value = getattr(args, name)
+        require(value is None or args.spec_decode, f"{flag(name)} {value}: needs --spec-decode ngram")
+    if not args.spec_decode:
+        return
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = SPEC_DEFAULTS["k"]
+    low, high = args.prompt_lookup_min, args.prompt_lookup_max
+    low = high if low is None else low
+    high = low if high is None else high
+    args.prompt_lookup_min = args.prompt_lookup_max = SPEC_DEFAULTS["lookup"]
+    if low is not None:
+        require(low <= high, f"--prompt-lookup-min {low}: must be <= --prompt-lookup-max {high}")
+        args.prompt_lookup_min, args.prompt_lookup_max = low, high
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Combinations of flags that cannot work, before anything is compiled; fills --max-prompt-len."""
+    _check_spec_decode(args)
+    require(not (args.async_scheduling and args.spec_decode), "--async-scheduling: runs without speculative "
+            f"decoding, not --spec-decode {args.spec_decode}")
     if args.max_prompt_len is None:
         args.max_prompt_len = min(DEFAULTS["max_prompt_len"], args.max_model_len - 1)
     require(args.max_prompt_len < args.max_model_len, f"--max-prompt-len {args.max_prompt_len}: must be < "
@@ -94,11 +138,15 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
     import jax
 
+    if args.async_scheduling:  # before the CPU client starts: a dispatch returns before its step is done
+        jax.config.update("jax_cpu_enable_async_dispatch", True)
     visible = jax.device_count()
     require(args.devices <= visible, f"--devices {args.devices}: must be <= {visible}, the "
             f"{jax.default_backend()} devices JAX sees")
     sampled = sampling_params(args) is not None
     require(not (sampled and args.check), "--check: compares greedy tokens; drop it with --temperature and friends")
+    require(not (args.async_scheduling and args.devices > 1), f"--async-scheduling: runs on one device, "
+            f"not --devices {args.devices}")
     if args.compile_cache:
         check_folder("--compile-cache", args.compile_cache)
     if args.plot:
@@ -120,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
         wall_s = time.perf_counter() - start
     summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
     summary["devices"] = args.devices
+    summary.update(_spec_decode_summary(engine.stats, args))
+    if args.async_scheduling:
+        summary.update(async_overlap=round(engine.stats.overlap, 4),
+                       host_us_per_dispatch=round(engine.stats.host_s / engine.stats.dispatches * 1e6, 1))
     summary["model"] = "tiny paged-KV model" if args.model is None else f"{model.model_type} from {args.model}"
     if args.check:
         requests = progress_bar(args.progress, "check: dense recompute", "req", iterable=finished)
@@ -142,15 +194,27 @@ def _setup(args: argparse.Namespace):
     prep = PrepConfig(max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.budget, block_size=args.block_size, num_blocks=args.num_blocks)
     model, params, eos_token_id = _model(args, ModelConfig)
-    config = ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
+    config = ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps,
+                           **_spec_decode_config(args))
     workload = random_workload(args.seed, num_requests=args.requests, vocab_size=model.vocab_size,
                                prompt_len=(min(MIN_PROMPT_LEN, args.max_prompt_len), args.max_prompt_len),
-                               max_tokens=(1, args.max_tokens), arrival_spread=args.arrival_spread)
+                               max_tokens=(1, args.max_tokens), arrival_spread=args.arrival_spread,
+                               repetitive=args.workload == "repetitive")
     if sampling_params(args) is not None:
         config = with_sampling(config, model.vocab_size)
         for i, request in enumerate(workload.requests):
             request.sampling_params = sampling_params(args, i)
     return config, model, params, workload
+
+
+def _spec_decode_config(args) -> dict:
+    """The `ServingConfig` fields of --spec-decode."""
+    if not args.spec_decode:
+        return {}
+    from jaxprep.serving.ngram import NgramConfig
+
+    return dict(num_speculative_tokens=args.num_speculative_tokens,
+                ngram=NgramConfig(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max))
 
 
 def _model(args, tiny_config):
@@ -173,13 +237,17 @@ def _engine(config, model, args, params=None):
     """One `Engine`, or a `DataParallelEngine` over ``args.devices`` devices."""
     from jaxprep.serving import Engine
 
+    if args.async_scheduling:
+        from jaxprep.serving.overlap import AsyncEngine
+
+        return AsyncEngine(config, model, seed=args.seed, params=params, keep_history=True)
     if args.devices == 1:
-        return Engine(config, model, seed=args.seed, time_prep=True, params=params)
+        return Engine(config, model, seed=args.seed, time_prep=True, params=params, keep_history=True)
     from jaxprep.serving.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
     return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
-                              params=params)
+                              params=params, keep_history=True)
 
 
 def _warmup(engine, when: str) -> float:
@@ -222,8 +290,8 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
         "warmup_s": round(warmup_s, 3),
         "tokens_per_s": round(stats.scheduled_tokens / wall_s, 1),
         "output_tokens_per_s": round(stats.output_tokens / wall_s, 1),
-        "prep_us_median": round(float(np.median(prep_us)), 1),
-        "prep_us_p99": round(float(np.percentile(prep_us, 99)), 1),
+        "prep_us_median": round(float(np.median(prep_us)), 1) if len(prep_us) else None,  # None: async
+        "prep_us_p99": round(float(np.percentile(prep_us, 99)), 1) if len(prep_us) else None,
         "prep_method": "separate non-donating jitted call (unpack + state updates + prepare_padded) on the "
                        "step's own state and packed updates, before the step, timed to block_until_ready",
         "padding_waste": round(stats.padding_waste, 4),
@@ -231,6 +299,18 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
         "traces_after_warmup": compiles.traces,
         "check_passed": None,
     }
+
+
+def _spec_decode_summary(stats, args) -> dict:
+    if not args.spec_decode:
+        return {"spec_decode": None}
+    return {"spec_decode": f"{args.spec_decode} (k {args.num_speculative_tokens}, lookup "
+                           f"{args.prompt_lookup_min}..{args.prompt_lookup_max})",
+            "workload": args.workload,
+            "draft_tokens": stats.draft_tokens,
+            "accepted_draft_tokens": stats.accepted_draft_tokens,
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 3)}
 
 
 def _print(summary: dict, as_json: bool) -> None:

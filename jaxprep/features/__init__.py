@@ -23,12 +23,20 @@ the host check of its `BatchState` inputs (module, feature, vLLM source):
   vllm-ascend `vllm_ascend/attention/attention_mask.py::AttentionMaskBuilder`
 - `reorder`: batch order and ``request_distribution``;
   `vllm/v1/worker/gpu/model_runner.py::sort_batch_req_ids`, tpu-inference `PersistentBatchManager._reorder_batch`
+- `drafter`: the inputs of an EAGLE / MTP drafter after verification;
+  `vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py` (its three input kernels)
+- `hybrid`, `hybrid_chunks`: Mamba / linear-attention metadata and the SSD chunks;
+  `vllm/v1/attention/backends/mamba_attn.py::BaseMambaAttentionMetadataBuilder`,
+  `vllm/v1/worker/gpu/model_states/mamba_hybrid.py`
+- `grammar`: structured outputs, the grammar-bitmask row of each logits row;
+  `vllm/v1/worker/gpu/structured_outputs.py`
+- `ubatch`: micro-batches (dual-batch overlap); `vllm/v1/worker/ubatch_utils.py::maybe_create_ubatch_slices`
 - `lora` (settings in `lora_config`): LoRA mappings, slot indices, punica kernel metadata, CUDA-graph key;
   `vllm/v1/worker/gpu_input_batch.py::InputBatch.make_lora_inputs`,
   `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`,
   `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
   `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
-- `logits_indirection`: V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...);
+- `logits_indirection`: V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...), also read by `grammar`;
   `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`,
   `vllm/v1/worker/gpu/input_batch.py::_expand_idx_mapping_kernel`
 - `sampling` (settings and request parameters in `sampling_params`): every logits row's sampling
@@ -43,15 +51,17 @@ inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
 `check_group_blocks` (`inputs`) are the host checks `jaxprep.validate` calls.
 """
 
-from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, MROPE_NUM_DIMS, REORDER_MODES, RUNNERS,
-                                     AttnState, DCPConfig, FeatureConfig, KVCacheGroupSpec)
+from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, HYBRID_MODES, MROPE_NUM_DIMS, REORDER_MODES,
+                                     RUNNERS, AttnState, DCPConfig, DrafterConfig, FeatureConfig, HybridConfig,
+                                     KVCacheGroupSpec)
 from jaxprep.features.dispatch import with_features
 from jaxprep.features.inputs import check_feature_shapes, check_feature_values, check_group_blocks, required_fields
 from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.sampling_params import SamplingConfig, SamplingParams
 
 __all__ = [
-    "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "RUNNERS", "AttnState", "DCPConfig",
-    "FeatureConfig", "KVCacheGroupSpec", "LoRAConfig", "check_feature_shapes", "check_feature_values",
-    "check_group_blocks", "required_fields", "with_features", "SamplingConfig", "SamplingParams",
+    "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "HYBRID_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "RUNNERS", "AttnState",
+    "DCPConfig", "DrafterConfig", "FeatureConfig", "HybridConfig", "KVCacheGroupSpec", "LoRAConfig",
+    "check_feature_shapes", "check_feature_values", "check_group_blocks", "required_fields", "with_features",
+    "SamplingConfig", "SamplingParams",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxprep._checks import check_positive_int, max_block_id
+from jaxprep._checks import cdiv, check_positive_int, max_block_id
 from jaxprep._constants import INT32_MAX
 from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.sampling_params import SamplingConfig
@@ -18,6 +18,7 @@ from jaxprep.features.sampling_params import SamplingConfig
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
 REORDER_MODES = (None, "decode_first", "v2")
+HYBRID_MODES = ("none", "align")
 RUNNERS = ("v1", "v2")
 """`FeatureConfig.runner`: whose semantics the outputs follow, vLLM's model runner V1 or V2."""
 MROPE_NUM_DIMS = 3
@@ -91,6 +92,63 @@ class DCPConfig:
             raise ValueError(f"DCPConfig.rank={self.rank!r} is outside the world [0, world_size={self.world_size})")
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A target-dependent autoregressive drafter (EAGLE, EAGLE-3, MTP).
+
+    Attributes:
+      advance_draft_positions: positions and ``seq_lens`` grow by one per draft step; False for
+        Gemma4 MTP, which reads the target's KV and writes none (vLLM ``advance_draft_positions``).
+    """
+
+    advance_draft_positions: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    """The Mamba group of a hybrid model (vLLM ``MambaSpec`` and ``cache_config.mamba_cache_mode``).
+
+    Attributes:
+      mode: "none" (a row is the request's ``1 + num_speculative_blocks`` state blocks) or "align"
+        (prefix caching: a row holds one state block per ``block_size`` tokens).
+      block_size: tokens per state block (mode "align" only).
+      num_speculative_blocks: extra state blocks per request for spec decode.
+      chunk_size: the Mamba2 SSD chunk size; ``None``: no chunk metadata (Mamba1, GDN, ...).
+      checkpoints: split prefills at `BatchState.mamba_checkpoint_offsets` (prefix-cache checkpoints).
+    """
+
+    mode: str = "none"
+    block_size: int | None = None
+    num_speculative_blocks: int = 0
+    chunk_size: int | None = None
+    checkpoints: bool = False
+
+    def __post_init__(self):
+        if self.mode not in HYBRID_MODES:
+            raise ValueError(f"HybridConfig.mode={self.mode!r} must be one of {HYBRID_MODES}")
+        if self.mode == "align" and self.block_size is None:
+            raise ValueError("HybridConfig.block_size is needed in mode 'align'")
+        for name in ("block_size", "chunk_size"):
+            if getattr(self, name) is not None:
+                check_positive_int(f"HybridConfig.{name}", getattr(self, name))
+        if not isinstance(self.num_speculative_blocks, int) or self.num_speculative_blocks < 0:
+            raise ValueError(f"HybridConfig.num_speculative_blocks must be an int >= 0, "
+                             f"got {self.num_speculative_blocks!r}")
+        if self.checkpoints and self.chunk_size is None:
+            raise ValueError("HybridConfig.checkpoints splits SSD chunks: it needs a chunk_size")
+
+    @property
+    def num_state_columns(self) -> int:
+        """Columns of ``state_indices``: ``1 + num_speculative_blocks``."""
+        return 1 + self.num_speculative_blocks
+
+    def table_width(self, max_model_len: int) -> int:
+        """Least width of `BatchState.mamba_block_table` (vLLM ``MambaSpec.max_num_blocks_per_req``)."""
+        if self.mode == "align":
+            return cdiv(max_model_len, self.block_size) + self.num_speculative_blocks
+        return self.num_state_columns
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeatureConfig:
     """Static switches of the optional features; the default turns all of them off.
@@ -126,6 +184,11 @@ class FeatureConfig:
       logits_indirection: `StepInputs.logits_indirection`, V2's logits rows (``cu_num_logits``,
         ``expanded_idx_mapping``, ...). ``None``: on exactly when ``runner="v2"``
         (`logits_indirection_on`).
+      drafter: EAGLE / MTP drafter inputs (`jaxprep.features.drafter`); needs spec decode. ``None``: off.
+      hybrid: Mamba / linear-attention metadata (`jaxprep.features.hybrid`). ``None``: off.
+      structured_outputs: grammar-bitmask rows per logits row (`jaxprep.features.grammar`), from
+        `BatchState.grammar_index`.
+      num_ubatches: split each step into this many micro-batches (`jaxprep.features.ubatch`); 1: off.
       sampling: `jaxprep.SamplingConfig`: `StepInputs.sampling`, every logits row's sampling
         parameters gathered from the `BatchState` sampling rows (``temperature``, ``top_k``, ...).
     """
@@ -148,6 +211,10 @@ class FeatureConfig:
     runner: str = "v1"
     lora: LoRAConfig | None = None
     logits_indirection: bool | None = None
+    drafter: DrafterConfig | None = None
+    hybrid: HybridConfig | None = None
+    structured_outputs: bool = False
+    num_ubatches: int = 1
     sampling: SamplingConfig | None = None
 
     def __post_init__(self):
@@ -166,10 +233,14 @@ class FeatureConfig:
                              f"num_speculative_tokens > 0")
         if self.dcp is not None and any(g.sliding_window for g in self.kv_groups):
             raise ValueError("FeatureConfig: DCP does not support sliding-window KV groups (as in vLLM)")
-        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
-            raise ValueError(f"FeatureConfig.lora must be a jaxprep.LoRAConfig or None, got {self.lora!r}")
-        if self.sampling is not None and not isinstance(self.sampling, SamplingConfig):
-            raise ValueError(f"FeatureConfig.sampling must be a jaxprep.SamplingConfig or None, got {self.sampling!r}")
+        for name, kind in (("drafter", DrafterConfig), ("hybrid", HybridConfig), ("lora", LoRAConfig),
+                           ("sampling", SamplingConfig)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                raise ValueError(f"FeatureConfig.{name} must be a jaxprep.{kind.__name__} or None, "
+                                 f"got {getattr(self, name)!r}")
+        if self.drafter is not None and not self.spec_decode:
+            raise ValueError("FeatureConfig.drafter needs num_speculative_tokens > 0 (the drafter proposes them)")
+        check_positive_int("FeatureConfig.num_ubatches", self.num_ubatches)
 
     def _check_runner(self) -> None:
         """runner="v2" implies V2's batch order and the logits indirection (unless switched off).
@@ -210,6 +281,7 @@ class FeatureConfig:
         return bool(self.spec_decode or self.discard_request_mask or self.kv_groups or self.dcp or self.mrope
                     or self.prompt_embeds or self.async_tokens or self.attn_state or self.attn_mask
                     or self.batch_order or self.request_distribution or self.lora or self.logits_indirection_on
+                    or self.drafter or self.hybrid or self.structured_outputs or self.num_ubatches > 1
                     or self.sampling)
 
     def check_against(self, config) -> None:
@@ -227,6 +299,9 @@ class FeatureConfig:
         if self.mask_kv_len is not None and self.mask_kv_len > config.max_model_len:
             raise ValueError(f"FeatureConfig.mask_kv_len={self.mask_kv_len} exceeds "
                              f"max_model_len={config.max_model_len}")
+        if self.num_ubatches > config.token_buckets[0]:
+            raise ValueError(f"FeatureConfig.num_ubatches={self.num_ubatches} exceeds the smallest token bucket "
+                             f"{config.token_buckets[0]}: every micro-batch needs at least one token")
 
     def mask_columns(self, config) -> int:
         """Columns of a row mask: ``mask_kv_len`` or ``max_model_len``."""

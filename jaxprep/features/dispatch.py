@@ -19,6 +19,9 @@ from jaxprep.features.async_tokens import clamp_placeholders, write_prev_tokens
 from jaxprep.features.attn_state import attn_state
 from jaxprep.features.dcp import dcp_local_seq_lens, dcp_slot_mapping
 from jaxprep.features.discard import discard_request_mask
+from jaxprep.features.drafter import drafter_target_inputs
+from jaxprep.features.grammar import grammar_metadata
+from jaxprep.features.hybrid import HybridRows, hybrid_metadata
 from jaxprep.features.kv_groups import KVGroupMetadata, group_block_table
 from jaxprep.features.logits_indirection import logits_indirection
 from jaxprep.features.lora import lora_metadata
@@ -28,6 +31,7 @@ from jaxprep.features.prompt_embeds import prompt_embeds_metadata
 from jaxprep.features.reorder import request_distribution
 from jaxprep.features.sampling import sampling_metadata
 from jaxprep.features.spec_decode import spec_decode_metadata
+from jaxprep.features.ubatch import split_step
 
 
 def with_features(step, state, config, layout: Layout):
@@ -61,26 +65,47 @@ def with_features(step, state, config, layout: Layout):
         updates["mrope_positions"] = mrope_positions(state.mrope_positions, state.mrope_position_delta,
                                                      state.prefill_len, layout.token_rows, step.positions,
                                                      layout.is_real_token)
-    updates.update(_mrv2_outputs(step, state, features, layout, drafts, input_ids))
-    return dataclasses.replace(step, input_ids=input_ids, **updates)
+    logits = None  # V2's logits rows: an output, and what structured outputs and the sampling rows read
+    if features.logits_indirection_on or features.structured_outputs or features.sampling is not None:
+        logits = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, step.attn_metadata.query_start_loc,
+                                    step.positions, input_ids, layout.is_real_token, features.num_speculative_tokens)
+    updates.update(_mrv2_outputs(state, features, layout, drafts, step.attn_metadata.query_start_loc, logits,
+                                 step.idx_mapping))
+    updates.update(_runner_outputs(step, state, config, layout, drafts, logits))
+    step = dataclasses.replace(step, input_ids=input_ids, **updates)
+    if features.num_ubatches > 1:  # last: it splits the finished step
+        step = dataclasses.replace(step, ubatches=split_step(step, features.num_ubatches))
+    return step
 
 
-def _mrv2_outputs(step, state, features, layout: Layout, drafts, input_ids) -> dict:
-    """LoRA, V2's logits indirection and the sampling rows (read the final ``input_ids``)."""
+def _runner_outputs(step, state, config, layout: Layout, drafts, logits) -> dict:
+    """Drafter, hybrid-model and structured-output metadata (vLLM's model runners compute them per step)."""
+    features, out = config.features, {}
+    if features.drafter is not None:
+        prefill_len = take_rows(state.prefill_len, layout.rows, fill_value=0)
+        out["drafter"] = drafter_target_inputs(state.token_ids, layout.rows, layout.computed, layout.scheduled,
+                                               prefill_len, layout.is_real_req)
+    if features.hybrid is not None:
+        out["hybrid"] = hybrid_metadata(state, step.attn_metadata.query_start_loc, config,
+                                        HybridRows(layout.rows, layout.scheduled, layout.computed, drafts,
+                                                   layout.is_real_req), step.num_tokens_padded)
+    if features.structured_outputs:
+        out["grammar"] = grammar_metadata(state.grammar_index, step.idx_mapping, logits,
+                                          1 + features.num_speculative_tokens)
+    return out
+
+
+def _mrv2_outputs(state, features, layout: Layout, drafts, query_start_loc, logits, idx_mapping) -> dict:
+    """LoRA, V2's logits indirection and the sampling rows (built from the final ``input_ids``)."""
     out = {}
-    query_start_loc = step.attn_metadata.query_start_loc
     if features.lora is not None:
         out["lora"] = lora_metadata(state.lora_ids, state.lora_slots, layout.rows, layout.is_real_req, drafts,
                                     layout.token_rows, layout.is_real_token, query_start_loc, features)
-    if features.logits_indirection_on or features.sampling is not None:
-        indirection = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, query_start_loc,
-                                         step.positions, input_ids, layout.is_real_token,
-                                         features.num_speculative_tokens)
-        if features.logits_indirection_on:
-            out["logits_indirection"] = indirection
-        if features.sampling is not None:
-            out["sampling"] = sampling_metadata(state, step.idx_mapping, layout.is_real_req, indirection,
-                                                features.sampling.vocab_size)
+    if features.logits_indirection_on:
+        out["logits_indirection"] = logits
+    if features.sampling is not None:
+        out["sampling"] = sampling_metadata(state, idx_mapping, layout.is_real_req, logits,
+                                            features.sampling.vocab_size)
     return out
 
 

@@ -13,7 +13,18 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
-from jaxprep.features import async_tokens, kv_groups, lora, masks, mrope, prompt_embeds, sampling, spec_decode
+from jaxprep.features import (
+    async_tokens,
+    grammar,
+    hybrid,
+    kv_groups,
+    lora,
+    masks,
+    mrope,
+    prompt_embeds,
+    sampling,
+    spec_decode,
+)
 from jaxprep.features.config import MROPE_NUM_DIMS
 
 
@@ -22,7 +33,7 @@ def required_fields(features) -> dict[str, str]:
     needs = {}
     if features.spec_decode:
         needs["num_draft_tokens"] = f"num_speculative_tokens={features.num_speculative_tokens}"
-    for switch in ("discard_request_mask", "mrope"):
+    for switch in ("discard_request_mask", "mrope", "drafter", "hybrid"):
         if getattr(features, switch):
             needs["prefill_len"] = switch
     if len(features.kv_groups) > 1:
@@ -35,6 +46,14 @@ def required_fields(features) -> dict[str, str]:
         needs.update(prev_sampled_token_ids="async_tokens", prev_batch_rows="async_tokens")
         if features.spec_decode:
             needs["prev_draft_token_ids"] = "async_tokens with spec decode"
+    if features.hybrid is not None:
+        needs["mamba_block_table"] = "hybrid"
+        if features.spec_decode:
+            needs["num_accepted_tokens"] = "hybrid with spec decode"
+        if features.hybrid.checkpoints:
+            needs["mamba_checkpoint_offsets"] = "hybrid.checkpoints"
+    if features.structured_outputs:
+        needs["grammar_index"] = "structured_outputs"
     if features.lora is not None:
         needs.update(lora_ids="lora", lora_slots="lora")
     if features.sampling is not None:
@@ -50,7 +69,8 @@ def check_feature_shapes(host: dict, config) -> None:
             raise InvalidBatchError(f"BatchState.{name} is missing: FeatureConfig.{switch} needs it")
     rows, width = config.max_num_reqs, config.max_model_len
     per_row = ("num_draft_tokens", "prefill_len", "mrope_position_delta", "prompt_embeds_start",
-               "prev_sampled_token_ids", "prev_batch_rows")
+               "prev_sampled_token_ids", "prev_batch_rows", "num_accepted_tokens", "mamba_checkpoint_offsets",
+               "grammar_index")
     expected = dict.fromkeys(per_row, (rows,))
     expected.update(mrope_positions=(rows, MROPE_NUM_DIMS, width), is_token_ids=(rows, width),
                     **lora.expected_shapes(config))
@@ -65,6 +85,8 @@ def check_feature_shapes(host: dict, config) -> None:
             raise InvalidBatchError(f"BatchState.{name} has dtype {host[name].dtype}, expected {np.dtype(dtype)}")
     if "extra_block_tables" in host:
         kv_groups.check_extra_table_shapes(host["extra_block_tables"], config)
+    if "mamba_block_table" in host:
+        hybrid.check_mamba_table_shape(host["mamba_block_table"], config)
 
 
 def check_group_blocks(host: dict, computed, scheduled, config) -> None:
@@ -91,6 +113,10 @@ def check_feature_values(host: dict, core: dict, config) -> None:
         prompt_embeds.check_pool_start(host["prompt_embeds_start"].astype(np.int64), in_batch, config.max_model_len)
     if features.async_tokens:
         async_tokens.check_prev_batch_rows(host["prev_batch_rows"].astype(np.int64), in_batch, config.max_num_reqs)
+    if features.hybrid is not None:
+        hybrid.check_hybrid_values(host, computed, scheduled, config)
+    if features.structured_outputs:
+        grammar.check_grammar_index(host["grammar_index"].astype(np.int64), scheduled)
     if features.lora is not None:
         lora.check_lora_inputs(host["lora_ids"].astype(np.int64), host["lora_slots"].astype(np.int64), in_batch)
     if features.sampling is not None:

@@ -10,12 +10,19 @@
   `vllm/v1/attention/backends/utils.py::get_dcp_local_seq_lens`
 - `tokens`: per-token features (M-RoPE and Qwen2-VL positions, prompt embeddings, row masks);
   `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._calc_mrope_positions`
+- `drafter`, `hybrid`, `grammar`, `ubatch`: the runner features, one loop per request as vLLM's
+  kernels and builders run; `vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py`,
+  `vllm/v1/attention/backends/mamba_attn.py`, `vllm/v1/worker/gpu/structured_outputs.py`,
+  `vllm/v1/worker/ubatch_utils.py`
 - `lora`: LoRA mappings, slot indices, punica kernel metadata and CUDA-graph keys;
   `vllm/v1/worker/gpu_input_batch.py::InputBatch.make_lora_inputs`,
   `vllm/v1/worker/gpu/lora_utils.py::LoraState.make_lora_inputs`,
   `vllm/lora/punica_wrapper/utils.py::convert_mapping`,
   `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`
 - `logits`: V2's logits indirection; `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.prepare_inputs`
+- `spec_decode`: the serving loop's n-gram drafter and greedy verification;
+  `vllm/v1/spec_decode/ngram_proposer.py::_find_longest_matched_ngram_and_propose_tokens`,
+  `vllm/v1/sample/rejection_sampler.py::rejection_greedy_sample_kernel`
 
 The serving loop's oracle (state transitions) is `jaxprep.serving.reference`.
 """

@@ -58,24 +58,44 @@ class ServingBatch:
 
         ``packed``: ``pack_updates(updates)`` if the caller has it already.
         """
+        rows, kv_cache, tokens = self._run(kv_cache, params, updates, model, num_tokens_padded, packed)
+        tokens = np.asarray(tokens)
+        self.rows = advance_rows(rows, tokens, self.config.num_speculative_tokens)
+        return kv_cache, tokens
+
+    def dispatch(self, kv_cache: KVCache, params, updates: StepUpdates, predicted: np.ndarray, *,
+                 model: ServingModel, num_tokens_padded: int, packed: np.ndarray | None = None):
+        """`serve` without waiting: returns the KV cache and the step's tokens as a device array, and
+        advances the mirror by ``predicted`` ([1, max_num_reqs]: the rows that will append a token,
+        `jaxprep.serving.overlap.predicted_tokens`). Async scheduling's half of a step."""
+        if int(np.asarray(updates.decode_steps)[0]) != 1:
+            raise checks.InvalidUpdateError("dispatch runs single steps: decode_steps must be 1")
+        if self.config.num_speculative_tokens:  # the host cannot predict how many drafts a row keeps
+            raise checks.InvalidUpdateError("dispatch runs without drafts: ServingConfig.num_speculative_tokens "
+                                            f"must be 0, got {self.config.num_speculative_tokens}")
+        rows, kv_cache, tokens = self._run(kv_cache, params, updates, model, num_tokens_padded, packed)
+        self.rows = advance_rows(rows, predicted)
+        return kv_cache, tokens
+
+    def _run(self, kv_cache, params, updates, model, num_tokens_padded, packed):
         rows = checks.check_updates(self.rows, updates, self.config)
         checks.check_step(rows, int(np.asarray(updates.decode_steps)[0]), num_tokens_padded, self.config)
         packed = pack_updates(updates) if packed is None else packed
         self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed, config=self.config,
                                                   model=model, num_tokens_padded=num_tokens_padded)
-        tokens = np.asarray(tokens)
-        self.rows = advance_rows(rows, tokens)
-        return kv_cache, tokens
+        return rows, kv_cache, tokens
 
     def _apply(self, rows: checks.HostRows, update, payload) -> None:
         self.state = update(self.state, payload)
         self.rows = rows
 
 
-def advance_rows(rows: checks.HostRows, tokens: np.ndarray) -> checks.HostRows:
-    """The mirror after a serving step appended ``tokens`` [iterations, max_num_reqs] (`AppendedTokens`)."""
-    appended = AppendedTokens(tokens)
-    rows.num_computed_tokens += rows.num_scheduled_tokens + appended.num_decoded
+def advance_rows(rows: checks.HostRows, tokens: np.ndarray, num_speculative_tokens: int = 0) -> checks.HostRows:
+    """The mirror after a serving step appended ``tokens`` [slots, max_num_reqs] (`AppendedTokens`);
+    rejected drafts are not computed."""
+    appended = AppendedTokens(tokens, num_speculative_tokens)
+    rows.num_computed_tokens += (rows.num_scheduled_tokens - appended.num_rejected(rows.num_draft_tokens)
+                                 + appended.num_decoded)
     rows.num_tokens += appended.num_appended
     rows.num_scheduled_tokens[:] = 0
     rows.num_draft_tokens[:] = 0

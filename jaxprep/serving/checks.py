@@ -16,7 +16,7 @@ from jaxprep._constants import NULL_BLOCK_ID, PAD_STATE_ROW
 from jaxprep.config import cdiv
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.sampling_rows import check_add_sampling
-from jaxprep.serving.state import PAD_ROW
+from jaxprep.serving.state import PAD_ROW, check_token_ids
 from jaxprep.validate import InvalidBatchError
 
 
@@ -82,8 +82,9 @@ def _finish(rows: HostRows, payload, config: ServingConfig) -> None:
 
 
 def _add(rows: HostRows, payload, config: ServingConfig) -> None:
-    """Rows free, 1 <= num_tokens <= stop_len <= max_model_len, prefix-cache hits inside the
-    tokens and their blocks, block counts within the row, block ids allocatable."""
+    """Rows free, 1 <= num_tokens <= stop_len <= max_model_len, token ids in [0, vocab_size),
+    prefix-cache hits inside the tokens and their blocks, block counts within the row, block ids
+    allocatable."""
     prep = config.prep
     entries = np.flatnonzero(np.asarray(payload.rows) != PAD_ROW)
     real = _check_rows("AddRequests.rows", payload.rows, config.max_num_reqs)
@@ -103,6 +104,8 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
             _fail(f"{where}: num_computed_tokens={computed} must lie in [0, num_tokens={num_tokens}) and fit "
                   f"its num_blocks={num_blocks} blocks of {prep.block_size}")
         _check_block_ids(f"AddRequests.block_ids[{i}]", np.asarray(payload.block_ids[i][:num_blocks]), config)
+        check_token_ids(f"{where}: token_ids", np.asarray(payload.token_ids[i][:num_tokens]), config.token_id_bound,
+                        InvalidUpdateError)
     if getattr(payload, "sampling", None) is not None:
         check_add_sampling(payload.sampling, entries, np.asarray(payload.num_tokens),
                            prep.features.sampling.vocab_size, _fail)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxprep._checks import check_positive_int
+from jaxprep._constants import INT32_MAX
 from jaxprep.config import PrepConfig, cdiv
+from jaxprep.serving.ngram import NgramConfig
 
 
 def _from_prep(name: str) -> property:
@@ -30,16 +32,24 @@ class ServingConfig:
         step can start, plus one per row for block boundaries).
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
+      ngram: the n-gram drafter (`jaxprep.serving.ngram`): every step proposes up to
+        ``num_speculative_tokens`` drafts per decoding row for the next step; ``None``: no drafter
+        (drafts only come from the host's `Schedule`). Drafts are verified whenever
+        ``num_speculative_tokens > 0``.
       eos_token_id: a sampled token equal to it finishes the request; `NO_EOS` disables the check.
       decode_steps: decode steps one multi-step dispatch runs when every request is decoding (K).
+      vocab_size: token ids in requests and payloads must lie in [0, vocab_size); ``None`` accepts
+        any int32 id (`Engine` fills it in from its model).
     """
 
     prep: PrepConfig
     max_new_reqs_per_step: int = 4
     max_block_appends_per_step: int | None = None
     num_speculative_tokens: int = 0
+    ngram: NgramConfig | None = None
     eos_token_id: int = NO_EOS
     decode_steps: int = 8
+    vocab_size: int | None = None
 
     def __post_init__(self):
         if self.prep.num_blocks is None:
@@ -49,8 +59,17 @@ class ServingConfig:
             object.__setattr__(self, "max_block_appends_per_step", appends)
         for name in ("max_new_reqs_per_step", "max_block_appends_per_step", "decode_steps"):
             check_positive_int(f"ServingConfig.{name}", getattr(self, name))
+        if self.vocab_size is not None:
+            check_positive_int("ServingConfig.vocab_size", self.vocab_size)
         if self.num_speculative_tokens < 0:
             raise ValueError(f"ServingConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.ngram is not None and self.num_speculative_tokens < 1:
+            raise ValueError("ServingConfig.ngram needs num_speculative_tokens >= 1 (the drafts it may propose)")
+
+    @property
+    def token_id_bound(self) -> int:
+        """Token ids lie in [0, token_id_bound): ``vocab_size``, or 2**31 (int32) if it is not set."""
+        return INT32_MAX + 1 if self.vocab_size is None else self.vocab_size
 
     # the PrepConfig sizes the serving code reads most, as attributes of the ServingConfig
     max_num_reqs = _from_prep("max_num_reqs")

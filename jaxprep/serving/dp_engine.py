@@ -2,9 +2,10 @@
 
 Like vLLM's data parallelism, every rank is a whole engine (its own requests, rows, blocks and
 KV cache) and a coordinator only routes requests and keeps the ranks in step: a new request goes
-to the rank with the fewest unfinished requests, and each step pads every rank to the bucket of
-the busiest one (an idle rank runs a padding-only batch, vLLM's dummy batch). All ranks then run
-in one `serve_step_sharded` dispatch. The loop is `Engine`'s; only the device hooks differ.
+to the rank with the fewest tokens still to compute, and each step pads every rank to one shared
+bucket (an idle rank runs a padding-only batch, vLLM's dummy batch), chosen to waste little
+(`jaxprep.serving.dp_policy`). All ranks then run in one `serve_step_sharded` dispatch. The loop is
+`Engine`'s; only the device hooks differ.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.engine import Engine
+from jaxprep.serving.engine import Engine, with_vocab_size
 from jaxprep.serving.model import ServingModel, init_params
 from jaxprep.serving.sharded import (
     ShardedServingBatch,
@@ -29,11 +30,13 @@ class DataParallelEngine(Engine):
     """`Engine` with one `Scheduler` per device of ``mesh``; ``config`` describes one rank."""
 
     def __init__(self, config: ServingConfig, model: ServingModel, mesh: Mesh, *, seed: int = 0,
-                 time_prep: bool = False, params=None):
+                 time_prep: bool = False, params=None, keep_history: bool = False):
         self.mesh = mesh
+        config = with_vocab_size(config, model)
         params = init_params(model, seed) if params is None else params
         self._start(config, model, time_prep, batch=ShardedServingBatch(config, mesh), num_ranks=mesh.size,
-                    params=replicated(params, mesh), kv_cache=sharded_kv_cache(model, config, mesh))
+                    params=replicated(params, mesh), kv_cache=sharded_kv_cache(model, config, mesh),
+                    keep_history=keep_history)
 
     def _pack(self, updates: list[StepUpdates]):
         return self.batch.packed(updates)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxprep.compilation import compile_all
-from jaxprep.serving import transitions
+from jaxprep.serving import dp_policy, transitions
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.dispatch_log import DispatchRecord, dispatch_record
@@ -20,7 +20,6 @@ from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare
-from jaxprep.sharding import dp_bucket
 
 
 @dataclasses.dataclass
@@ -34,13 +33,35 @@ class LoopStats:
     padded_tokens: int = 0  # bucketed tokens through the model
     output_tokens: int = 0
     preemptions: int = 0
-    prep_us: list[float] = dataclasses.field(default_factory=list)
-    dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)  # one per dispatch
+    draft_tokens: int = 0  # speculative decoding: drafts scheduled (and verified)
+    accepted_draft_tokens: int = 0  # drafts kept (those cut at a stop count as not kept)
+    draft_steps: int = 0  # request-steps with at least one draft
+    host_s: float = 0.0  # async scheduling: host time per iteration, waits for the device excluded
+    overlapped_host_s: float = 0.0  # async scheduling: the part spent while the previous step still ran
+    # per-dispatch history, kept only by an engine built with ``keep_history`` (it grows every dispatch)
+    prep_us: list[float] = dataclasses.field(default_factory=list)  # with ``time_prep`` too
+    dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def overlap(self) -> float:
+        """Async scheduling: share of the host's time spent while the device ran the previous step."""
+        return self.overlapped_host_s / self.host_s if self.host_s else 0.0
 
     @property
     def padding_waste(self) -> float:
         """Share of the model's token slots that were padding: 1 - real / padded."""
         return 1.0 - self.scheduled_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / scheduled drafts (vLLM's spec-decode ``acceptance rate``)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a request gains per verifying step: 1 + accepted drafts per request-step with drafts
+        (vLLM's ``mean acceptance length``)."""
+        return 1.0 + self.accepted_draft_tokens / self.draft_steps if self.draft_steps else 1.0
 
 
 class Engine:
@@ -48,6 +69,11 @@ class Engine:
 
     ``model`` is a model config with a ``forward`` (the tiny `ModelConfig`, or a checkpoint's
     `jaxprep.models.DecoderConfig`); ``params`` defaults to the tiny model's random weights from ``seed``.
+    ``config.vocab_size`` defaults to the model's: every token id submitted is checked against it.
+
+    Memory stays flat however long the engine runs: finished requests wait in `finished` until
+    `drain_finished` hands them out, and per-dispatch records (`LoopStats.dispatches_log`,
+    ``prep_us``) are kept only with ``keep_history`` (what ``jaxprep simulate`` reports and plots).
 
     The loop itself (arrivals, scheduling, the fused dispatch, counting) is written for any number
     of DP ranks, each with its own scheduler; `DataParallelEngine` overrides only the device hooks
@@ -56,20 +82,23 @@ class Engine:
     """
 
     def __init__(self, config: ServingConfig, model: ServingModel, *, seed: int = 0, time_prep: bool = False,
-                 params=None):
+                 params=None, keep_history: bool = False):
+        config = with_vocab_size(config, model)
         self._start(config, model, time_prep, batch=ServingBatch(config), num_ranks=1,
                     params=init_params(model, seed) if params is None else params,
-                    kv_cache=KVCache.zeros(model, config.num_blocks, config.block_size))
+                    kv_cache=KVCache.zeros(model, config.num_blocks, config.block_size), keep_history=keep_history)
 
     def _start(self, config: ServingConfig, model: ServingModel, time_prep: bool, *, batch, num_ranks: int, params,
-               kv_cache: KVCache) -> None:
+               kv_cache: KVCache, keep_history: bool) -> None:
         self.config, self.model, self.time_prep, self.batch = config, model, time_prep, batch
+        self.keep_history = keep_history
         self.schedulers = [Scheduler(config) for _ in range(num_ranks)]
         self.params, self.kv_cache = params, kv_cache
         self.stats = LoopStats()
         self.iteration = 0  # host iterations, the clock of request arrivals
         self._arrivals: list[tuple[int, int, Request]] = []  # (arrival iteration, submit order, request)
         self._order = itertools.count()
+        self._live_ids: set = set()  # ids submitted and not finished yet: a duplicate is rejected
 
     @property
     def scheduler(self) -> Scheduler:
@@ -105,33 +134,53 @@ class Engine:
             yield from self._lowered(packed, bucket)
 
     def add_request(self, request: Request) -> None:
-        """Routes ``request`` to the least loaded rank (fewest unfinished requests; ties: lowest rank)."""
-        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
-        self.schedulers[int(np.argmin(loads))].add_request(request)
+        """Routes ``request`` to the rank with the fewest tokens still to compute (`dp_policy.route`)."""
+        self.schedulers[dp_policy.route(self.schedulers)].add_request(request)
 
     def step(self) -> list[Request]:
         """One host iteration on every rank: schedule, send the updates, run the step, take the tokens back."""
         outs = [s.schedule() for s in self.schedulers]
-        totals = [out.total_num_scheduled_tokens for out in outs]
-        if not any(totals):
+        if not any(out.total_num_scheduled_tokens for out in outs):
             raise RuntimeError("the scheduler found nothing to run (a request cannot fit the KV cache?)")
+        bucket = dp_policy.coordinate(self.config.prep, self.schedulers, outs)  # every rank pads to it
         updates = self._rank_updates(outs)
-        bucket = dp_bucket(self.config.prep, totals)  # the busiest rank's bucket, every rank pads to it
         packed = self._pack(updates)
         if self.time_prep:
             start = time.perf_counter()
             jax.block_until_ready(self._prepare_only(packed, bucket))
-            self.stats.prep_us.append((time.perf_counter() - start) * 1e6)
+            if self.keep_history:
+                self.stats.prep_us.append((time.perf_counter() - start) * 1e6)
         tokens = self._serve(updates, bucket, packed)
         self._count(outs, tokens, bucket)
         eos = self.config.eos_token_id
-        return [r for s, out, part in zip(self.schedulers, outs, tokens, strict=True) for r in s.update(out, part, eos)]
+        done = [r for s, out, part in zip(self.schedulers, outs, tokens, strict=True) for r in s.update(out, part, eos)]
+        self._live_ids.difference_update(r.request_id for r in done)
+        return done
 
     def submit(self, requests, arrival_steps=None) -> None:
         """Queues ``requests``; request i joins the scheduler at host iteration ``arrival_steps[i]``
-        (default: the current one)."""
-        steps = [self.iteration] * len(requests) if arrival_steps is None else arrival_steps
-        queued = [(int(s), next(self._order), r) for s, r in zip(steps, requests, strict=True)]
+        (default: the current one).
+
+        Raises ValueError, with nothing queued, if the two lengths differ, an arrival step is negative,
+        a request id is already live (submitted and not finished) or repeated, or a request can
+        never run (`Scheduler.check_request`: its length, its token ids against vocab_size, its blocks).
+        """
+        requests = list(requests)
+        steps = [self.iteration] * len(requests) if arrival_steps is None else list(arrival_steps)
+        if len(steps) != len(requests):
+            raise ValueError(f"Engine.submit: {len(requests)} requests but {len(steps)} arrival_steps; "
+                             "give one arrival step per request")
+        seen = set(self._live_ids)
+        for i, (step, request) in enumerate(zip(steps, requests)):
+            if int(step) < 0:
+                raise ValueError(f"Engine.submit: arrival_steps[{i}] = {step} must be >= 0")
+            if request.request_id in seen:
+                raise ValueError(f"Engine.submit: requests[{i}] has request_id {request.request_id!r}, "
+                                 "which is already submitted and not finished")
+            seen.add(request.request_id)
+            self.scheduler.check_request(request)
+        self._live_ids = seen
+        queued = [(int(s), next(self._order), r) for s, r in zip(steps, requests)]
         self._arrivals = sorted(self._arrivals + queued, key=lambda item: item[:2])
 
     def run(self, max_dispatches: int | None = None, on_step=None) -> list[Request]:
@@ -157,8 +206,13 @@ class Engine:
 
     @property
     def finished(self) -> list[Request]:
-        """Finished requests, rank by rank, each rank's in finishing order."""
+        """Finished requests not drained yet, rank by rank, each rank's in finishing order."""
         return [request for s in self.schedulers for request in s.finished]
+
+    def drain_finished(self) -> list[Request]:
+        """The finished requests (as `finished` orders them), handed out and forgotten by the engine:
+        call it as a long-running engine goes, so its memory stays flat."""
+        return [request for s in self.schedulers for request in s.drain_finished()]
 
     def _rank_updates(self, outs: list[SchedulerOutput]) -> list[StepUpdates]:
         """Every rank's fused payload; adds and appends beyond its static sizes go first, in extra
@@ -176,15 +230,23 @@ class Engine:
         stats.dispatches += 1
         iterations = []
         for out, part in zip(outs, tokens, strict=True):
-            appended = AppendedTokens(part)
+            appended = AppendedTokens(part, self.config.num_speculative_tokens)
             iterations.append(appended.num_iterations)
             stats.preemptions += out.num_preempted
+            drafts = out.num_draft_tokens
+            stats.draft_tokens += int(drafts.sum())
+            stats.accepted_draft_tokens += int((drafts - appended.num_rejected(drafts))[drafts > 0].sum())
+            stats.draft_steps += int((drafts > 0).sum())
             stats.output_tokens += int(appended.num_appended.sum())
             stats.scheduled_tokens += out.total_num_scheduled_tokens + int(appended.num_decoded.sum())
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
         stats.model_steps += max(iterations)
-        stats.dispatches_log.append(dispatch_record([out.num_scheduled_tokens for out in outs], tokens, bucket))
+        if self.keep_history:
+            scheduled = [out.num_scheduled_tokens for out in outs]
+            first = self.config.num_speculative_tokens  # later iterations start at slot K + 1 (`AppendedTokens`)
+            appended = [part[first:part.shape[0] - first] for part in tokens]
+            stats.dispatches_log.append(dispatch_record(scheduled, appended, bucket))
 
     # --- device hooks: one rank on one device ---------------------------------------------------
 
@@ -215,6 +277,17 @@ class Engine:
         return lowered
 
 
+def with_vocab_size(config: ServingConfig, model: ServingModel) -> ServingConfig:
+    """``config`` with the model's vocab_size filled in (token ids are checked against it); raises
+    ValueError if ``config.vocab_size`` exceeds the model's."""
+    if config.vocab_size is None:
+        return dataclasses.replace(config, vocab_size=model.vocab_size)
+    if config.vocab_size > model.vocab_size:
+        raise ValueError(f"ServingConfig.vocab_size={config.vocab_size} exceeds the model's vocab_size="
+                         f"{model.vocab_size}")
+    return config
+
+
 def split_updates(config: ServingConfig, out: SchedulerOutput) -> tuple[list[StepUpdates], StepUpdates]:
     """``out`` as payloads of the static sizes: the extra updates to apply first (adds and appends
     beyond ``max_new_reqs_per_step`` / ``max_block_appends_per_step``), then the fused step's."""
@@ -226,7 +299,8 @@ def split_updates(config: ServingConfig, out: SchedulerOutput) -> tuple[list[Ste
         extra.append(StepUpdates.build(config, finish=finish, add=adds[:size_add], append=chunk))
         finish, adds = (), adds[size_add:]
     return extra, StepUpdates.build(config, finish=finish, add=adds, append=dict(appends),
-                                    num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps)
+                                    num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps,
+                                    num_draft_tokens=out.num_draft_tokens, draft_token_ids=out.draft_token_ids)
 
 
 def _take_blocks(appends: list[tuple[int, list[int]]], size: int):

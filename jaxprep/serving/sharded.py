@@ -6,6 +6,11 @@ Rank r owns rows ``[r * R, (r + 1) * R)`` of the global `ServingState` (R = the 
 slices, so the per-rank code is the single-device code (`serve_body`): row indices, block ids and
 slots in payloads and metadata are local to their rank. Each rank sends its own packed
 `StepUpdates`; they travel as one [num_ranks, packed_size] array sharded by rank.
+
+On several processes (`jax.distributed.initialize`, README "Multi-host") every array is assembled
+with `jax.make_array_from_callback`, so each process places only the slices of its own devices'
+ranks, and the step's tokens come back to every process through `process_allgather`: the host
+loop (routing, the shared bucket, the schedulers) then runs the same on every process.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from jaxprep.serving.packing import pack_updates, unpack_updates
 from jaxprep.serving.state import ServingState, StepUpdates
 from jaxprep.serving.step import serve_body, update_and_prepare_body
 from jaxprep.serving.transitions import apply_updates_body
-from jaxprep.sharding import DATA_AXIS, shard_rows
+from jaxprep.sharding import DATA_AXIS
 
 ROWS = PartitionSpec(DATA_AXIS)  # leading axis split by rank
 SLOTS = PartitionSpec(None, DATA_AXIS)  # KV cache [layers, slots, heads, head_dim]: slots split by rank
@@ -83,12 +88,12 @@ class ShardedServingBatch:
 
     def __init__(self, config: ServingConfig, mesh: Mesh):
         self.config, self.mesh, self.num_ranks = config, mesh, mesh.size
-        self.state = shard_rows(ServingState.empty(_global(config, self.num_ranks)), mesh)
+        self.state = put_global(ServingState.empty(_global(config, self.num_ranks)), NamedSharding(mesh, ROWS))
         self.rows = [checks.HostRows.empty(config.max_num_reqs) for _ in range(self.num_ranks)]
 
     def packed(self, updates: list[StepUpdates]) -> jax.Array:
         """Every rank's packed updates as one array sharded by rank."""
-        return jax.device_put(np.stack([pack_updates(u) for u in updates]), NamedSharding(self.mesh, ROWS))
+        return put_global(np.stack([pack_updates(u) for u in updates]), NamedSharding(self.mesh, ROWS))
 
     def apply_updates(self, updates: list[StepUpdates]) -> None:
         rows = self._checked(updates)
@@ -109,8 +114,9 @@ class ShardedServingBatch:
         self.state, kv_cache, tokens = serve_step_sharded(self.state, kv_cache, params, packed, config=self.config,
                                                           model=model, num_tokens_padded=num_tokens_padded,
                                                           mesh=self.mesh)
-        tokens = np.asarray(tokens)
-        self.rows = [advance_rows(r, part) for r, part in zip(rows, self.rank_tokens(tokens))]
+        tokens = to_host(tokens)
+        k = self.config.num_speculative_tokens
+        self.rows = [advance_rows(r, part, k) for r, part in zip(rows, self.rank_tokens(tokens))]
         return kv_cache, tokens
 
     def rank_tokens(self, tokens: np.ndarray) -> list[np.ndarray]:
@@ -138,9 +144,33 @@ def _global(config: ServingConfig, num_ranks: int) -> ServingConfig:
 def sharded_kv_cache(model: ServingModel, config: ServingConfig, mesh: Mesh) -> KVCache:
     """Zeros for every rank's ``config.num_blocks`` blocks, each rank's slots on its device."""
     cache = KVCache.zeros(model, config.num_blocks * mesh.size, config.block_size)
-    return jax.device_put(cache, NamedSharding(mesh, SLOTS))
+    return put_global(cache, NamedSharding(mesh, SLOTS))
 
 
 def replicated(tree, mesh: Mesh):
-    """``tree`` on every device of ``mesh`` (the model weights)."""
-    return jax.device_put(tree, NamedSharding(mesh, WHOLE))
+    """``tree`` on every device of ``mesh`` (the model weights; the same on every process)."""
+    return put_global(tree, NamedSharding(mesh, WHOLE))
+
+
+def put_global(tree, sharding: NamedSharding):
+    """Every leaf of ``tree`` (the whole value, the same on every process) as an array with
+    ``sharding``. On several processes each one places only its own devices' slices
+    (`jax.make_array_from_callback`); on one it is `jax.device_put`."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def put(leaf):
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """The whole of ``array`` on this host: every process's shards gathered (`process_allgather`)
+    when it spans several processes."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

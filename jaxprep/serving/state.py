@@ -11,12 +11,13 @@ jitted update sees the same shapes every step; padded entries use row -1, which 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._constants import INT32_MAX, NULL_BLOCK_ID
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.sampling_rows import AddSampling
 from jaxprep.state import BatchState
@@ -99,7 +100,9 @@ class AddRequests:
                       block_ids=np.full((size, prep.max_blocks_per_req), NULL_BLOCK_ID, np.int32),
                       num_blocks=np.zeros(size, np.int32))
         for i, request in enumerate(requests):
-            tokens, blocks = _row_values(request["token_ids"]), _row_values(request["block_ids"])
+            where = f"AddRequests entry {i} (row {request['row']}): token_ids"
+            tokens = check_token_ids(where, request["token_ids"], config.token_id_bound)
+            blocks = _row_values(request["block_ids"])
             arrays["rows"][i] = request["row"]
             _fill_row(arrays["token_ids"], i, tokens, "AddRequests.token_ids", "max_model_len")
             _fill_row(arrays["block_ids"], i, blocks, "AddRequests.block_ids", "max_blocks_per_req")
@@ -184,6 +187,35 @@ def _padded(values, size: int, fill: int = PAD_ROW) -> np.ndarray:
     out = np.full(size, fill, np.int32)
     out[: len(values)] = values
     return out
+
+
+def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = ValueError) -> np.ndarray:
+    """``token_ids`` as an int64 array if each is an integer in [0, ``bound``); otherwise raises
+    ``error`` naming ``where``, the position, the value and the bound (nothing is stored first, so an
+    id like 2**40 is never wrapped into int32).
+    # where "request 3: prompt_token_ids", ids [5, 2**40], bound 64
+    #   -> "request 3: prompt_token_ids[1] = 1099511627776 is outside [0, 64)"
+    """
+    values = np.asarray(token_ids)
+    if values.dtype.kind in "iu":
+        bad = (values < 0) | (values >= bound)
+        if not bad.any():
+            return values.astype(np.int64).ravel()
+        values = values.ravel()
+    else:  # Python ints beyond int64, floats, anything else: one by one
+        values = list(np.ravel(np.asarray(token_ids, dtype=object)))
+    for position, value in enumerate(values):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise error(f"{where}[{position}] = {value!r} is not an integer token id") from None
+        if not 0 <= value < bound:
+            raise error(f"{where}[{position}] = {value} is outside [0, {_bound_name(bound)})")
+    return np.asarray(values, np.int64)
+
+
+def _bound_name(bound: int) -> str:
+    return "2**31 (int32)" if bound == INT32_MAX + 1 else f"vocab_size={bound}"
 
 
 def _row_values(values) -> np.ndarray:

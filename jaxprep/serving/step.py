@@ -25,6 +25,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ServingModel
 from jaxprep.serving.packing import unpack_updates
 from jaxprep.serving.sampler import sample_requests
+from jaxprep.serving.spec_step import forward_verify_record, next_drafts
 from jaxprep.serving.state import ServingState
 from jaxprep.serving.transitions import apply_updates_body, record_sampled_body, row_index
 
@@ -40,13 +41,20 @@ class AppendedTokens:
     Iteration 0 computes the scheduled tokens and appends a token to the rows that sample; every
     later iteration computes, and appends, one decode token per row it appends to.
     # tokens [[7, -1, 9], [8, -1, -1]] -> per row appended [2, 0, 1], decoded [1, 0, 0]; 2 iterations
+
+    With ``K = num_speculative_tokens > 0`` iteration 0 has K + 1 slots (the accepted drafts, then
+    one token from the target), each later iteration one, and K more slots hold the drafts proposed
+    for the next step (docs/semantics.md#spec-decode-loop):
+    # K 2, decode_steps 2: slots [first 0, first 1, first 2, iteration 1, draft 0, draft 1]
     """
 
-    tokens: np.ndarray  # [iterations, rows] appended token ids, NO_TOKEN = none
+    tokens: np.ndarray  # [slots, rows] appended token ids (then the next drafts), NO_TOKEN = none
+    num_speculative_tokens: int = 0  # K
 
     @property
     def appended(self) -> np.ndarray:
-        return self.tokens != NO_TOKEN
+        """[K + iterations, rows]: which slots hold an appended token."""
+        return self.tokens[: self.tokens.shape[0] - self.num_speculative_tokens] != NO_TOKEN
 
     @property
     def num_appended(self) -> np.ndarray:
@@ -54,14 +62,37 @@ class AppendedTokens:
         return self.appended.sum(axis=0)
 
     @property
+    def num_first(self) -> np.ndarray:
+        """[rows] tokens the first iteration appended (accepted drafts + 1, or 0)."""
+        return self.appended[: self.num_speculative_tokens + 1].sum(axis=0)
+
+    @property
     def num_decoded(self) -> np.ndarray:
         """[rows] tokens the iterations after the first computed (one per token they appended)."""
-        return self.appended[1:].sum(axis=0)
+        return self.appended[self.num_speculative_tokens + 1:].sum(axis=0)
 
     @property
     def num_iterations(self) -> int:
         """Iterations that ran: the first, and every later one that appended a token."""
-        return 1 + int(np.count_nonzero(self.appended[1:].any(axis=1)))
+        return 1 + int(np.count_nonzero(self.appended[self.num_speculative_tokens + 1:].any(axis=1)))
+
+    def num_rejected(self, num_draft_tokens: np.ndarray) -> np.ndarray:
+        """[rows] scheduled drafts not kept: ``D + 1 - num_first`` on rows that sampled."""
+        return np.where(self.num_first > 0, num_draft_tokens + 1 - self.num_first, 0)
+
+    def row_tokens(self, row: int) -> list[int]:
+        """The tokens appended to ``row``, in order."""
+        column = self.tokens[: self.appended.shape[0], row]
+        return [int(t) for t in column[self.appended[:, row]]]
+
+    @property
+    def draft_token_ids(self) -> np.ndarray:
+        """[rows, K] the drafts proposed for the next step, NO_TOKEN past each row's count."""
+        return self.tokens[self.appended.shape[0]:].T
+
+    @property
+    def num_draft_tokens(self) -> np.ndarray:
+        return (self.draft_token_ids != NO_TOKEN).sum(axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "model", "num_tokens_padded"),
@@ -72,7 +103,8 @@ def serve_step(state: ServingState, kv_cache: KVCache, params, packed_updates: j
     (1 iteration, or up to ``updates.decode_steps`` decode iterations).
 
     Returns ``(state, kv_cache, tokens)``; ``tokens`` [config.decode_steps, max_num_reqs] holds
-    the token each state row appended in each iteration, or NO_TOKEN.
+    the token each state row appended in each iteration, or NO_TOKEN; with speculative decoding
+    (K > 0) it is [2K + config.decode_steps, max_num_reqs], laid out as `AppendedTokens` reads it.
     """
     return serve_body(state, kv_cache, params, packed_updates, config, model, num_tokens_padded)
 
@@ -123,27 +155,51 @@ def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: S
 def _run_iterations(state, kv_cache, params, num_iterations: jax.Array, config: ServingConfig,
                     model: ServingModel, num_tokens_padded: int):
     """Runs the scheduled batch, then single-token decodes of the rows still active, while
-    ``iteration < num_iterations``; schedules each next iteration on the device."""
-    block_size = config.block_size
+    ``iteration < num_iterations``; schedules each next iteration on the device. With K > 0,
+    iteration 0 verifies the scheduled drafts and the step ends with the next step's drafts."""
+    block_size, k = config.block_size, config.num_speculative_tokens
+    num_slots = k + config.decode_steps  # appended slots: K + 1 for iteration 0, one per later iteration
 
-    def still_active(state, tokens):
-        stop = (tokens == NO_TOKEN) | (tokens == config.eos_token_id) | (state.num_tokens >= state.stop_len)
+    def still_active(state, last):
+        stop = (last == NO_TOKEN) | (last == config.eos_token_id) | (state.num_tokens >= state.stop_len)
         # the next iteration computes position num_computed_tokens: its block must be allocated
         return ~(stop | (state.batch.num_computed_tokens >= state.num_blocks * block_size))
 
     def body(carry):
         state, kv_cache, out, iteration = carry
-        state, kv_cache, tokens = _forward_and_record(state, kv_cache, params, config, model, num_tokens_padded)
-        next_scheduled = still_active(state, tokens).astype(jnp.int32)
+        state, kv_cache, block = _forward(state, kv_cache, params, config, model, num_tokens_padded)
+        # iteration 0 fills slots 0..K; iteration i > 0 fills slot K + i with its one token
+        slot = jnp.arange(k + 1, dtype=jnp.int32)
+        targets = jnp.where(iteration == 0, slot, jnp.where(slot == 0, k + iteration, num_slots))
+        next_scheduled = still_active(state, _last_token(block)).astype(jnp.int32)
         state = dataclasses.replace(state, batch=dataclasses.replace(state.batch, num_scheduled_tokens=next_scheduled))
-        return state, kv_cache, out.at[iteration].set(tokens), iteration + 1
+        return state, kv_cache, out.at[targets].set(block, mode="drop"), iteration + 1
 
     def cond(carry):
         state, _, _, iteration = carry
         return (iteration < num_iterations) & ((iteration == 0) | jnp.any(state.batch.num_scheduled_tokens > 0))
 
-    out = jnp.full((config.decode_steps,) + state.num_tokens.shape, NO_TOKEN, jnp.int32)
+    out = jnp.full((num_slots,) + state.num_tokens.shape, NO_TOKEN, jnp.int32)
     state, kv_cache, out, _ = jax.lax.while_loop(cond, body, (state, kv_cache, out, jnp.int32(0)))
+    if k:
+        out = jnp.concatenate([out, next_drafts(state, jnp.any(out != NO_TOKEN, axis=0), config)])
     # a finished step leaves nothing scheduled
     zeros = jnp.zeros_like(state.batch.num_scheduled_tokens)
     return dataclasses.replace(state, batch=dataclasses.replace(state.batch, num_scheduled_tokens=zeros)), kv_cache, out
+
+
+def _forward(state, kv_cache, params, config: ServingConfig, model: ServingModel, num_tokens_padded: int):
+    """One iteration: ``(state, kv_cache, tokens [K + 1, max_num_reqs])``."""
+    if config.num_speculative_tokens:
+        return forward_verify_record(state, kv_cache, params, config, model, num_tokens_padded)
+    state, kv_cache, tokens = _forward_and_record(state, kv_cache, params, config, model, num_tokens_padded)
+    return state, kv_cache, tokens[None]
+
+
+def _last_token(block: jax.Array) -> jax.Array:
+    """[rows] the last appended token of each row in ``block`` [slots, rows], NO_TOKEN if none.
+    # block [[4, 7], [5, -1]] -> [5, 7]
+    """
+    count = jnp.sum(block != NO_TOKEN, axis=0, dtype=jnp.int32)
+    last = jnp.take_along_axis(block, jnp.clip(count - 1, 0, block.shape[0] - 1)[None, :], axis=0)[0]
+    return jnp.where(count > 0, last, NO_TOKEN)

@@ -15,6 +15,9 @@ from jaxprep.serving.scheduler import Request
 FIRST_PROMPT_TOKEN = 2
 """Prompt ids are drawn from [FIRST_PROMPT_TOKEN, vocab_size): 0 is the pad id, 1 the default EOS."""
 
+REPEAT_PHRASE_MAX = 8
+"""Longest phrase a repetitive prompt repeats."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -25,13 +28,21 @@ class Workload:
 
 
 def random_workload(seed: int, *, num_requests: int, vocab_size: int, prompt_len: tuple[int, int],
-                    max_tokens: tuple[int, int], arrival_spread: int = 0) -> Workload:
-    """Prompt lengths and max_tokens uniform in their inclusive ranges; arrivals uniform in [0, spread]."""
+                    max_tokens: tuple[int, int], arrival_spread: int = 0, repetitive: bool = False) -> Workload:
+    """Prompt lengths and max_tokens uniform in their inclusive ranges; arrivals uniform in [0, spread].
+
+    ``repetitive``: each prompt repeats a random phrase of 2..REPEAT_PHRASE_MAX tokens (text that
+    n-gram drafting can match), instead of uniform random tokens.
+    """
     rng = np.random.default_rng(seed)
     requests, arrivals = [], []
     for request_id in range(num_requests):
         length = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
-        prompt = rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=length).tolist()
+        if repetitive:
+            phrase = rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=int(rng.integers(2, REPEAT_PHRASE_MAX + 1)))
+            prompt = np.resize(phrase, length).tolist()
+        else:
+            prompt = rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=length).tolist()
         requests.append(Request(request_id=request_id, prompt_token_ids=prompt,
                                 max_tokens=int(rng.integers(max_tokens[0], max_tokens[1] + 1))))
         arrivals.append(int(rng.integers(0, arrival_spread + 1)))

@@ -39,6 +39,20 @@ def test_simulate_check_json_summary():
     assert result.stderr == ""  # stderr is a pipe, not a terminal: no progress bars
 
 
+def test_simulate_spec_decode_reports_acceptance_and_checks():
+    """--spec-decode ngram: the greedy outputs still equal a dense recomputation, and the summary
+    reports the drafts, the accepted ones and their rate."""
+    result = run_jaxprep("--check", "--json", *SMALL, "--spec-decode", "ngram", "--num-speculative-tokens", "3",
+                         "--prompt-lookup-min", "2", "--prompt-lookup-max", "3", "--workload", "repetitive")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["check_passed"] is True and summary["compiles_after_warmup"] == 0
+    assert summary["spec_decode"] == "ngram (k 3, lookup 2..3)" and summary["workload"] == "repetitive"
+    assert 0 < summary["accepted_draft_tokens"] <= summary["draft_tokens"]
+    assert summary["acceptance_rate"] == round(summary["accepted_draft_tokens"] / summary["draft_tokens"], 4)
+    assert summary["mean_acceptance_length"] > 1
+
+
 def test_progress_bars_and_plot(tmp_path, capsys):
     """Forced bars show the warm-up's buckets and compiles, the served requests and the check;
     --plot writes a PNG chart of every forward pass."""
@@ -64,3 +78,17 @@ def test_no_bars_when_stderr_is_not_a_terminal(capsys):
     bar.update(5)
     bar.close()
     assert "warm-up: 2 buckets" in capsys.readouterr().err
+
+
+def test_async_scheduling_checks_and_reports_overlap():
+    """--async-scheduling: greedy tokens still the dense ones, single steps only, and the overlap share
+    reported; with several devices it is a usage error (exit 2, one line naming both flags)."""
+    result = run_jaxprep("--async-scheduling", "--check", "--json", *SMALL)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["check_passed"] is True and summary["compiles_after_warmup"] == 0
+    assert summary["multi_step_dispatches"] == 0 and summary["steps"] == summary["dispatches"]
+    assert 0 <= summary["async_overlap"] <= 1 and summary["host_us_per_dispatch"] > 0
+    refused = run_jaxprep("--async-scheduling", "--devices", "2", *SMALL)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1].endswith("--async-scheduling: runs on one device, not --devices 2")

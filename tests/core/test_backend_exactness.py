@@ -29,6 +29,7 @@ import pytest
 import jaxprep
 from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig, prepare_padded
 from jaxprep import _ragged as ragged
+from jaxprep.features import DrafterConfig, HybridConfig, drafter, grammar
 from jaxprep.prepare import prepare_packed
 from jaxprep.serving import (
     KVCache,
@@ -42,6 +43,7 @@ from jaxprep.serving import (
     workload,
 )
 from jaxprep.serving.model import MODEL_SCOPE
+from jaxprep.serving.ngram import NgramConfig, propose_ngram_jit
 from jaxprep.serving.packing import packed_size
 from jaxprep.serving.state import StepUpdates
 from jaxprep.sharding import DATA_AXIS, prepare_sharded
@@ -54,7 +56,10 @@ ALL_FEATURES = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp",
                              kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                              dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True,
                              attn_state=True, attn_mask="rows_bool", mask_kv_len=32, request_distribution=True,
-                             lora=LoRAConfig(max_loras=4, vocab_size=1000), logits_indirection=True)
+                             lora=LoRAConfig(max_loras=4, vocab_size=1000), logits_indirection=True,
+                             drafter=DrafterConfig(), structured_outputs=True, num_ubatches=2,
+                             hybrid=HybridConfig(mode="align", block_size=8, num_speculative_blocks=2, chunk_size=8,
+                                                 checkpoints=True))
 SMALL = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
 LARGE = PrepConfig(max_num_reqs=1024, max_model_len=4096, max_num_batched_tokens=16384, block_size=16)
 LARGE_FEATURES = PrepConfig(max_num_reqs=256, max_model_len=1024, max_num_batched_tokens=8192, block_size=4,
@@ -88,6 +93,10 @@ def _cases():
         ("prepare.prepare_packed", prepare_packed, (BatchState.empty(LARGE), LARGE, 4096), {}),
         ("serving.serve_step", step.serve_step, (state, kv_cache, params, packed),
          dict(config=serving, model=MODEL, num_tokens_padded=32)),
+        _spec_serve_step_case(),
+        ("serving.ngram.propose_ngram_jit", propose_ngram_jit,
+         (np.zeros((5, 40), np.int32), np.full(5, 9, np.int32), np.ones(5, bool)),
+         dict(k=3, config=NgramConfig(prompt_lookup_min=2, prompt_lookup_max=4), max_model_len=40)),
         ("serving.update_and_prepare", step.update_and_prepare, (state, packed),
          dict(config=serving, num_tokens_padded=32)),
         ("serving.apply_updates", transitions.apply_updates, (state, updates), {}),
@@ -106,7 +115,31 @@ def _cases():
         ("sharded.update_and_prepare_sharded", sharded.update_and_prepare_sharded, (state, packed[None]),
          dict(config=serving, num_tokens_padded=32, mesh=mesh)),
     ]
-    return cases + _bridge_cases()
+    return cases + _runner_feature_cases() + _bridge_cases()
+
+
+def _runner_feature_cases():
+    """The drafter and grammar functions that run after the step, on an every-feature step."""
+    config = dataclasses.replace(SMALL, features=ALL_FEATURES)
+    step = prepare_padded(BatchState.empty(config), config, 32)
+    rows = np.zeros(step.num_reqs_padded, np.int32)
+    draft = drafter.draft_prefill(step, rows, np.zeros(config.max_num_reqs, np.int32))
+    logits = np.zeros((step.grammar.bitmask_rows.shape[0], 64), np.float32)
+    return [("drafter.draft_prefill", drafter.draft_prefill, (step, rows, np.zeros(5, np.int32)), {}),
+            ("drafter.draft_decode_start", drafter.draft_decode_start, (draft, rows, step), dict(config=config)),
+            ("drafter.draft_decode_advance", drafter.draft_decode_advance,
+             (drafter.draft_decode_start(draft, rows, step, config=config), rows, step), dict(config=config)),
+            ("grammar.apply_grammar_bitmask", grammar.apply_grammar_bitmask,
+             (logits, np.zeros((15, 2), np.int32), step.grammar), {}),
+            ("grammar.grammar_invalid_drafts", grammar.grammar_invalid_drafts, (step.grammar, rows), {})]
+
+
+def _spec_serve_step_case():
+    """`serve_step` on its speculative path: n-gram drafts, greedy verification."""
+    spec = dataclasses.replace(_serving_config(SMALL), num_speculative_tokens=3, ngram=NgramConfig())
+    state, kv_cache, params, packed = _serving_args(spec)
+    return ("serving.serve_step[spec decode]", step.serve_step, (state, kv_cache, params, packed),
+            dict(config=spec, model=MODEL, num_tokens_padded=32))
 
 
 def _bridge_cases():
@@ -156,7 +189,10 @@ COVERED = {
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.workload.dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
     "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
-    "jaxprep.packing.pack", "torch_bridge.npu.fia_layout",
+    "jaxprep.packing.pack", "torch_bridge.npu.fia_layout", "jaxprep.serving.ngram.propose_ngram_jit",
+    "jaxprep.features.drafter.draft_prefill", "jaxprep.features.drafter.draft_decode_start",
+    "jaxprep.features.drafter.draft_decode_advance", "jaxprep.features.grammar.apply_grammar_bitmask",
+    "jaxprep.features.grammar.grammar_invalid_drafts",
 }
 
 

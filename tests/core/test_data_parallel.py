@@ -134,3 +134,86 @@ def test_sharded_batch_rejects_an_update_naming_the_rank():
     with pytest.raises(InvalidUpdateError, match=r"^rank 0: Schedule.num_scheduled_tokens at row 0 is 3"):
         batch.apply_updates([bad])
     assert batch.state is before  # nothing dispatched, nothing donated
+
+
+@pytest.mark.cpu_only("forces 4 host-platform devices in a subprocess")
+def test_dp_policy_cuts_padding_and_keeps_outputs():
+    """tests/support/dp_policy_check.py on a 40-request trace over 4 ranks: the loop's padding waste
+    equals the waste recomputed from every rank's tokens, is at most 0.6 of the old policy's (fewest
+    requests, busiest rank's bucket; measured in the same process by its own rules), and every
+    policy's outputs are the single-device loop's."""
+    result = run_with_four_devices(os.path.join(TESTS, "support", "dp_policy_check.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    new, old = report["new"], report["old"]
+    for policy in (new, old):
+        assert policy["waste"] == pytest.approx(policy["recomputed"], abs=1e-12)
+        assert policy["outputs"] == report["single"] and len(report["single"]) == 40
+    assert old["waste"] > 0.5
+    assert new["waste"] <= 0.6 * old["waste"], (new["waste"], old["waste"])
+
+
+def test_shared_bucket_wastes_least_and_holds_every_decode():
+    from jaxprep.serving.dp_policy import shared_bucket
+
+    prep = PrepConfig(max_num_reqs=16, max_model_len=256, max_num_batched_tokens=64, block_size=16)
+    assert prep.token_buckets == (8, 16, 32, 64)
+    # 16: 1 - 60/64; 32: 1 - 108/128; 64: 1 - 204/256 (8 cannot hold rank 1's 12 decodes)
+    assert shared_bucket(prep, [64, 12, 64, 64], [0, 12, 0, 0]) == 16
+    # 8: 1 - 16/32; 16: 1 - 24/64; 32: 1 - 40/128; 64: 1 - 72/256: the prefill goes 8 tokens at a time
+    assert shared_bucket(prep, [64, 2, 3, 3], [0, 2, 3, 3]) == 8
+    # 8 and 16 waste nothing (each rank gives back 12 or 4 tokens), 32: 1 - 80/128: the larger of the two
+    assert shared_bucket(prep, [20, 20, 20, 20], [0, 0, 0, 0]) == 16
+    assert shared_bucket(prep, [64, 64, 64, 64], [0, 0, 0, 0]) == 64  # no waste anywhere: the larger rung
+    assert shared_bucket(prep, [0, 0, 0, 1], [0, 0, 0, 1]) == 8
+
+
+def test_routing_balances_tokens_not_requests():
+    from jaxprep.serving import Request, Scheduler
+    from jaxprep.serving.dp_policy import route
+
+    schedulers = [Scheduler(serving_config()) for _ in range(3)]
+    schedulers[0].add_request(Request(0, [2] * 20, 4))  # one long prompt
+    schedulers[1].add_request(Request(1, [2] * 3, 4))
+    schedulers[1].add_request(Request(2, [2] * 3, 4))  # two short ones
+    assert route(schedulers) == 2  # empty
+    schedulers[2].add_request(Request(3, [2] * 5, 4))
+    assert route(schedulers) == 2  # 5 tokens against 6 and 20, though it has fewer requests than rank 1
+    schedulers[2].add_request(Request(4, [2] * 1, 4))
+    assert route(schedulers) == 1  # 6 tokens and 2 requests on ranks 1 and 2: the lower rank
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.cpu_only("forces 2 and 4 host-platform devices in subprocesses")
+def test_two_processes_serve_like_one_process_with_four_devices():
+    """tests/support/multihost_dp.py as a 2-process JAX cluster on localhost (2 forced CPU devices
+    each, gloo collectives, each process placing only its own ranks' data) gives every request
+    the outputs of the same loop in one process with 4 devices."""
+    script = os.path.join(TESTS, "support", "multihost_dp.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    port = str(_free_port())
+    workers = [subprocess.Popen([sys.executable, script, port, str(i)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [worker.communicate(timeout=90) for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    single = run_with_four_devices(script)
+    assert single.returncode == 0, single.stderr[-3000:]
+    expected = json.loads(single.stdout.strip().splitlines()[-1])
+    assert expected["processes"] == 1 and len(expected["outputs"]) == 20
+    for i, (worker, (stdout, stderr)) in enumerate(zip(workers, outs)):
+        assert worker.returncode == 0, stderr[-3000:]
+        report = json.loads(stdout.strip().splitlines()[-1])
+        assert (report["processes"], report["process"], len(report["local_devices"])) == (2, i, 2)
+        assert report["outputs"] == expected["outputs"]
+        assert report["dispatches"] == expected["dispatches"]

@@ -20,13 +20,16 @@ from jaxprep import (
     prepare_padded,
 )
 from jaxprep.config import block_table_width
+from jaxprep.features import DrafterConfig, HybridConfig
 from jaxprep.features.sampling import empty_sampling_rows
 from jaxprep.state import OPTIONAL_FIELDS
 from jaxprep.walkthrough.examples import example_a_config, example_a_step2
 from support.feature_batches import block_table, feature_batches, run_step
+from support.runner_examples import check_pieces_make_the_step
 
 OPTIONAL_OUTPUTS = ("spec_decode", "discard_request_mask", "kv_groups", "mrope_positions", "prompt_embeds",
-                    "attn_state", "attn_mask", "request_distribution", "lora", "logits_indirection", "sampling")
+                    "attn_state", "attn_mask", "request_distribution", "lora", "logits_indirection", "sampling",
+                    "drafter", "hybrid", "grammar", "ubatches")
 
 
 def test_plain_step_has_no_feature_outputs_or_inputs():
@@ -54,7 +57,11 @@ def test_equal_feature_configs_share_one_executable():
                                       FeatureConfig(async_tokens=True, prompt_embeds=True),
                                       FeatureConfig(runner="v2", lora=LoRAConfig(max_loras=2)),
                                       FeatureConfig(sampling=SamplingConfig(vocab_size=40)),
-                                      FeatureConfig(kv_groups=(KVCacheGroupSpec(4), KVCacheGroupSpec(8)))])
+                                      FeatureConfig(kv_groups=(KVCacheGroupSpec(4), KVCacheGroupSpec(8))),
+                                      FeatureConfig(num_speculative_tokens=1, drafter=DrafterConfig(),
+                                                    structured_outputs=True, hybrid=HybridConfig(
+                                                        mode="align", block_size=4, chunk_size=4,
+                                                        checkpoints=True))])
 def test_empty_state_holds_every_input_a_feature_needs(features):
     config = PrepConfig(max_num_reqs=3, max_model_len=16, max_num_batched_tokens=8, block_size=4, features=features)
     state = BatchState.empty(config)
@@ -65,6 +72,8 @@ def test_empty_state_holds_every_input_a_feature_needs(features):
         arrays["extra_block_tables"][0][0, 0] = 1
     if "mrope_positions" in arrays:
         arrays["mrope_positions"][0, :, 0] = 0
+    if "mamba_block_table" in arrays:
+        arrays["mamba_block_table"][0, 0] = 1
     run_step(arrays, config, "jit")  # validates: nothing is missing
 
 
@@ -72,7 +81,9 @@ ALL = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp", discard_
                     kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
                     dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True, attn_state=True,
                     attn_mask="rows_bool", request_distribution=True, lora=LoRAConfig(max_loras=3, vocab_size=100),
-                    logits_indirection=True, sampling=SamplingConfig(vocab_size=100))
+                    logits_indirection=True, sampling=SamplingConfig(vocab_size=100), drafter=DrafterConfig(),
+                    hybrid=HybridConfig(num_speculative_blocks=2, chunk_size=4, checkpoints=True),
+                    structured_outputs=True, num_ubatches=2)
 SINGLES = {
     "spec_decode": FeatureConfig(num_speculative_tokens=2),
     "discard_request_mask": FeatureConfig(discard_request_mask=True),
@@ -82,6 +93,9 @@ SINGLES = {
     "attn_state": FeatureConfig(attn_state=True, num_speculative_tokens=2, speculative_method="mtp"),
     "attn_mask": FeatureConfig(attn_mask="rows_bool"),
     "request_distribution": FeatureConfig(request_distribution=True, num_speculative_tokens=2),
+    "drafter": FeatureConfig(num_speculative_tokens=2, drafter=DrafterConfig()),
+    "hybrid": FeatureConfig(num_speculative_tokens=2, hybrid=ALL.hybrid),
+    "grammar": FeatureConfig(num_speculative_tokens=2, structured_outputs=True),
     "lora": FeatureConfig(lora=ALL.lora, num_speculative_tokens=2),
     "logits_indirection": FeatureConfig(logits_indirection=True, num_speculative_tokens=2),
     "sampling": FeatureConfig(sampling=ALL.sampling, num_speculative_tokens=2),
@@ -104,7 +118,13 @@ def test_all_features_at_once_match_each_feature_alone(runner, data):
     arrays.update(mrope_positions=table, mrope_position_delta=np.zeros(5, np.int32),
                   is_token_ids=np.ones((5, 40), bool), prompt_embeds_start=np.zeros(5, np.int32),
                   prev_sampled_token_ids=np.zeros(5, np.int32), prev_batch_rows=np.full(5, -1, np.int32),
-                  prev_draft_token_ids=np.zeros((5, 2), np.int32), lora_ids=np.array([0, 4, 9, 4, 0], np.int32),
+                  prev_draft_token_ids=np.zeros((5, 2), np.int32),
+                  mamba_block_table=np.arange(1, 16, dtype=np.int32).reshape(5, 3),
+                  num_accepted_tokens=np.ones(5, np.int32),
+                  mamba_checkpoint_offsets=np.minimum(arrays["num_scheduled_tokens"] // 2, 3).astype(np.int32),
+                  grammar_index=np.where(arrays["num_scheduled_tokens"] > 0,
+                                         np.cumsum(arrays["num_scheduled_tokens"] > 0) - 1, -1).astype(np.int32),
+                  lora_ids=np.array([0, 4, 9, 4, 0], np.int32),
                   lora_slots=np.array([9, -1, 4], np.int32),
                   **dict(empty_sampling_rows(5, ALL.sampling), temperature=np.array([0, 0.5, 1, 0.7, 2], np.float32),
                          top_k=np.array([100, 3, 100, 7, 100], np.int32)))
@@ -118,6 +138,7 @@ def test_all_features_at_once_match_each_feature_alone(runner, data):
         for leaf_want, leaf_got in zip(want, got):
             np.testing.assert_array_equal(leaf_got, leaf_want, err_msg=name)
     assert step.attn_metadata.dcp_local_seq_lens is not None
+    check_pieces_make_the_step(step)  # the micro-batches split this step's own (DCP, async) outputs
 
 
 def test_torch_bridge_carries_feature_outputs():

@@ -3,6 +3,7 @@ updates rejected on the host with the state left as it was."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -198,6 +199,10 @@ BAD_UPDATES = {
     "prefix hit without its blocks": ("add_requests", lambda: AddRequests.build(CONFIG, [
         dict(row=2, token_ids=range(1, 10), stop_len=12, block_ids=[7], num_computed_tokens=8)]),
         "num_computed_tokens=8"),
+    "token id past int32 (a raw payload)": ("add_requests", lambda: dataclasses.replace(
+        AddRequests.build(CONFIG, [dict(row=2, token_ids=[1, 2], stop_len=4, block_ids=[7])]),
+        token_ids=np.array([[1, 2**40] + [0] * 14, [0] * 16], np.int64)),
+        "AddRequests entry 0 (row 2): token_ids[1] = 1099511627776 is outside [0, 2**31 (int32))"),
     "more blocks than a row holds": ("append_block_ids", lambda: AppendBlocks.build(CONFIG, {0: [7, 8, 9, 10, 11]}),
                                      "max_blocks_per_req=5"),
     "append to a free row": ("append_block_ids", lambda: AppendBlocks.build(CONFIG, {3: [7]}), "holds no request"),

@@ -1,0 +1,119 @@
+"""Structured outputs: which grammar-bitmask row masks which logits row (docs/semantics.md#structured-outputs).
+
+The grammar (xgrammar, on the host) hands each step a bitmask ``[G * stride, ceil(V / 32)]`` int32:
+request ``g`` of its list owns rows ``[g * stride, (g + 1) * stride)``, row ``g * stride + i``
+masking the request's ``i``-th logits row (``stride = 1 + num_speculative_tokens``). A request's
+place ``g`` in that list is `BatchState.grammar_index` (-1: no bitmask rows this step; vLLM's
+scheduler lists neither requests without a grammar nor prefill chunks).
+
+`FeatureConfig.structured_outputs` adds `GrammarMetadata` to the step; `apply_grammar_bitmask`
+then masks the logits inside the same jitted computation (bit 0 -> ``-inf``), and
+`grammar_invalid_drafts` flags logits rows whose draft met a permissive row
+(`vllm/v1/worker/gpu/structured_outputs.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import jax
+import jax.numpy as jnp
+
+from jaxprep._checks import InvalidBatchError, check_row_bound
+from jaxprep._constants import INT32_MAX, NO_GRAMMAR
+from jaxprep._ragged import take_rows
+from jaxprep._typing import Array, Int32, StepArray
+from jaxprep.features.logits_indirection import LogitsIndirection
+
+BITS_PER_WORD = 32
+
+
+@jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
+@dataclasses.dataclass(frozen=True)
+class GrammarMetadata:
+    """Bitmask rows per logits row (`StepInputs.grammar`), the rows of `LogitsIndirection`."""
+
+    bitmask_rows: Int32[StepArray, " num_logits_padded"]  # g * stride + i; NO_GRAMMAR: untouched (and pad)
+    mapping: Int32[StepArray, " num_reqs_padded_times_stride"]  # vLLM's: bitmask row -> b * stride + i; pad -1
+    row_grammar_index: Int32[StepArray, " num_logits_padded"]  # g of the row's request; NO_GRAMMAR: none, pad
+    local_pos: Int32[StepArray, " num_logits_padded"]  # i: the row's place in its request; pad 0
+
+
+def grammar_metadata(state_grammar_index: Int32[Array, " max_num_reqs"], idx_mapping: Int32[Array, " num_reqs_padded"],
+                     logits: LogitsIndirection, stride: int) -> GrammarMetadata:
+    """`BatchState.grammar_index` read through the step's rows -> `GrammarMetadata`.
+
+    ``idx_mapping`` and ``logits.expanded_idx_mapping`` name state rows (pad -1, read as NO_GRAMMAR).
+    # running example: g per batch row [0, 2, 1, -1], n [3, 2, 1, 1], stride 3
+    #   mapping [0,1,2, 6,7,8, 3,4,5]; bitmask_rows [0,1,2, 6,7, 3, -1]
+    """
+    grammar_index = take_rows(state_grammar_index, idx_mapping, fill_value=NO_GRAMMAR)  # per batch row
+    row_g = take_rows(state_grammar_index, logits.expanded_idx_mapping, fill_value=NO_GRAMMAR)  # per logits row
+    local_pos = logits.expanded_local_pos
+    num_reqs_padded = grammar_index.shape[0]
+    has_rows = grammar_index >= 0
+    # vLLM's mapping: entry g * stride + i names logits row (b, i) of the request at batch row b
+    size = num_reqs_padded * stride
+    offsets = jnp.arange(stride, dtype=jnp.int32)[None, :]
+    block = jnp.where(has_rows & (grammar_index < num_reqs_padded), grammar_index, num_reqs_padded)
+    targets = (block[:, None] * stride + offsets).reshape(-1)  # padding rows write past the end
+    values = (jnp.arange(num_reqs_padded, dtype=jnp.int32)[:, None] * stride + offsets).reshape(-1)
+    mapping = jnp.full((size + stride,), NO_GRAMMAR, jnp.int32).at[targets].set(values, mode="promise_in_bounds")
+    return GrammarMetadata(bitmask_rows=jnp.where(row_g >= 0, row_g * stride + local_pos, NO_GRAMMAR),
+                           mapping=mapping[:size], row_grammar_index=row_g, local_pos=local_pos)
+
+
+def apply_grammar_bitmask_body(logits: Array, bitmask: Int32[Array, "num_masks words"], grammar: GrammarMetadata):
+    """``logits [num_logits_padded, V]`` with ``-inf`` where a row's bitmask bit is 0.
+
+    Rows whose ``bitmask_rows`` is NO_GRAMMAR (no grammar, a padded row) or past the bitmask's
+    rows are untouched. Bit ``v % 32`` of word ``v // 32`` allows token ``v``.
+    # word 0b...0101, V 3 -> allowed [T, F, T] -> logits [x0, -inf, x2]
+    """
+    vocab = logits.shape[-1]
+    num_masks, words = bitmask.shape
+    if words * BITS_PER_WORD < vocab:
+        raise ValueError(f"grammar bitmask has {words} words per row, fewer than ceil(vocab_size={vocab} / 32)")
+    rows = grammar.bitmask_rows
+    applied = (rows >= 0) & (rows < num_masks)
+    row_words = jnp.where(applied[:, None], bitmask[jnp.clip(rows, 0, num_masks - 1)], -1)  # -1: all allowed
+    shifts = jnp.arange(BITS_PER_WORD, dtype=jnp.int32)
+    bits = (row_words[:, :, None] >> shifts[None, None, :]) & 1
+    allowed = bits.reshape(rows.shape[0], words * BITS_PER_WORD)[:, :vocab] == 1
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def grammar_invalid_drafts_body(grammar: GrammarMetadata, num_acceptable_drafts: Int32[Array, " g"] | None):
+    """``(invalid [num_logits_padded], any_invalid)``: rows whose draft was checked against a permissive row.
+
+    A grammar request accepts drafts up to ``num_acceptable_drafts[g]`` (0 for all when None);
+    row ``i`` of it is invalid when ``i`` exceeds that limit; rows without a grammar never are.
+    vLLM returns None exactly when ``any_invalid`` is False.
+    # limits [1, 0, 0] per g, rows (g, i) (0,0..2) (2,0..1) (1,0) (-,0) -> [F,F,T, F,T, F, F]
+    """
+    g = grammar.row_grammar_index
+    if num_acceptable_drafts is None:
+        limit = jnp.zeros_like(g)
+    else:
+        limit = take_rows(num_acceptable_drafts.astype(jnp.int32), g, fill_value=0)
+    invalid = grammar.local_pos > jnp.where(g >= 0, limit, INT32_MAX)
+    return invalid, jnp.any(invalid)
+
+
+apply_grammar_bitmask = jax.jit(apply_grammar_bitmask_body)
+apply_grammar_bitmask.__doc__ = "Jitted `apply_grammar_bitmask_body`; call it inside a larger jit to fuse it."
+grammar_invalid_drafts = jax.jit(grammar_invalid_drafts_body)
+
+
+def check_grammar_index(index, scheduled) -> None:
+    """Host check: the scheduled rows with bitmask rows number them ``0..G-1``, each once."""
+    rows = len(index)
+    check_row_bound((index < NO_GRAMMAR) | (index >= rows), "grammar_index", index,
+                    f"[{NO_GRAMMAR}, max_num_reqs={rows})", relation="is outside")
+    used = sorted(int(g) for g in index[(scheduled > 0) & (index >= 0)])
+    if used != list(range(len(used))):
+        raise InvalidBatchError(f"grammar_index of the scheduled rows must number their bitmask row blocks "
+                                f"0..G-1 once each (G = {len(used)}), got {used}")
+

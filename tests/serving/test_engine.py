@@ -1,0 +1,120 @@
+"""`Engine`'s entry points: every bad submission raises naming the field, the index and the bound,
+with nothing queued; finished requests are handed out and forgotten; nothing grows per dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from jaxprep import PrepConfig
+from jaxprep.serving import (
+    AddRequests,
+    Engine,
+    InvalidUpdateError,
+    ModelConfig,
+    Request,
+    ServingBatch,
+    ServingConfig,
+    random_workload,
+)
+
+MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)
+CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=4,
+                                       num_blocks=24), eos_token_id=1, decode_steps=4)
+
+
+def engine_state(engine: Engine):
+    """Everything a rejected submission must leave as it was."""
+    return (list(engine._arrivals), set(engine._live_ids), [len(s.waiting) for s in engine.schedulers],
+            engine.has_unfinished)
+
+
+BAD_SUBMISSIONS = {
+    "fewer arrival steps": (lambda: [Request(0, [2, 3], 2), Request(1, [2], 2), Request(2, [4], 2)], [0],
+                            "3 requests but 1 arrival_steps"),
+    "negative arrival step": (lambda: [Request(0, [2, 3], 2)], [-1], "arrival_steps[0] = -1 must be >= 0"),
+    "id 2**40 (int32 would store 0)": (lambda: [Request(7, [5, 2**40], 2)], None,
+                                       "request 7: prompt_token_ids[1] = 1099511627776 is outside [0, vocab_size=64)"),
+    "id at vocab_size": (lambda: [Request(0, [2, 3], 2), Request(8, [2, 3, 64], 2)], None,
+                         "request 8: prompt_token_ids[2] = 64 is outside [0, vocab_size=64)"),
+    "negative id": (lambda: [Request(9, [-1], 2)], None, "request 9: prompt_token_ids[0] = -1 is outside"),
+    "float id": (lambda: [Request(9, [2.5], 2)], None, "prompt_token_ids[0] = 2.5 is not an integer token id"),
+    "repeated id": (lambda: [Request(3, [2], 2), Request(3, [4], 2)], None,
+                    "requests[1] has request_id 3, which is already submitted"),
+    "prompt too long": (lambda: [Request(4, [2] * 32, 2)], None,
+                        "prompt of 32 tokens must lie in [1, max_model_len=32)"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_SUBMISSIONS)
+def test_bad_submission_raises_and_queues_nothing(name):
+    requests, arrival_steps, message = BAD_SUBMISSIONS[name]
+    engine = Engine(CONFIG, MODEL)
+    engine.submit([Request(100, [2, 3, 4], 3)], [2])  # one queued already: it must stay alone
+    before = engine_state(engine)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.submit(requests(), arrival_steps)
+    assert engine_state(engine) == before
+    assert [r.request_id for r in engine.run()] == [100]
+
+
+def test_a_live_id_is_rejected_until_its_request_finishes():
+    engine = Engine(CONFIG, MODEL)
+    engine.submit([Request(5, [2, 3], 2)])
+    with pytest.raises(ValueError, match="request_id 5, which is already submitted and not finished"):
+        engine.submit([Request(5, [4], 1)], [3])
+    engine.run(max_dispatches=1)  # admitted and running: still live
+    with pytest.raises(ValueError, match="request_id 5"):
+        engine.submit([Request(5, [4], 1)])
+    engine.run()
+    assert [r.request_id for r in engine.drain_finished()] == [5]
+    engine.submit([Request(5, [4], 1)])  # finished: the id is free again
+    assert [len(r.output_token_ids) for r in engine.run()] == [1]
+
+
+def test_vocab_size_comes_from_the_model_and_cannot_exceed_it():
+    assert Engine(CONFIG, MODEL).config.vocab_size == 64
+    assert Engine(dataclasses.replace(CONFIG, vocab_size=32), MODEL).config.vocab_size == 32
+    with pytest.raises(ValueError, match="ServingConfig.vocab_size=65 exceeds the model's vocab_size=64"):
+        Engine(dataclasses.replace(CONFIG, vocab_size=65), MODEL)
+    with pytest.raises(ValueError, match="ServingConfig.vocab_size must be"):
+        dataclasses.replace(CONFIG, vocab_size=0)
+
+
+def test_add_requests_payload_rejects_ids_outside_the_vocabulary():
+    """`AddRequests.build` and `ServingBatch.add_requests` (a payload built without the bound) both check."""
+    config = dataclasses.replace(CONFIG, vocab_size=64)
+    with pytest.raises(ValueError, match=re.escape("AddRequests entry 0 (row 1): token_ids[2] = 64 is outside "
+                                                   "[0, vocab_size=64)")):
+        AddRequests.build(config, [dict(row=1, token_ids=[2, 3, 64], stop_len=8, block_ids=[1])])
+    unbounded = AddRequests.build(CONFIG, [dict(row=1, token_ids=[2, 3, 64], stop_len=8, block_ids=[1])])
+    batch = ServingBatch(config)
+    state, mirror = batch.state, batch.rows.copy()
+    with pytest.raises(InvalidUpdateError, match=re.escape("AddRequests entry 0 (row 1): token_ids[2] = 64 is outside "
+                                                           "[0, vocab_size=64)")):
+        batch.add_requests(unbounded)
+    assert batch.state is state and not state.num_tokens.is_deleted()
+    np.testing.assert_array_equal(batch.rows.num_tokens, mirror.num_tokens)
+
+
+def test_drain_finished_hands_out_every_request_once_and_nothing_grows():
+    workload = random_workload(4, num_requests=24, vocab_size=64, prompt_len=(1, 12), max_tokens=(1, 8),
+                               arrival_spread=12)
+    engine = Engine(CONFIG, MODEL)
+    engine.submit(workload.requests, workload.arrival_steps)
+    drained = []
+    while engine.has_unfinished or engine._arrivals:
+        engine.run(max_dispatches=5)
+        drained += engine.drain_finished()
+        assert engine.finished == []
+    assert sorted(r.request_id for r in drained) == list(range(24))
+    assert all(len(r.output_token_ids) >= 1 for r in drained)
+    assert engine.drain_finished() == [] and engine._live_ids == set()
+    assert engine.stats.dispatches > 5 and engine.stats.dispatches_log == [] and engine.stats.prep_us == []
+    scheduler = engine.scheduler
+    assert scheduler.finished == [] and not scheduler.waiting and not scheduler.running
+    assert len(scheduler._free_rows) == CONFIG.max_num_reqs
+    assert scheduler.allocator.num_free == CONFIG.num_blocks - 1
