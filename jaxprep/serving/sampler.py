@@ -156,7 +156,12 @@ def request_rows(rows):
 def sample_requests(logits: Float32[Array, "num_reqs_padded vocab_size"], rows,
                     batch) -> Int32[Array, " num_reqs_padded"]:
     """`sample` of one logits row per request (the serving step's ``logits_indices`` rows)."""
+    check_vocab(logits, batch)
+    return sample(logits, request_rows(rows), batch)
+
+
+def check_vocab(logits: Logits, batch) -> None:
+    """Raises (at trace time) when the model's vocabulary differs from the sampling rows' (V)."""
     if logits.shape[1] != batch.output_bin_counts.shape[1]:
         raise ValueError(f"the model's vocabulary ({logits.shape[1]}) differs from SamplingConfig.vocab_size "
                          f"({batch.output_bin_counts.shape[1]})")
-    return sample(logits, request_rows(rows), batch)

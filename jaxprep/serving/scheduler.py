@@ -358,7 +358,9 @@ class Scheduler:
         for i, token in enumerate(new):
             request.output_token_ids.append(token)
             if self._stops(request, token, eos_token_id):
-                if i != len(new) - 1:
+                # the device stops at EOS and stop_len; a stop token (seen by the host only) may end a
+                # run of accepted drafts early: the tokens after it are dropped, as vLLM's scheduler does
+                if i != len(new) - 1 and token not in request.stop_token_ids:
                     raise RuntimeError(f"request {request.request_id}: the device decoded past its stop")
                 self._finish(request)
                 return True

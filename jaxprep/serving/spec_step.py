@@ -17,14 +17,17 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxprep._ragged import take_rows
+from jaxprep.features.logits_indirection import logits_indirection
+from jaxprep.features.sampling import sampling_metadata
 from jaxprep.features.spec_decode import spec_decode_metadata
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import ServingModel
 from jaxprep.serving.ngram import propose_ngram
+from jaxprep.serving.sampler import check_vocab, row_keys, row_probabilities
 from jaxprep.serving.state import ServingState
 from jaxprep.serving.transitions import record_sampled_body, row_index
-from jaxprep.serving.verify import PLACEHOLDER, greedy_verify
+from jaxprep.serving.verify import PLACEHOLDER, greedy_verify, rejection_verify_rows
 
 
 def forward_verify_record(state: ServingState, kv_cache, params, config: ServingConfig, model: ServingModel,
@@ -45,7 +48,7 @@ def forward_verify_record(state: ServingState, kv_cache, params, config: Serving
     # logits at every sampled position (D + 1 per row) instead of one per row
     kv_cache, logits = model.forward(params, kv_cache, dataclasses.replace(inputs, logits_indices=meta.logits_indices),
                                      block_size=config.block_size, max_model_len=config.max_model_len)
-    output, num_sampled = greedy_verify(jnp.argmax(logits, axis=-1).astype(jnp.int32), meta, k)
+    output, num_sampled = _verify(logits, inputs, meta, state, config)
     output, num_sampled = _cut_at_stop(state, rows, output, num_sampled, config.eos_token_id)
     before_tokens = state.num_tokens
     before_end = before_tokens + state.num_draft_tokens  # one past the last draft in the table
@@ -54,6 +57,37 @@ def forward_verify_record(state: ServingState, kv_cache, params, config: Serving
     per_row = jnp.full((num_rows, k + 1), PLACEHOLDER, jnp.int32).at[rows].set(output, mode="drop")
     appended = (state.num_tokens > before_tokens)[:, None]
     return state, kv_cache, jnp.where(appended, per_row, PLACEHOLDER).T
+
+
+def _verify(logits, inputs, meta, state: ServingState, config: ServingConfig):
+    """Greedy verification, or rejection sampling against each row's sampling distribution when
+    the requests carry sampling parameters (`FeatureConfig.sampling`); a greedy request's
+    distribution is one-hot at its (penalized) argmax, so rejection sampling keeps exactly the
+    drafts greedy verification keeps. Each batch row draws from the key of its first logits row
+    (``fold_in(key(seed), position)``): reproducible whatever the row's neighbours."""
+    k = config.num_speculative_tokens
+    if config.prep.features.sampling is None:
+        return greedy_verify(jnp.argmax(logits, axis=-1).astype(jnp.int32), meta, k)
+    check_vocab(logits, state.batch)
+    rows = _draft_sampling_rows(inputs, meta, state, config)
+    probs = row_probabilities(logits, rows, state.batch)
+    # batch row b's first logits row: bonus_logits_indices[b] - D_b
+    first = jnp.clip(meta.bonus_logits_indices - meta.num_draft_tokens, 0, probs.shape[0] - 1)
+    return rejection_verify_rows(probs, meta, k, row_keys(rows)[first])
+
+
+def _draft_sampling_rows(inputs, meta, state: ServingState, config: ServingConfig):
+    """The sampling rows of every verified logits row (D + 1 per batch row, in ``meta``'s order):
+    the step's own `StepInputs.sampling` has one row per request, since the serving loop's drafts
+    are the serving config's, not a `FeatureConfig.num_speculative_tokens` of its preparation."""
+    num_tokens_padded = inputs.positions.shape[0]
+    is_real_req = inputs.idx_mapping >= 0
+    is_real_token = jnp.arange(num_tokens_padded, dtype=jnp.int32) < inputs.attn_metadata.query_start_loc[-1]
+    indirection = logits_indirection(inputs.idx_mapping, meta.num_draft_tokens, is_real_req,
+                                     inputs.attn_metadata.query_start_loc, inputs.positions, inputs.input_ids,
+                                     is_real_token, config.num_speculative_tokens)
+    return sampling_metadata(state.batch, inputs.idx_mapping, is_real_req, indirection,
+                             config.prep.features.sampling.vocab_size)
 
 
 def _cut_at_stop(state: ServingState, rows, output, num_sampled, eos_token_id: int):

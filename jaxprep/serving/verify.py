@@ -78,20 +78,33 @@ def rejection_verify(target_probs: Float32[Array, "num_logits_padded V"], meta: 
     (`vllm/v1/sample/rejection_sampler.py::rejection_random_sample_kernel`, ``NO_DRAFT_PROBS``).
 
     ``target_probs`` rows are the target's (already temperature/top-k/top-p processed)
-    probabilities at ``meta.logits_indices``; ``key`` a PRNG key (one step's randomness).
+    probabilities at ``meta.logits_indices``; ``key`` a PRNG key (one step's randomness, split
+    into one key per batch row).
     The output token distribution at every position equals the target's (tests/serving/test_verify.py).
     """
+    keys = jax.random.split(key, meta.num_draft_tokens.shape[0])
+    return rejection_verify_rows(target_probs, meta, k, keys)
+
+
+def rejection_verify_rows(target_probs: Float32[Array, "num_logits_padded V"], meta: SpecDecodeMetadata, k: int,
+                          keys: jax.Array) -> tuple[Int32[Array, "R K1"], Int32[Array, " R"]]:
+    """`rejection_verify` with one PRNG key per batch row (``keys [R]``): a seeded request's draws
+    depend on its own key only, never on its neighbours in the batch."""
     logit_rows, drafts, num_drafts, is_real = _row_slots(meta, k, target_probs.shape[0])
     probs = target_probs[logit_rows]  # [R, K + 1, V]
-    key_accept, key_sample = jax.random.split(key)
-    uniform = jax.random.uniform(key_accept, drafts.shape, jnp.float32)  # [R, K] in [0, 1)
     draft_ids = jnp.clip(drafts, 0, probs.shape[-1] - 1)
     p_draft = jnp.take_along_axis(probs[:, :k], draft_ids[:, :, None], axis=2)[:, :, 0]
-    accept = uniform < p_draft  # P = p(x); p(x) = 0 is never accepted, p(x) = 1 always
     slot = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     is_draft_slot = slot < num_drafts[:, None]  # [R, K + 1]
     draft_onehot = jax.nn.one_hot(jnp.concatenate([draft_ids, jnp.zeros_like(draft_ids[:, :1])], axis=1),
                                   probs.shape[-1], dtype=jnp.bool_)
     residual = jnp.where(is_draft_slot[:, :, None] & draft_onehot, 0.0, probs)
-    replacement = jax.random.categorical(key_sample, jnp.log(residual), axis=-1).astype(jnp.int32)
+
+    def draws(key, residual_row):
+        key_accept, key_sample = jax.random.split(key)
+        uniform = jax.random.uniform(key_accept, (k,), jnp.float32)  # [K] in [0, 1)
+        return uniform, jax.random.categorical(key_sample, jnp.log(residual_row), axis=-1).astype(jnp.int32)
+
+    uniform, replacement = jax.vmap(draws)(keys, residual)
+    accept = uniform < p_draft  # P = p(x); p(x) = 0 is never accepted, p(x) = 1 always
     return _assemble(accept, drafts, replacement, num_drafts, is_real)
