@@ -120,6 +120,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     _check_spec_decode(args)
     require(not (args.async_scheduling and args.spec_decode), "--async-scheduling: runs without speculative "
             f"decoding, not --spec-decode {args.spec_decode}")
+    require(not (args.async_scheduling and args.devices > 1), f"--async-scheduling: runs on one device, "
+            f"not --devices {args.devices}")
     if args.max_prompt_len is None:
         args.max_prompt_len = min(DEFAULTS["max_prompt_len"], args.max_model_len - 1)
     require(args.max_prompt_len < args.max_model_len, f"--max-prompt-len {args.max_prompt_len}: must be < "
@@ -145,8 +147,6 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{jax.default_backend()} devices JAX sees")
     sampled = sampling_params(args) is not None
     require(not (sampled and args.check), "--check: compares greedy tokens; drop it with --temperature and friends")
-    require(not (args.async_scheduling and args.devices > 1), f"--async-scheduling: runs on one device, "
-            f"not --devices {args.devices}")
     if args.compile_cache:
         check_folder("--compile-cache", args.compile_cache)
     if args.plot:
