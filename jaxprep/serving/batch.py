@@ -70,9 +70,7 @@ class ServingBatch:
         `jaxprep.serving.overlap.predicted_tokens`). Async scheduling's half of a step."""
         if int(np.asarray(updates.decode_steps)[0]) != 1:
             raise checks.InvalidUpdateError("dispatch runs single steps: decode_steps must be 1")
-        if self.config.num_speculative_tokens:  # the host cannot predict how many drafts a row keeps
-            raise checks.InvalidUpdateError("dispatch runs without drafts: ServingConfig.num_speculative_tokens "
-                                            f"must be 0, got {self.config.num_speculative_tokens}")
+        check_dispatchable(self.config)
         rows, kv_cache, tokens = self._run(kv_cache, params, updates, model, num_tokens_padded, packed)
         self.rows = advance_rows(rows, predicted)
         return kv_cache, tokens
@@ -88,6 +86,14 @@ class ServingBatch:
     def _apply(self, rows: checks.HostRows, update, payload) -> None:
         self.state = update(self.state, payload)
         self.rows = rows
+
+
+def check_dispatchable(config: ServingConfig) -> None:
+    """`ServingBatch.dispatch` (async scheduling) runs without drafts: how many drafts a row keeps is
+    known only after its step, so the host cannot predict the tokens it appends."""
+    if config.num_speculative_tokens:
+        raise checks.InvalidUpdateError("dispatch runs without drafts: ServingConfig.num_speculative_tokens "
+                                        f"must be 0, got {config.num_speculative_tokens}")
 
 
 def advance_rows(rows: checks.HostRows, tokens: np.ndarray, num_speculative_tokens: int = 0) -> checks.HostRows:

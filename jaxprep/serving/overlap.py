@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from jaxprep.serving import dp_policy
+from jaxprep.serving.batch import check_dispatchable
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.engine import Engine
 from jaxprep.serving.scheduler import Request, SchedulerOutput
@@ -53,9 +54,7 @@ class AsyncEngine(Engine):
     """
 
     def __init__(self, config: ServingConfig, model, **kwargs):
-        if config.num_speculative_tokens:  # how many drafts a row keeps is known only after the step
-            raise ValueError("AsyncEngine runs without speculative decoding: ServingConfig.num_speculative_tokens "
-                             f"must be 0, got {config.num_speculative_tokens}")
+        check_dispatchable(config)  # at construction, before any request is taken
         super().__init__(config, model, **kwargs)
         self._in_flight = None  # (SchedulerOutput, device tokens, bucket, predicted) of the step not read yet
 
