@@ -45,12 +45,9 @@ from bench_prepare import SHAPES, goal, make_batch, v1_baseline  # noqa: E402
 from common import add_timing_arguments, assert_same_step, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 
 from jaxprep import BatchState, PrepConfig  # noqa: E402
-from jaxprep.prepare import (  # noqa: E402
-    HOST_PACKED,
-    _flat_fields,
-    prepare_body,
-    unpack_to_host,
-)
+from jaxprep.metadata import step_fields  # noqa: E402
+from jaxprep.packing import pack_body  # noqa: E402
+from jaxprep.prepare import HOST_PACKED, prepare_body, unpack_to_host  # noqa: E402
 
 GOAL_MIN_TOKENS = 2048  # the goals hold at steps of this many scheduled tokens or more
 
@@ -116,17 +113,15 @@ def update_and_prepare(state: BatchState, num_computed_tokens, num_scheduled_tok
     state = dataclasses.replace(state, num_computed_tokens=num_computed_tokens,
                                 num_scheduled_tokens=num_scheduled_tokens, block_table=block_table,
                                 token_ids=token_ids)
-    step = prepare_body(state, config, num_tokens_padded)
-    fields = _flat_fields(step)
-    words = jnp.concatenate([jnp.ravel(fields[name]) for name, _ in HOST_PACKED])
-    return state, words, step.attn_metadata.block_table
+    fields = step_fields(prepare_body(state, config, num_tokens_padded))
+    return state, pack_body(fields, HOST_PACKED), fields["block_table"]
 
 
 def run_update(state, update: dict, config: PrepConfig, bucket: int):
     """jaxprep's whole step: three small host arrays in, the new state and the host step out."""
     state, words, table = update_and_prepare(state, update["num_computed_tokens"], update["num_scheduled_tokens"],
                                              pack_edits(update), config, bucket)
-    return state, unpack_to_host(np.asarray(words), np.asarray(table), bucket)
+    return state, unpack_to_host(words, table, config, bucket)
 
 
 def check_against_baseline(config, arrays, updates, bucket) -> None:
@@ -143,6 +138,11 @@ def check_against_baseline(config, arrays, updates, bucket) -> None:
 def setup_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_only, steps):
     """Compiles and checks the shape; returns its row of results so far and the callables to time."""
     config, arrays = make_batch(num_reqs, num_tokens, max_model_len, block_size, decode_only)
+    return setup_batch(name, config, arrays, steps, goal_applies=num_tokens >= GOAL_MIN_TOKENS)
+
+
+def setup_batch(name, config: PrepConfig, arrays: dict, steps: int, goal_applies: bool = False):
+    """`setup_shape` for a given batch (`make_batch`'s config and arrays)."""
     bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
     updates = [with_block_values(u, arrays["block_table"]) for u in make_updates(config, arrays, steps)]
     start = time.perf_counter()
@@ -164,7 +164,7 @@ def setup_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
         apply_update_numpy(tables, update)
         return baseline.prepare(update["num_scheduled_tokens"], bucket, num_reqs_padded)
 
-    row = dict(name=name, compile_s=compile_s, goal=goal() if num_tokens >= GOAL_MIN_TOKENS else None)
+    row = dict(name=name, compile_s=compile_s, goal=goal() if goal_applies else None)
     return row, {"ours": jaxprep_step, "base": baseline_step}
 
 

@@ -15,14 +15,17 @@ from jaxprep.config import PrepConfig
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 @dataclasses.dataclass
 class CompileCount:
-    """Traces and XLA compilations seen while a `count_compiles` block ran."""
+    """Traces and XLA compilations seen while a `count_compiles` block ran; ``cache_hits``: how many
+    of the compilations the persistent compilation cache served."""
 
     traces: int = 0
     compiles: int = 0
+    cache_hits: int = 0
 
 
 @contextlib.contextmanager
@@ -39,11 +42,17 @@ def count_compiles():
         elif event == _COMPILE_EVENT:
             count.compiles += 1
 
+    def hit_listener(event: str, **kwargs) -> None:
+        if event == _CACHE_HIT_EVENT:
+            count.cache_hits += 1
+
     jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(hit_listener)
     try:
         yield count
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_listener(hit_listener)
 
 
 def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = None, *,

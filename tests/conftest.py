@@ -9,9 +9,16 @@
   (the GPU runbook runs the whole suite there): nothing is silently run on another backend.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("PJRT_NPROC", "1")
+# `jaxprep simulate` keeps JAX's persistent compilation cache in $XDG_CACHE_HOME/jaxprep by default: the
+# suite's runs (their subprocesses inherit it) share one folder of their own, not the user's cache
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxprep-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import jax
 import pytest

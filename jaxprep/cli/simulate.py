@@ -66,8 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="schedule step N+1 while the device runs step N (tokens reach the host one step "
                              "late; single steps, one device) and report the share of host time that overlaps "
                              "device work")
-    parser.add_argument("--compile-cache", metavar="DIR", default=None,
-                        help="JAX persistent compilation cache directory: a second run warms up from disk")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", metavar="DIR", default=None,
+                       help="JAX persistent compilation cache directory: a second run warms up from disk "
+                            f"(default {default_cache_dir()}, $XDG_CACHE_HOME/jaxprep when that is set)")
+    cache.add_argument("--no-compile-cache", action="store_true",
+                       help="compile every executable in this process (no persistent cache)")
     _add_spec_decode_arguments(parser)
     parser.add_argument("--check", action="store_true",
                         help="check the greedy tokens against a dense recomputation; exit 1 if they differ "
@@ -153,20 +157,46 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_plot_path("--plot", args.plot)
 
 
+def default_cache_dir() -> str:
+    """Where the CLI keeps JAX's persistent compilation cache unless told otherwise."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "jaxprep")
+
+
+def _compile_cache(args: argparse.Namespace) -> str | None:
+    """Turns on the persistent compilation cache (``--compile-cache``, else the user cache folder,
+    made private to the user; skipped if it cannot be made); returns its folder or None."""
+    from jaxprep.compilation import use_compile_cache
+
+    if args.no_compile_cache:
+        return None
+    folder = args.compile_cache or os.path.expanduser(default_cache_dir())
+    if args.compile_cache is None:
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        except OSError:
+            return None
+    use_compile_cache(folder)
+    return folder
+
+
 def run(args: argparse.Namespace) -> int:
-    from jaxprep.compilation import count_compiles, use_compile_cache
+    from jaxprep.compilation import count_compiles
     from jaxprep.serving import check_against_dense
+    from jaxprep.serving.prep_timing import time_prepare
 
     config, model, params, workload = _setup(args)
-    if args.compile_cache:
-        use_compile_cache(args.compile_cache)
+    cache_dir = _compile_cache(args)
     engine = _engine(config, model, args, params)
-    warmup_s = _warmup(engine, args.progress)
+    with count_compiles() as warmup_compiles:
+        warmup_s = _warmup(engine, args.progress)
     with count_compiles() as compiles:
         start = time.perf_counter()
         finished = _serve(engine, workload, args.progress)
         wall_s = time.perf_counter() - start
+    time_prepare(engine)  # after the loop, on a donated copy of the state: the loop never waits for it
     summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
+    summary.update(warmup_compiles=warmup_compiles.compiles, warmup_cache_hits=warmup_compiles.cache_hits,
+                   compile_cache=cache_dir)
     summary["devices"] = args.devices
     summary.update(_spec_decode_summary(engine.stats, args))
     if args.async_scheduling:
@@ -273,10 +303,23 @@ def _plot(engine, path: str) -> None:
     print(f"jaxprep simulate: wrote {path}")
 
 
+FIGURES = {
+    "step_us": "one host iteration of the loop as it runs: schedule, pack the updates, dispatch the fused step, "
+               "read its tokens back, update the scheduler",
+    "dispatch_us": "of step_us, the fused step's call until its tokens are host arrays (on CPU, with synchronous "
+                   "dispatch, the device's work: prepare, model forward, sampling)",
+    "prepare_us": "the prepare part alone (unpack + apply the updates + prepare_padded), replayed after the loop "
+                  "with the state donated (updated in place, no table copied), to block_until_ready",
+    "tokens_per_s": "scheduled (prefill: requests running > 1 token in a pass; decode: 1-token runs) and output "
+                    "tokens over the loop's wall_s",
+    "warmup_s": "compiling every executable the loop uses before the first step (warmup_compiles of them; "
+                "warmup_cache_hits came from the persistent compilation cache)",
+}
+"""What each timing figure of the summary includes, printed under it (and as ``figures`` in --json)."""
+
+
 def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compiles) -> dict:
-    """``wall_s`` and the rates leave out the extra prep-timing calls, which a real loop would not make."""
-    stats, prep_us = engine.stats, np.asarray(engine.stats.prep_us)
-    wall_s -= prep_us.sum() / 1e6
+    stats = engine.stats
     return {
         "steps": stats.model_steps,
         "dispatches": stats.dispatches,
@@ -285,20 +328,32 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
         "finished": len(finished),
         "preemptions": stats.preemptions,
         "scheduled_tokens": stats.scheduled_tokens,
+        "prefill_tokens": stats.prefill_tokens,
+        "decode_tokens": stats.decode_tokens,
         "output_tokens": stats.output_tokens,
         "wall_s": round(wall_s, 3),
         "warmup_s": round(warmup_s, 3),
         "tokens_per_s": round(stats.scheduled_tokens / wall_s, 1),
+        "prefill_tokens_per_s": round(stats.prefill_tokens / wall_s, 1),
+        "decode_tokens_per_s": round(stats.decode_tokens / wall_s, 1),
         "output_tokens_per_s": round(stats.output_tokens / wall_s, 1),
-        "prep_us_median": round(float(np.median(prep_us)), 1) if len(prep_us) else None,  # None: async
-        "prep_us_p99": round(float(np.percentile(prep_us, 99)), 1) if len(prep_us) else None,
-        "prep_method": "separate non-donating jitted call (unpack + state updates + prepare_padded) on the "
-                       "step's own state and packed updates, before the step, timed to block_until_ready",
+        **_percentiles("step_us", stats.step_us),
+        **_percentiles("dispatch_us", stats.dispatch_us),
+        **_percentiles("prepare_us", stats.prep_us),
         "padding_waste": round(stats.padding_waste, 4),
         "compiles_after_warmup": compiles.compiles,
         "traces_after_warmup": compiles.traces,
         "check_passed": None,
     }
+
+
+def _percentiles(name: str, values) -> dict:
+    """``{name_median, name_p99}`` of a per-dispatch list (None when it was not measured: async)."""
+    values = np.asarray(values)
+    if not len(values):
+        return {f"{name}_median": None, f"{name}_p99": None}
+    return {f"{name}_median": round(float(np.median(values)), 1),
+            f"{name}_p99": round(float(np.percentile(values, 99)), 1)}
 
 
 def _spec_decode_summary(stats, args) -> dict:
@@ -316,8 +371,9 @@ def _spec_decode_summary(stats, args) -> dict:
 def _print(summary: dict, as_json: bool) -> None:
     print(f"== jaxprep simulate: {summary['model']}, device-resident serving loop")
     for key, value in summary.items():
-        if key != "prep_method":
-            print(f"  {key:24s} {value}")
-    print(f"  prep timing: {summary['prep_method']}")
+        print(f"  {key:24s} {value}")
+    print("what the figures include:")
+    for name, line in FIGURES.items():
+        print(f"  {name}: {line}")
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps(dict(summary, figures=FIGURES)))

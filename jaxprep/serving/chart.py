@@ -58,5 +58,6 @@ def _plot_prep(ax, dispatch_steps: np.ndarray, prep_us: np.ndarray) -> None:
     ax.plot(dispatch_steps, prep_us, ".", color=PREP, markersize=3)
     ax.axhline(np.median(prep_us), color=PREP, linewidth=1, label=f"median {np.median(prep_us):.0f} us")
     ax.set_yscale("log")
-    ax.set(ylabel="us", title="input preparation per dispatch (unpack + state updates + prepare_padded)")
+    ax.set(ylabel="us", title="input preparation per dispatch (unpack + state updates + prepare_padded, "
+                              "replayed with the state donated)")
     ax.legend(loc="upper right", fontsize=8)

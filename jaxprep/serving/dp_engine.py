@@ -21,7 +21,7 @@ from jaxprep.serving.sharded import (
     replicated,
     serve_step_sharded,
     sharded_kv_cache,
-    update_and_prepare_sharded,
+    update_and_prepare_sharded_donated,
 )
 from jaxprep.serving.state import StepUpdates
 
@@ -49,9 +49,9 @@ class DataParallelEngine(Engine):
                                                  num_tokens_padded=bucket, packed=packed)
         return self.batch.rank_tokens(tokens)
 
-    def _prepare_only(self, packed, bucket: int):
-        return update_and_prepare_sharded(self.batch.state, packed, config=self.config, num_tokens_padded=bucket,
-                                          mesh=self.mesh)
+    def _prepare_twin(self, state, packed, bucket: int):
+        return update_and_prepare_sharded_donated(state, packed, config=self.config, num_tokens_padded=bucket,
+                                                  mesh=self.mesh)
 
     def _lowered_updates(self, updates: list[StepUpdates]):
         """Lowered from the live arrays, so with their shardings."""
@@ -59,9 +59,5 @@ class DataParallelEngine(Engine):
 
     def _lowered(self, packed, bucket: int) -> list:
         state, config, mesh = self.batch.state, self.config, self.mesh
-        lowered = [serve_step_sharded.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
-                                            num_tokens_padded=bucket, mesh=mesh)]
-        if self.time_prep:
-            lowered.append(update_and_prepare_sharded.lower(state, packed, config=config, num_tokens_padded=bucket,
-                                                            mesh=mesh))
-        return lowered
+        return [serve_step_sharded.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
+                                         num_tokens_padded=bucket, mesh=mesh)]

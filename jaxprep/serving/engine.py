@@ -7,7 +7,6 @@ import itertools
 import threading
 import time
 
-import jax
 import numpy as np
 
 from jaxprep.compilation import compile_all
@@ -19,7 +18,7 @@ from jaxprep.serving.model import KVCache, ServingModel, init_params
 from jaxprep.serving.packing import pack_updates
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
-from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare
+from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_donated
 
 
 @dataclasses.dataclass
@@ -30,6 +29,8 @@ class LoopStats:
     model_steps: int = 0  # forward passes, counting every iteration of a multi-step decode
     multi_step_dispatches: int = 0
     scheduled_tokens: int = 0  # real tokens through the model
+    prefill_tokens: int = 0  # of those, tokens of requests running more than one token in a pass
+    decode_tokens: int = 0  # of those, one-token runs (vLLM's split_decodes_and_prefills rule, threshold 1)
     padded_tokens: int = 0  # bucketed tokens through the model
     output_tokens: int = 0
     preemptions: int = 0
@@ -39,7 +40,11 @@ class LoopStats:
     host_s: float = 0.0  # async scheduling: host time per iteration, waits for the device excluded
     overlapped_host_s: float = 0.0  # async scheduling: the part spent while the previous step still ran
     # per-dispatch history, kept only by an engine built with ``keep_history`` (it grows every dispatch)
-    prep_us: list[float] = dataclasses.field(default_factory=list)  # with ``time_prep`` too
+    step_us: list[float] = dataclasses.field(default_factory=list)  # the whole host iteration: schedule, pack,
+    # dispatch, token read, scheduler update
+    dispatch_us: list[float] = dataclasses.field(default_factory=list)  # of it: the step's call until its tokens
+    # are host arrays (with synchronous dispatch, as on CPU, that includes the device running the step)
+    prep_us: list[float] = dataclasses.field(default_factory=list)  # ``time_prep``: `prep_timing.time_prepare`
     dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)
 
     @property
@@ -73,11 +78,13 @@ class Engine:
 
     Memory stays flat however long the engine runs: finished requests wait in `finished` until
     `drain_finished` hands them out, and per-dispatch records (`LoopStats.dispatches_log`,
-    ``prep_us``) are kept only with ``keep_history`` (what ``jaxprep simulate`` reports and plots).
+    ``step_us``, ``dispatch_us``) are kept only with ``keep_history`` (what ``jaxprep simulate`` reports
+    and plots). With ``time_prep`` every dispatch's packed updates are kept too, for
+    `jaxprep.serving.prep_timing.time_prepare` to replay after the loop.
 
     The loop itself (arrivals, scheduling, the fused dispatch, counting) is written for any number
     of DP ranks, each with its own scheduler; `DataParallelEngine` overrides only the device hooks
-    (``_pack``, ``_apply_updates``, ``_serve``, ``_prepare_only``, ``_lowered``) to run all ranks in
+    (``_pack``, ``_apply_updates``, ``_serve``, ``_prepare_twin``, ``_lowered``) to run all ranks in
     one sharded dispatch.
     """
 
@@ -92,6 +99,7 @@ class Engine:
                kv_cache: KVCache, keep_history: bool) -> None:
         self.config, self.model, self.time_prep, self.batch = config, model, time_prep, batch
         self.keep_history = keep_history
+        self.prep_replay: list[tuple[np.ndarray, int]] = []  # ``time_prep``: (packed updates, bucket) per dispatch
         self.schedulers = [Scheduler(config) for _ in range(num_ranks)]
         self.params, self.kv_cache = params, kv_cache
         self.stats = LoopStats()
@@ -123,8 +131,8 @@ class Engine:
 
     @property
     def num_executables(self) -> int:
-        """What `warmup` compiles: the updates alone, and per bucket the step (and the timed prep)."""
-        return 1 + len(self.config.prep.token_buckets) * (2 if self.time_prep else 1)
+        """What `warmup` compiles: the updates alone, and per bucket the step."""
+        return 1 + len(self.config.prep.token_buckets)
 
     def _all_lowered(self):
         empty = [StepUpdates.build(self.config)] * self.num_ranks
@@ -139,22 +147,25 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One host iteration on every rank: schedule, send the updates, run the step, take the tokens back."""
+        start = time.perf_counter()
         outs = [s.schedule() for s in self.schedulers]
         if not any(out.total_num_scheduled_tokens for out in outs):
             raise RuntimeError("the scheduler found nothing to run (a request cannot fit the KV cache?)")
         bucket = dp_policy.coordinate(self.config.prep, self.schedulers, outs)  # every rank pads to it
         updates = self._rank_updates(outs)
         packed = self._pack(updates)
-        if self.time_prep:
-            start = time.perf_counter()
-            jax.block_until_ready(self._prepare_only(packed, bucket))
-            if self.keep_history:
-                self.stats.prep_us.append((time.perf_counter() - start) * 1e6)
+        if self.time_prep:  # replayed after the loop, on a donated copy of the state (`prep_timing`)
+            self.prep_replay.append((packed, bucket))
+        dispatched = time.perf_counter()
         tokens = self._serve(updates, bucket, packed)
+        read = time.perf_counter()
         self._count(outs, tokens, bucket)
         eos = self.config.eos_token_id
         done = [r for s, out, part in zip(self.schedulers, outs, tokens, strict=True) for r in s.update(out, part, eos)]
         self._live_ids.difference_update(r.request_id for r in done)
+        if self.keep_history:
+            self.stats.dispatch_us.append((read - dispatched) * 1e6)
+            self.stats.step_us.append((time.perf_counter() - start) * 1e6)
         return done
 
     def submit(self, requests, arrival_steps=None) -> None:
@@ -239,6 +250,9 @@ class Engine:
             stats.draft_steps += int((drafts > 0).sum())
             stats.output_tokens += int(appended.num_appended.sum())
             stats.scheduled_tokens += out.total_num_scheduled_tokens + int(appended.num_decoded.sum())
+            counts = np.asarray(out.num_scheduled_tokens)
+            stats.prefill_tokens += int(counts[counts > 1].sum())
+            stats.decode_tokens += int((counts == 1).sum()) + int(appended.num_decoded.sum())
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
         stats.model_steps += max(iterations)
@@ -262,19 +276,17 @@ class Engine:
                                                  num_tokens_padded=bucket, packed=packed)
         return [tokens]
 
-    def _prepare_only(self, packed, bucket: int):
-        return update_and_prepare(self.batch.state, packed, config=self.config, num_tokens_padded=bucket)
+    def _prepare_twin(self, state, packed, bucket: int):
+        """The prepare part of the step on ``state`` (donated): ``(state, step)``."""
+        return update_and_prepare_donated(state, packed, config=self.config, num_tokens_padded=bucket)
 
     def _lowered_updates(self, updates: list[StepUpdates]):
         return transitions.apply_updates.lower(self.batch.state, updates[0])
 
     def _lowered(self, packed, bucket: int) -> list:
         state, config = self.batch.state, self.config
-        lowered = [serve_step.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
-                                    num_tokens_padded=bucket)]
-        if self.time_prep:
-            lowered.append(update_and_prepare.lower(state, packed, config=config, num_tokens_padded=bucket))
-        return lowered
+        return [serve_step.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
+                                 num_tokens_padded=bucket)]
 
 
 def with_vocab_size(config: ServingConfig, model: ServingModel) -> ServingConfig:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxprep.prepare import prepare_padded
 from jaxprep.serving import checks
 from jaxprep.serving.batch import advance_rows
 from jaxprep.serving.config import ServingConfig
@@ -76,6 +77,20 @@ def update_and_prepare_sharded(state: ServingState, packed: jax.Array, *, config
         return jax.tree.map(lambda leaf: leaf[None], step)
 
     return _per_rank(rank_prepare, mesh, (ROWS, ROWS), ROWS)(state, packed)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded", "mesh"), donate_argnames="state")
+def update_and_prepare_sharded_donated(state: ServingState, packed: jax.Array, *, config: ServingConfig,
+                                       num_tokens_padded: int, mesh: Mesh):
+    """`update_and_prepare_donated` on every rank at once: returns ``(state, step)``, the state
+    updated in place (what the simulator times as the prepare part of a step)."""
+
+    def rank_prepare(state, packed):
+        state = apply_updates_body(state, unpack_updates(packed[0], config))
+        step = prepare_padded(state.batch, config.prep, num_tokens_padded)
+        return state, jax.tree.map(lambda leaf: leaf[None], step)
+
+    return _per_rank(rank_prepare, mesh, (ROWS, ROWS), (ROWS, ROWS))(state, packed)
 
 
 class ShardedServingBatch:

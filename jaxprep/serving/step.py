@@ -123,8 +123,19 @@ def serve_body(state: ServingState, kv_cache: KVCache, params, packed_updates: j
 def update_and_prepare(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig,
                        num_tokens_padded: int):
     """The input-preparation part of `serve_step` alone (unpack, updates, `prepare_padded`), not
-    donating: what the simulator times as prep."""
+    donating: the state is read, and every table the updates touch is copied
+    (`update_and_prepare_donated` is the in-place twin the simulator times)."""
     return update_and_prepare_body(state, packed_updates, config, num_tokens_padded)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnames=("state",))
+def update_and_prepare_donated(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig,
+                               num_tokens_padded: int):
+    """`update_and_prepare` as `serve_step` runs it: the state donated, updated in place and returned
+    with the prepared step, so no table is copied. Returns ``(state, step)``; its time is the prepare
+    part of a serving step (``jaxprep simulate``'s ``prepare_us``, `jaxprep.serving.prep_timing`)."""
+    state = apply_updates_body(state, unpack_updates(packed_updates, config))
+    return state, prepare_padded(state.batch, config.prep, num_tokens_padded)
 
 
 def update_and_prepare_body(state: ServingState, packed_updates: jax.Array, config: ServingConfig,

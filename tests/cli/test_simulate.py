@@ -35,7 +35,8 @@ def test_simulate_check_json_summary():
     assert summary["compiles_after_warmup"] == 0
     assert summary["finished"] == summary["requests"] == 10
     assert summary["steps"] >= summary["dispatches"] > 0
-    assert summary["prep_us_median"] > 0 and 0 <= summary["padding_waste"] < 1
+    assert summary["prepare_us_median"] > 0 and 0 <= summary["padding_waste"] < 1
+    assert summary["prefill_tokens"] + summary["decode_tokens"] == summary["scheduled_tokens"]
     assert result.stderr == ""  # stderr is a pipe, not a terminal: no progress bars
 
 
@@ -57,9 +58,10 @@ def test_progress_bars_and_plot(tmp_path, capsys):
     """Forced bars show the warm-up's buckets and compiles, the served requests and the check;
     --plot writes a PNG chart of every forward pass."""
     path = tmp_path / "steps.png"
-    assert cli.main(["simulate", *SMALL, "--check", "--progress", "always", "--plot", str(path)]) == 0
+    argv = ["simulate", *SMALL, "--check", "--progress", "always", "--plot", str(path), "--no-compile-cache"]
+    assert cli.main(argv) == 0  # no cache: it would be on for the rest of this process
     err = capsys.readouterr().err
-    assert "warm-up: 2 buckets" in err and "5/5" in err  # buckets (8, 16): the updates + 2 steps + 2 timed preps
+    assert "warm-up: 2 buckets" in err and "3/3" in err  # buckets (8, 16): the updates + 2 steps
     assert "serving" in err and "10/10" in err
     assert "check: dense recompute" in err
     with open(path, "rb") as file:

@@ -127,7 +127,7 @@ def test_simulate_model_check_passes(tmp_path, capsys):
     argv = ["simulate", "--model", directory, "--check", "--json", "--no-progress", "--requests", "8",
             "--budget", "8", "--block-size", "4", "--max-num-reqs", "4", "--max-model-len", "48",
             "--num-blocks", "16", "--max-prompt-len", "20", "--max-tokens", "12", "--arrival-spread", "4",
-            "--decode-steps", "4"]
+            "--decode-steps", "4", "--no-compile-cache"]  # in this process: no persistent cache
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["check_passed"] is True and summary["check_near_ties"] == 0

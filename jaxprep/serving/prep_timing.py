@@ -1,0 +1,38 @@
+"""The prepare part of each serving step, timed after the loop on a donated twin of the state.
+
+The fused `serve_step` updates the donated state in place, prepares the step and runs the model
+in one call, so the loop itself cannot time its preparation. An `Engine` built with ``time_prep``
+keeps each dispatch's packed updates and bucket (`Engine.prep_replay`); `time_prepare` then copies
+the batch state once (before any clock starts) and replays every dispatch, in order, through
+`update_and_prepare_donated`: unpack the updates, apply them to the donated state in place,
+`prepare_padded`, until both are ready. No table is copied inside the timed call, as in the loop.
+
+The twin's state follows the updates only (it records no sampled tokens), so its values drift
+from the loop's; the padded shapes and the work are the loop's, which is what the time depends on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_prepare(engine) -> np.ndarray:
+    """Times the prepare part of every dispatch ``engine`` recorded; returns µs per dispatch (also
+    stored in ``engine.stats.prep_us``). Each bucket's twin executable compiles first, untimed."""
+    replay = engine.prep_replay
+    if not replay:
+        return np.zeros(0)
+    state = jax.block_until_ready(jax.tree.map(jnp.copy, engine.batch.state))
+    for bucket in sorted({bucket for _, bucket in replay}):  # compile (and touch) every bucket first
+        state = jax.block_until_ready(engine._prepare_twin(state, replay[0][0], bucket))[0]
+    times = []
+    for packed, bucket in replay:
+        start = time.perf_counter()
+        state, step = jax.block_until_ready(engine._prepare_twin(state, packed, bucket))
+        times.append((time.perf_counter() - start) * 1e6)
+    engine.stats.prep_us = times
+    return np.asarray(times)

@@ -1,0 +1,59 @@
+"""`jaxprep simulate`'s figures: the prepare figure agrees with benchmarks/bench_serving_step.py's
+number for the same shape, measured in the same test; a second run warms up from the persistent
+compilation cache the CLI keeps by default."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from cli.test_simulate import ROOT, SMALL
+
+FACTOR = 4.0
+"""How far apart the two prepare figures may be: they time the same work (apply one step's updates to
+the donated tables, prepare the padded step) with different payloads (the serving loop's `StepUpdates`
+against the benchmark's counters and two scatters) and different endings (ready on the device against
+fetched to the host)."""
+
+BENCHMARK = """
+import sys
+sys.path.insert(0, "benchmarks")
+import numpy as np
+import bench_serving_step as bench
+
+config, arrays = bench.make_batch(num_reqs=4, num_tokens=16, max_model_len=64, block_size=16, decode_only=False)
+table = arrays["block_table"]
+table[table == 0] = table.max() + 1 + np.arange((table == 0).sum())  # every block allocated: no null-block slot
+row, fns = bench.setup_batch("simulate shape", config, arrays, steps=16)
+print(bench.time_rows([(row, fns)], repeats=100, rounds=5)[0]["ours_us"])
+"""
+"""bench_serving_step.py's jaxprep figure (update + prepare + fetch, µs) at SMALL's shape: 4 rows, budget 16
+(bucket 16), max_model_len 64, blocks of 16."""
+
+
+def run_python(*args: str, cache_home: str) -> str:
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home,
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_prepare_figure_matches_the_benchmark_and_the_cache_serves_the_second_warmup(tmp_path):
+    first, second = (json.loads(run_python("-m", "jaxprep", "--json", *SMALL, cache_home=str(tmp_path)))
+                     for _ in range(2))
+    assert first["compile_cache"] == second["compile_cache"] == str(tmp_path / "jaxprep")
+    assert first["warmup_compiles"] == 3 and first["warmup_cache_hits"] == 0  # updates + buckets 8 and 16
+    assert second["warmup_compiles"] == second["warmup_cache_hits"] == 3
+    assert second["compiles_after_warmup"] == 0
+    for name in ("step_us", "dispatch_us", "prepare_us"):
+        assert 0 < second[f"{name}_median"] <= second[f"{name}_p99"]
+    assert second["prepare_us_median"] < second["dispatch_us_median"] < second["step_us_median"]
+    assert set(second["figures"]) == {"step_us", "dispatch_us", "prepare_us", "tokens_per_s", "warmup_s"}
+
+    bench_us = float(run_python("-c", BENCHMARK, cache_home=str(tmp_path)))
+    assert 1 / FACTOR <= second["prepare_us_median"] / bench_us <= FACTOR, (second["prepare_us_median"], bench_us)
+    # negative control: the dispatch figure, which adds the model's forward pass, falls outside the band
+    assert second["dispatch_us_median"] / bench_us > FACTOR, (second["dispatch_us_median"], bench_us)
