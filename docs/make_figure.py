@@ -1,6 +1,11 @@
-"""Draws the README's figure: step 2 of the chunked-prefill walkthrough (docs/semantics.md#example-a-step-1).
+"""Draws the figures of the README and the guides, as the notebooks draw them.
 
     PYTHONPATH=. python docs/make_figure.py [path]      # default: docs/chunked_prefill_step2.png
+    PYTHONPATH=. python docs/make_figure.py --mixed-batch [path]   # default: docs/mixed_batch.png
+
+- chunked_prefill_step2.png: step 2 of the chunked-prefill walkthrough (docs/semantics.md#example-a-step-1),
+  notebooks/01_chunked_prefill.py's second figure;
+- mixed_batch.png: example B (docs/semantics.md#example-b), notebooks/02_mixed_batch.py's figure.
 
 Needs the ``notebooks`` extra (matplotlib).
 """
@@ -10,7 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chunked_prefill_step2.png")
+DOCS = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PATH = os.path.join(DOCS, "chunked_prefill_step2.png")
+MIXED_BATCH_PATH = os.path.join(DOCS, "mixed_batch.png")
 
 
 def main(path: str = DEFAULT_PATH) -> str:
@@ -21,5 +28,17 @@ def main(path: str = DEFAULT_PATH) -> str:
     return path
 
 
+def mixed_batch(path: str = MIXED_BATCH_PATH) -> str:
+    from jaxprep.walkthrough import plotting, prepare_record
+    from jaxprep.walkthrough.examples import example_b, example_b_config
+
+    record = prepare_record(example_b(), example_b_config(), prompt_lens=[40, 100, 93, 75, 120])
+    plotting.plot_step(record).savefig(path, dpi=70)
+    return path
+
+
 if __name__ == "__main__":
-    print(main(*sys.argv[1:]))
+    if sys.argv[1:2] == ["--mixed-batch"]:
+        print(mixed_batch(*sys.argv[2:]))
+    else:
+        print(main(*sys.argv[1:]))

@@ -15,13 +15,14 @@ import shutil
 import tempfile
 
 os.environ.setdefault("PJRT_NPROC", "1")
-# `jaxprep simulate` keeps JAX's persistent compilation cache in $XDG_CACHE_HOME/jaxprep by default: the
-# suite's runs (their subprocesses inherit it) share one folder of their own, not the user's cache
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxprep-test-cache-")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# `jaxprep simulate` keeps JAX's persistent compilation cache in a user cache folder by default: the
+# suite's runs (their subprocesses inherit the variable) share one folder of their own instead
+os.environ["JAXPREP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxprep-test-cache-")
 
 import jax
 import pytest
+
+atexit.register(shutil.rmtree, os.environ["JAXPREP_CACHE_DIR"], ignore_errors=True)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -1,4 +1,4 @@
-"""README.md as an executable contract: every ``python`` block runs as written.
+"""README.md and the guides as an executable contract: every ``python`` block runs as written.
 
 Each block is extracted and run on its own, as a reader would paste it: a plain block in a fresh
 interpreter, a block marked ``<!-- run: npu-fake -->`` in this process against the fake torch_npu of
@@ -20,6 +20,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+PAGES = ("README.md", "docs/index.md", "docs/tests.md", *(f"docs/guides/{name}.md" for name in (
+    "getting-started", "padding", "serving", "torch", "vllm-backends", "checkpoints", "features", "scale",
+    "notebooks", "gpu-runbook")))
+"""The pages whose blocks run here: the README and the docs pages written with it (a guide added later
+joins the list once its blocks run or say why not)."""
 FENCE = re.compile(r"^```(?P<lang>\S*)\n(?P<code>.*?)^```$", re.S | re.M)
 MARKER = re.compile(r"<!-- run: (?P<mode>[\w-]+)(?: \((?P<reason>[^)]+)\))? -->\s*$")
 BLOCK_TIMEOUT_S = 300
@@ -27,6 +32,7 @@ BLOCK_TIMEOUT_S = 300
 
 @dataclasses.dataclass(frozen=True)
 class Block:
+    page: str
     line: int
     lang: str
     code: str
@@ -34,27 +40,33 @@ class Block:
     reason: str | None
 
 
-def readme_blocks() -> list[Block]:
-    with open(README, encoding="utf-8") as file:
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def page_blocks(page: str) -> list[Block]:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as file:
         text = file.read()
     blocks = []
     for match in FENCE.finditer(text):
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         marker = MARKER.search(before)
-        blocks.append(Block(line=text.count("\n", 0, match.start()) + 1, lang=match["lang"], code=match["code"],
-                            mode=marker["mode"] if marker else None, reason=marker["reason"] if marker else None))
+        blocks.append(Block(page=page, line=text.count("\n", 0, match.start()) + 1, lang=match["lang"],
+                            code=match["code"], mode=marker["mode"] if marker else None,
+                            reason=marker["reason"] if marker else None))
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [block for page in PAGES for block in page_blocks(page)]
 PYTHON = [b for b in BLOCKS if b.lang == "python" and b.mode is None]
 NPU = [b for b in BLOCKS if b.lang == "python" and b.mode == "npu-fake"]
 
 
 def test_every_block_is_run_or_says_why_not():
-    assert len(PYTHON) >= 4 and len(NPU) >= 1
+    assert len([b for b in PYTHON if b.page == "README.md"]) >= 3 and len(PYTHON) >= 5 and len(NPU) >= 1
     for block in BLOCKS:
-        where = f"README.md:{block.line}"
+        where = block.where
         assert block.lang in ("python", "bash", "text"), f"{where}: name the block's language"
         if block.lang == "python":
             assert block.mode in (None, "npu-fake", "elsewhere"), f"{where}: a python block must run"
@@ -68,34 +80,34 @@ def test_every_block_is_run_or_says_why_not():
 
 @pytest.fixture(scope="module")
 def cpu_runs(tmp_path_factory):
-    """Starts every plain python block at once, each in a fresh interpreter; {line: CompletedProcess-like}."""
+    """Starts every plain python block at once, each in a fresh interpreter; {where: (status, output)}."""
     folder = tmp_path_factory.mktemp("readme")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)
     running = {}
     for block in PYTHON:
-        path = folder / f"readme_line_{block.line}.py"
+        path = folder / f"{block.where.replace('/', '_').replace(':', '_line_')}.py"
         path.write_text(block.code, encoding="utf-8")
-        running[block.line] = subprocess.Popen([sys.executable, str(path)], cwd=folder, env=env, text=True,
+        running[block.where] = subprocess.Popen([sys.executable, str(path)], cwd=folder, env=env, text=True,
                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return {line: (process.wait(BLOCK_TIMEOUT_S), process.stdout.read()) for line, process in running.items()}
 
 
-@pytest.mark.parametrize("block", PYTHON, ids=[f"line{b.line}" for b in PYTHON])
+@pytest.mark.parametrize("block", PYTHON, ids=[b.where for b in PYTHON])
 def test_python_block_runs(block, cpu_runs):
     if "import torch" in block.code or "torch_bridge" in block.code:
         pytest.importorskip("torch")
-    status, output = cpu_runs[block.line]
-    assert status == 0, f"README.md:{block.line} failed:\n{output}"
+    status, output = cpu_runs[block.where]
+    assert status == 0, f"{block.where} failed:\n{output}"
 
 
-@pytest.mark.parametrize("block", NPU, ids=[f"line{b.line}" for b in NPU])
+@pytest.mark.parametrize("block", NPU, ids=[b.where for b in NPU])
 def test_npu_block_runs_against_the_fake(block, monkeypatch):
     pytest.importorskip("torch")
     from support import fake_npu  # tests/ is on sys.path, as for the other NPU tests
 
     npu = fake_npu.install(fake_npu.FakeNpu(), monkeypatch)
-    exec(compile(block.code, f"README.md:{block.line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(block.code, block.where, "exec"), {"__name__": "__readme__"})
     assert npu.copies and all(copy["device"] == "npu" for copy in npu.copies)
 
 

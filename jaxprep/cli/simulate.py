@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--compile-cache", metavar="DIR", default=None,
                        help="JAX persistent compilation cache directory: a second run warms up from disk "
-                            f"(default {default_cache_dir()}, $XDG_CACHE_HOME/jaxprep when that is set)")
+                            "(default $JAXPREP_CACHE_DIR, else $XDG_CACHE_HOME/jaxprep, else ~/.cache/jaxprep)")
     cache.add_argument("--no-compile-cache", action="store_true",
                        help="compile every executable in this process (no persistent cache)")
     _add_spec_decode_arguments(parser)
@@ -157,8 +157,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_plot_path("--plot", args.plot)
 
 
+CACHE_DIR_VARIABLE = "JAXPREP_CACHE_DIR"
+"""Environment variable naming the default compilation-cache folder (the test suite sets it)."""
+
+
 def default_cache_dir() -> str:
-    """Where the CLI keeps JAX's persistent compilation cache unless told otherwise."""
+    """Where the CLI keeps JAX's persistent compilation cache unless told otherwise: $JAXPREP_CACHE_DIR,
+    else $XDG_CACHE_HOME/jaxprep, else ~/.cache/jaxprep."""
+    if os.environ.get(CACHE_DIR_VARIABLE):
+        return os.environ[CACHE_DIR_VARIABLE]
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "jaxprep")
 
 

@@ -34,8 +34,11 @@ print(bench.time_rows([(row, fns)], repeats=100, rounds=5)[0]["ours_us"])
 
 
 def run_python(*args: str, cache_home: str) -> str:
+    """Runs python with ``args`` in the repository root, the CLI's default cache under ``cache_home``
+    (as $XDG_CACHE_HOME); returns the last stdout line."""
     env = dict(os.environ, XDG_CACHE_HOME=cache_home,
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("JAXPREP_CACHE_DIR", None)  # the default folder is under $XDG_CACHE_HOME
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1]

@@ -116,8 +116,7 @@ def test_dcp_fast_prefill_and_group_fields(report):
 
 @needs_vllm
 def test_readme_snippet_runs(tmp_path):
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Use with vLLM's attention backends"):]
+    section = (ROOT / "docs" / "guides" / "vllm-backends.md").read_text(encoding="utf-8")
     script = tmp_path / "snippet.py"
     script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0], encoding="utf-8")
     result = subprocess.run([sys.executable, str(script)], check=False, cwd=ROOT, env=_worker_env(),
