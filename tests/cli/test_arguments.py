@@ -50,6 +50,8 @@ BAD = [
     (["simulate", "--devices", "0"], "--devices", "0: must be >= 1"),
     (["simulate", "--devices", "4096"], "--devices", "4096: must be <= "),  # more than this process's JAX sees
     (["simulate", "--compile-cache", NOT_A_FOLDER], "--compile-cache", "exists and is not a folder"),
+    (["simulate", "--no-compile-cache=1"], "--no-compile-cache", "ignored explicit argument '1'"),
+    (["simulate", "--compile-cache", "x", "--no-compile-cache"], "--no-compile-cache", "not allowed with argument"),
     (["simulate", "--check=1"], "--check", "ignored explicit argument '1'"),
     (["simulate", "--async-scheduling=1"], "--async-scheduling", "ignored explicit argument '1'"),
     (["simulate", "--json=1"], "--json", "ignored explicit argument '1'"),

@@ -99,6 +99,8 @@ def _cases():
          dict(k=3, config=NgramConfig(prompt_lookup_min=2, prompt_lookup_max=4), max_model_len=40)),
         ("serving.update_and_prepare", step.update_and_prepare, (state, packed),
          dict(config=serving, num_tokens_padded=32)),
+        ("serving.update_and_prepare_donated", step.update_and_prepare_donated, (state, packed),
+         dict(config=serving, num_tokens_padded=32)),
         ("serving.apply_updates", transitions.apply_updates, (state, updates), {}),
         ("serving.finish", transitions.finish, (state, updates.finish), {}),
         ("serving.add", transitions.add, (state, updates.add), {}),
@@ -114,6 +116,8 @@ def _cases():
          dict(config=serving, mesh=mesh)),
         ("sharded.update_and_prepare_sharded", sharded.update_and_prepare_sharded, (state, packed[None]),
          dict(config=serving, num_tokens_padded=32, mesh=mesh)),
+        ("sharded.update_and_prepare_sharded_donated", sharded.update_and_prepare_sharded_donated,
+         (state, packed[None]), dict(config=serving, num_tokens_padded=32, mesh=mesh)),
     ]
     return cases + _runner_feature_cases() + _bridge_cases()
 
@@ -183,12 +187,14 @@ OPTIONAL_MODULES = {"torch_bridge.vllm"}
 
 COVERED = {
     "jaxprep.prepare.prepare_padded", "jaxprep.prepare.prepare_packed", "jaxprep.serving.step.serve_step",
-    "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.transitions.apply_updates",
+    "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.step.update_and_prepare_donated",
+    "jaxprep.serving.transitions.apply_updates",
     "jaxprep.serving.transitions.finish", "jaxprep.serving.transitions.add",
     "jaxprep.serving.transitions.append", "jaxprep.serving.transitions.schedule",
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.workload.dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
     "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
+    "jaxprep.serving.sharded.update_and_prepare_sharded_donated",
     "jaxprep.packing.pack", "torch_bridge.npu.fia_layout", "jaxprep.serving.ngram.propose_ngram_jit",
     "jaxprep.features.drafter.draft_prefill", "jaxprep.features.drafter.draft_decode_start",
     "jaxprep.features.drafter.draft_decode_advance", "jaxprep.features.grammar.apply_grammar_bitmask",
