@@ -316,7 +316,8 @@ FIGURES = {
     "dispatch_us": "of step_us, the fused step's call until its tokens are host arrays (on CPU, with synchronous "
                    "dispatch, the device's work: prepare, model forward, sampling)",
     "prepare_us": "the prepare part alone (unpack + apply the updates + prepare_padded), replayed after the loop "
-                  "with the state donated (updated in place, no table copied), to block_until_ready",
+                  "with the state donated (updated in place, no table copied), to block_until_ready; per "
+                  "dispatch the best of several replays",
     "tokens_per_s": "scheduled (prefill: requests running > 1 token in a pass; decode: 1-token runs) and output "
                     "tokens over the loop's wall_s",
     "warmup_s": "compiling every executable the loop uses before the first step (warmup_compiles of them; "
