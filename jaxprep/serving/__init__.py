@@ -5,7 +5,8 @@ tiny paged-KV transformer and the jitted serving step that ties them together.
                                            block_size=16, num_blocks=64))
     engine = Engine(config, ModelConfig(), seed=0)
     engine.warmup()
-    finished = engine.run(list(workload.requests), workload.arrival_steps)
+    engine.submit(workload.requests, workload.arrival_steps)
+    finished = engine.run()
 """
 
 from jaxprep.serving.batch import ServingBatch
