@@ -201,9 +201,9 @@ def run(args: argparse.Namespace) -> int:
         finished = _serve(engine, workload, args.progress)
         wall_s = time.perf_counter() - start
     time_prepare(engine)  # after the loop, on a donated copy of the state: the loop never waits for it
-    summary = _summary(engine, workload, finished, wall_s, warmup_s, compiles)
-    summary.update(warmup_compiles=warmup_compiles.compiles, warmup_cache_hits=warmup_compiles.cache_hits,
-                   compile_cache=cache_dir)
+    warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=warmup_compiles.compiles,
+                  warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=cache_dir)
+    summary = _summary(engine, workload, finished, wall_s, warmup, compiles)
     summary["devices"] = args.devices
     summary.update(_spec_decode_summary(engine.stats, args))
     if args.async_scheduling:
@@ -326,7 +326,7 @@ FIGURES = {
 """What each timing figure of the summary includes, printed under it (and as ``figures`` in --json)."""
 
 
-def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compiles) -> dict:
+def _summary(engine, workload, finished, wall_s: float, warmup: dict, compiles) -> dict:
     stats = engine.stats
     return {
         "steps": stats.model_steps,
@@ -340,7 +340,7 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
         "decode_tokens": stats.decode_tokens,
         "output_tokens": stats.output_tokens,
         "wall_s": round(wall_s, 3),
-        "warmup_s": round(warmup_s, 3),
+        **warmup,
         "tokens_per_s": round(stats.scheduled_tokens / wall_s, 1),
         "prefill_tokens_per_s": round(stats.prefill_tokens / wall_s, 1),
         "decode_tokens_per_s": round(stats.decode_tokens / wall_s, 1),
