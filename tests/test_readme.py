@@ -59,7 +59,9 @@ def page_blocks(page: str) -> list[Block]:
 
 
 BLOCKS = [block for page in PAGES for block in page_blocks(page)]
-PYTHON = [b for b in BLOCKS if b.lang == "python" and b.mode is None]
+PYTHON = [b for i, b in enumerate(BLOCKS) if b.lang == "python" and b.mode is None
+          and all(other.code != b.code for other in BLOCKS[:i])]
+"""Every plain python block, once: a guide that repeats a README block word for word runs it once."""
 NPU = [b for b in BLOCKS if b.lang == "python" and b.mode == "npu-fake"]
 
 
