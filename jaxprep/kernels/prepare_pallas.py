@@ -42,7 +42,8 @@ from jaxprep.metadata import AttentionMetadata, StepInputs
 from jaxprep.validate import BLOCK_ID_OUT_OF_RANGE, NEGATIVE_COUNT, NULL_BLOCK, OVER_BUCKET, PAST_MAX_MODEL_LEN
 
 TOKEN_BLOCK = 128
-"""Tokens per program of the token kernel (fewer for a smaller bucket)."""
+"""Tokens per program of the token kernel; a bucket below 512 tokens is split into 4 programs."""
+MIN_TOKEN_PROGRAMS = 4
 COLUMN_BLOCK = 256
 """Block-table columns one program copies per iteration."""
 INT32_MIN = -(2**31)
@@ -75,7 +76,8 @@ class Sizes:
 
     @property
     def token_block(self) -> int:
-        return min(TOKEN_BLOCK, _pow2(self.num_tokens_padded))
+        """# T 16 -> 4, T 256 -> 64, T 8192 -> 128"""
+        return min(TOKEN_BLOCK, _pow2(-(-self.num_tokens_padded // MIN_TOKEN_PROGRAMS)))
 
     @property
     def num_token_blocks(self) -> int:
