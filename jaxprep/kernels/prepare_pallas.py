@@ -1,9 +1,9 @@
 """The plain step (`jaxprep.prepare.prepare_body` with every feature off) as two Pallas launches.
 
 On an NVIDIA GPU a step's host time is its launch count (~6.5 µs per kernel launch, BENCHMARKS.md);
-XLA's plain step is 16-20 kernels there. These two Triton kernels compute the same outputs, with
-the same padding, as vLLM's model runner V2 spreads over four (`vllm/v1/worker/gpu/input_batch.py`,
-`vllm/v1/worker/gpu/block_table.py`), plus the host prefix sum V2 does in NumPy:
+XLA's plain step is 16-20 kernels there. These two Triton kernels compute its outputs, with the
+same padding: the work vLLM's model runner V2 spreads over five kernels
+(`vllm/v1/worker/gpu/input_batch.py`, `vllm/v1/worker/gpu/block_table.py`) and a host prefix sum:
 
 - launch 1, `_rows_kernel`, grid (1,): one program holds every state row's counts in one block of
   ``next_pow2(max_num_reqs)`` lanes, scans them and writes the per-request outputs:
