@@ -1,5 +1,5 @@
 """The GPU runbook: install over the machine's own jax/torch, run every test with JAX on the GPU,
-run the CUDA torch_bridge tests, run the GPU benchmark, and print one table.
+run the CUDA torch_bridge tests, run the GPU benchmarks, and print one table.
 
     benchmarks/accelerator_check.sh [--wheels DIR] [--workers N] [--repeats N] [--log-dir DIR]
     benchmarks/accelerator_check.sh --dry-run    # on a machine without a GPU: the CPU path
@@ -12,9 +12,15 @@ so nothing already there is replaced; test-only packages the machine lacks come 
 Tests that need JAX on the CPU (forced host devices, the host-staged Ascend path) are marked
 ``cpu_only`` and show up as skipped with their reason; nothing is run on another backend.
 
+The fused step's benchmark (`bench_fused_step.py`: jaxprep's XLA and Pallas paths, vLLM V1, MRV2's
+real Triton kernels and MRV2 in torch ops; then `serve_step`) runs twice, with XLA's command
+buffers off and on. MRV2's kernels come as source files in ``.vllm_src`` (git-ignored): copy them
+on a machine with vLLM (``python benchmarks/vllm_sources.py``) and bring the folder along; the
+runbook copies them itself where vLLM is installed.
+
 ``--dry-run`` checks the runbook itself where there is no GPU: it parses its arguments, runs one
-small test file and the benchmark with a few repeats on the CPU backend, and prints the table
-(the test suite runs it so).
+small test file and the benchmarks with a few repeats and tiny shapes on the CPU backend, and
+prints the table (the test suite runs it so).
 """
 
 from __future__ import annotations
@@ -154,6 +160,41 @@ def run_benchmark(runner: Runner, args) -> None:
     if code:
         runner.add("bench_gpu", "FAILED", last_line(output))
         return
+    add_table_rows(runner, "bench_gpu", output)
+    machine = [line for line in output.splitlines() if line.startswith(("machine:", "measured:"))]
+    runner.add("bench_gpu machine", "-", " / ".join(machine))
+
+
+def vllm_sources(runner: Runner, dry_run: bool) -> str:
+    """MRV2's kernel sources for bench_fused_step: kept if there, copied where vLLM is installed
+    (not on a dry run, which reads them nowhere: MRV2's real kernels need CUDA)."""
+    version_file = os.path.join(ROOT, ".vllm_src", "VLLM_VERSION")
+    if not os.path.isfile(version_file) and dry_run:
+        return "none (dry run: not copied)"
+    if not os.path.isfile(version_file):
+        code, output = runner.run("copy vLLM sources", [sys.executable, "benchmarks/vllm_sources.py"])
+        if code:
+            return "none (no vLLM here, no .vllm_src brought along): MRV2 real-kernel rows read n/a"
+    with open(version_file) as version:
+        return f"vLLM {version.read().strip()} (.vllm_src)"
+
+
+def run_fused_benchmark(runner: Runner, args) -> None:
+    """bench_fused_step.py with XLA's command buffers off and on (dry run: once, tiny shapes)."""
+    runner.add("MRV2 kernel sources", "-", vllm_sources(runner, args.dry_run))
+    settings = [["--dry-run", "--repeats", "5", "--steps", "3"]] if args.dry_run else [
+        ["--repeats", str(args.repeats), "--command-buffers", mode] for mode in ("off", "on")]
+    for extra in settings:
+        label = "bench_fused" + ("" if args.dry_run else f" (command buffers {extra[-1]})")
+        code, output = runner.run(label, [sys.executable, "benchmarks/bench_fused_step.py", *extra])
+        if code:
+            runner.add(label, "FAILED", last_line(output))
+            continue
+        add_table_rows(runner, label, output)
+
+
+def add_table_rows(runner: Runner, prefix: str, output: str) -> None:
+    """One runbook row per result row of every Markdown table in ``output``, named by its first cell."""
     header = None  # each table opens with its own header row; any line outside a table ends it
     for line in output.splitlines():
         if not line.startswith("|"):
@@ -167,9 +208,7 @@ def run_benchmark(runner: Runner, args) -> None:
             continue
         detail = "; ".join(f"{name}: {value}" for name, value in zip(header[1:], cells[1:]))
         missed = "missed" in line
-        runner.add(f"bench_gpu: {cells[0]}", "goal missed" if missed else "ok", detail)
-    machine = [line for line in output.splitlines() if line.startswith(("machine:", "measured:"))]
-    runner.add("bench_gpu machine", "-", " / ".join(machine))
+        runner.add(f"{prefix}: {cells[0]}", "goal missed" if missed else "ok", detail)
 
 
 def last_line(output: str) -> str:
@@ -195,6 +234,7 @@ def main(argv=None) -> int:
     if install(runner, args):
         run_tests(runner, args)
         run_benchmark(runner, args)
+        run_fused_benchmark(runner, args)
     header = (f"runbook {'dry run ' if args.dry_run else ''}{time.strftime('%Y-%m-%d')}, commit "
               f"{commit or 'unknown'}: {versions(runner)}")
     print_table(runner.rows, header)

@@ -9,6 +9,7 @@ import math
 from jaxprep._checks import cdiv, check_positive_int, max_block_id
 from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig
+from jaxprep.kernels import KERNEL_CHOICES
 
 MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
@@ -61,6 +62,10 @@ class PrepConfig:
       max_blocks_per_req: block-table width of `BatchState.empty`; ``None`` picks vLLM's
         128-token-aligned width.
       features: static switches of the optional features (`jaxprep.FeatureConfig`); all off by default.
+      kernel: how the plain step runs (docs/guides/gpu.md): ``"xla"`` (jnp ops, every backend),
+        ``"pallas"`` (two fused Pallas kernels: Triton on CUDA, Pallas' interpreter elsewhere) or
+        ``"auto"`` (the kernels on CUDA, XLA elsewhere), resolved when lowering. A step with a
+        feature on runs on XLA under ``"auto"``; ``"pallas"`` refuses features.
     """
 
     max_num_reqs: int
@@ -71,6 +76,7 @@ class PrepConfig:
     num_blocks: int | None = None
     max_blocks_per_req: int | None = None
     features: FeatureConfig = dataclasses.field(default_factory=FeatureConfig)
+    kernel: str = "xla"
 
     def __post_init__(self):
         for name in ("max_num_reqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -93,6 +99,14 @@ class PrepConfig:
             raise ValueError(f"PrepConfig.num_blocks={self.num_blocks} with block_size={self.block_size} "
                              f"overflows int32 slot ids (max {INT32_MAX})")
         self.features.check_against(self)
+        self._check_kernel()
+
+    def _check_kernel(self):
+        if self.kernel not in KERNEL_CHOICES:
+            raise ValueError(f"PrepConfig.kernel must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        if self.kernel == "pallas" and self.features.any_on:
+            raise ValueError("PrepConfig.kernel='pallas' fuses the plain step only: turn the features off, or use "
+                             "kernel='auto' (the features then run on XLA)")
 
     def _check_buckets(self):
         buckets = self.token_buckets

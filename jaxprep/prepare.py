@@ -24,6 +24,7 @@ from jaxprep.config import PrepConfig
 from jaxprep.features import with_features
 from jaxprep.features.masks import compressed_causal_mask
 from jaxprep.features.reorder import reordered_rows
+from jaxprep.kernels import prepare_pallas
 from jaxprep.metadata import (
     STEP_FIELDS,
     AttentionMetadata,
@@ -76,6 +77,8 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     ``num_tokens_padded`` is not a rung of ``config.token_buckets``.
     """
     check_static(state, config, num_tokens_padded)
+    if prepare_pallas.uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
+        return prepare_pallas.plain_step(state, config, num_tokens_padded)
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features
     order = reordered_rows(state, num_reqs_padded, features) if features.batch_order else None

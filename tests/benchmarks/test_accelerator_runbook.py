@@ -31,6 +31,13 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     decode = next(detail for name, detail in details.items() if name.startswith("bench_gpu: 256 req decode"))
     assert decode.startswith("jaxprep device µs: ")  # read under the step table's own columns
     assert "backend cpu" in result.stdout
+    # the fused step's benchmark: both jaxprep paths, vLLM's rows, and serve_step on both paths
+    assert details["bench_fused: 16 decode / jaxprep Pallas"].startswith("launches: n/a; device µs: n/a; thread µs: ")
+    assert "bench_fused: 16 decode / MRV2 torch ops" in checks
+    assert "needs CUDA" in details["bench_fused: 16 decode / MRV2 real kernels"]
+    serve_rows = {f"bench_fused: serve_step, plain step on {kernel}" for kernel in ("xla", "pallas")}
+    assert serve_rows <= set(checks)
+    assert checks["MRV2 kernel sources"] == "-"
     assert sorted(os.listdir(tmp_path))  # each step's log was written
 
 

@@ -52,3 +52,21 @@ def test_config_is_hashable_and_static():
     b = PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=300, block_size=16)
     assert a == b and hash(a) == hash(b)
     assert a.num_reqs_padded(8) == 4 and a.num_reqs_padded(2) == 2
+
+
+def test_kernel_must_be_one_of_the_paths():
+    with pytest.raises(ValueError, match=r"PrepConfig.kernel must be one of \('xla', 'pallas', 'auto'\), got 'triton'"):
+        PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="triton")
+
+
+def test_the_pallas_kernel_refuses_features_and_auto_keeps_them_on_xla():
+    from jaxprep import BatchState, FeatureConfig, prepare_padded
+
+    features = FeatureConfig(discard_request_mask=True)
+    with pytest.raises(ValueError, match="kernel='pallas' fuses the plain step only"):
+        PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="pallas",
+                   features=features)
+    auto = PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="auto",
+                      features=features)
+    text = prepare_padded.trace(BatchState.empty(auto), auto, 8).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" not in text and "stablehlo.gather" in text

@@ -24,6 +24,7 @@ from jaxprep.validate import (
     describe_errors,
 )
 from support.batches import numpy_batches
+from support.kernels import on_kernel
 
 CONFIG = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=4, num_blocks=40)
 NUM_SLOTS = 40 * 4
@@ -79,21 +80,22 @@ def assert_in_bounds(step) -> None:
     assert ((ids == 0) | ((ids >= 100) & (ids < 100 + 4 * 32))).all(), ids
 
 
-def test_valid_batches_have_no_error_flags():
-    stream = numpy_batches(CONFIG, seed=3)
+def test_valid_batches_have_no_error_flags(kernel):
+    config = on_kernel(CONFIG, kernel)
+    stream = numpy_batches(config, seed=3)
     for _ in range(100):
         arrays = next(stream)
-        step = prepare_padded(BatchState.from_numpy(**arrays), CONFIG,
-                              CONFIG.bucket_for(int(arrays["num_scheduled_tokens"].sum())))
+        total = int(arrays["num_scheduled_tokens"].sum())
+        step = prepare_padded(BatchState.from_numpy(**arrays), config, 8 if total <= 8 else 16)
         assert int(step.errors) == 0
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
-def test_bad_input_sets_its_flag_reads_in_bounds_and_leaves_the_state(kind):
+def test_bad_input_sets_its_flag_reads_in_bounds_and_leaves_the_state(kind, kernel):
     arrays = corrupt(kind)
     before = {name: value.copy() for name, value in arrays.items()}
     state = BatchState.from_numpy(**arrays)
-    step = prepare_padded(state, CONFIG, 16)
+    step = prepare_padded(state, on_kernel(CONFIG, kernel), 16)
     errors = int(step.errors)
     assert errors & BAD_KINDS[kind], (kind, errors)
     assert_in_bounds(step)
@@ -116,9 +118,9 @@ def test_check_true_raises_the_named_error(kind):
         prepare_inputs(BatchState.from_numpy(**corrupt(kind)), CONFIG, 16, check=True)
 
 
-def test_a_bucket_below_the_total_is_flagged_and_stays_in_bounds():
+def test_a_bucket_below_the_total_is_flagged_and_stays_in_bounds(kernel):
     arrays = valid_arrays()  # 9 tokens
-    step = prepare_padded(BatchState.from_numpy(**arrays), CONFIG, 8)
+    step = prepare_padded(BatchState.from_numpy(**arrays), on_kernel(CONFIG, kernel), 8)
     assert int(step.errors) == OVER_BUCKET
     assert_in_bounds(step)
     with pytest.raises(InvalidBatchError, match="exceeds num_tokens_padded=8"):
@@ -140,3 +142,31 @@ def test_a_state_with_more_rows_than_the_config_raises_on_both_paths(check):
     assert arrays["num_scheduled_tokens"].shape == (bigger.max_num_reqs,)
     with pytest.raises(InvalidBatchError, match=r"has shape \(6, .*config expects \(4, "):
         prepare_inputs(BatchState.from_numpy(**arrays), CONFIG, 16, check=check)
+
+
+COUNT_BITS = NEGATIVE_COUNT | PAST_MAX_MODEL_LEN | OVER_BUCKET
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_the_kernels_flag_what_xla_flags(kind):
+    """The Pallas path's error word against the XLA path's: the bits of the counts agree on every
+    kind; with valid counts (bad block ids) the whole word does. With bad counts the token layout is
+    not defined, so which tokens then read a bad block differs between the two (both stay in bounds)."""
+    state = BatchState.from_numpy(**corrupt(kind))
+    words = {kernel: int(prepare_padded(state, on_kernel(CONFIG, kernel), 16).errors) for kernel in ("xla", "pallas")}
+    assert words["pallas"] & BAD_KINDS[kind], words
+    assert words["pallas"] & COUNT_BITS == words["xla"] & COUNT_BITS, words
+    if not BAD_KINDS[kind] & COUNT_BITS:
+        assert words["pallas"] == words["xla"], words
+
+
+def test_two_token_flags_in_one_step_are_both_set_once():
+    """The token kernel ORs each block-id bit in once, however many of its programs see it (bucket 16:
+    4 programs of 4 tokens). Token 5 (program 1) reads the null block; tokens 6-8 (programs 1 and 2)
+    read a block id past the pool. A bit added twice would carry into the next bit."""
+    arrays = corrupt("null block")  # row 1's decode (token 5) reads the null block
+    arrays["block_table"][3, 1] = 40  # row 3's tokens 6-8, positions 4-6: a block id past num_blocks=40
+    state = BatchState.from_numpy(**arrays)
+    step = prepare_padded(state, on_kernel(CONFIG, "pallas"), 16)
+    assert int(step.errors) == NULL_BLOCK | BLOCK_ID_OUT_OF_RANGE
+    assert int(prepare_padded(state, CONFIG, 16).errors) == NULL_BLOCK | BLOCK_ID_OUT_OF_RANGE

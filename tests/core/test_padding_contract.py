@@ -7,6 +7,7 @@ import pytest
 import jaxprep
 from jaxprep import BatchState, prepare_padded
 from jaxprep.walkthrough.examples import example_b, example_b_config
+from support.kernels import on_kernel
 
 
 def test_padding_constants_have_vllm_values():
@@ -14,10 +15,11 @@ def test_padding_constants_have_vllm_values():
     assert (jaxprep.PAD_SEQ_LEN, jaxprep.PAD_STATE_ROW) == (0, -1)
 
 
-@pytest.mark.parametrize("bucket", [8, 16, 64, 96, 200])
-def test_padded_tail_holds_pad_constants(bucket):
+@pytest.mark.parametrize("kernel, bucket", [("xla", 8), ("xla", 16), ("xla", 64), ("xla", 96), ("xla", 200),
+                                            ("pallas", 8), ("pallas", 200)])
+def test_padded_tail_holds_pad_constants(kernel, bucket):
     """Example B cut to its first rows fits each bucket; everything past the batch is padding."""
-    config = example_b_config()
+    config = on_kernel(example_b_config(), kernel)
     arrays = example_b()
     scheduled = arrays["num_scheduled_tokens"].copy()
     keep = np.cumsum(scheduled) <= bucket
@@ -42,14 +44,14 @@ def test_padded_tail_holds_pad_constants(bucket):
     assert (np.asarray(step.logits_indices[num_reqs:]) == jaxprep.PAD_LOGITS_INDEX).all()
 
 
-def test_query_start_loc_never_decreases():
-    config = example_b_config()
+def test_query_start_loc_never_decreases(kernel):
+    config = on_kernel(example_b_config(), kernel)
     step = prepare_padded(BatchState.from_numpy(**example_b()), config, 200)
     assert (np.diff(np.asarray(step.attn_metadata.query_start_loc)) >= 0).all()
 
 
-def test_every_real_slot_lies_in_its_requests_blocks():
-    config = example_b_config()
+def test_every_real_slot_lies_in_its_requests_blocks(kernel):
+    config = on_kernel(example_b_config(), kernel)
     arrays = example_b()
     step = prepare_padded(BatchState.from_numpy(**arrays), config, 200)
     slots = np.asarray(step.attn_metadata.slot_mapping)

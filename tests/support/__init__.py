@@ -6,4 +6,5 @@
 - `bridge_checks`: torch_bridge checks (which torch device JAX's arrays land on, views of a buffer);
 - `fake_npu`: a fake ``torch_npu`` that records host-to-NPU staging (fixture in tests/torch_bridge);
 - `dp_prepare_check`: sharded preparation against the reference, run in a 4-device subprocess.
+- `kernels`: the plain step's two paths (XLA, the Pallas kernels) for tests that run both.
 """

@@ -1,0 +1,87 @@
+"""What a GPU runs of the plain step with ``PrepConfig.kernel`` "auto" or "pallas": read from the
+StableHLO lowered for CUDA on this CPU machine (no device needed).
+
+The step is the two Triton kernels (`jaxprep/kernels/prepare_pallas.py`) and nothing else that
+computes: outside the two custom calls only constants (the unused XLA twin's, hoisted by the
+platform switch and dropped by XLA), reshapes of the kernels' (1,) scalars to 0-d, and the
+platform switch itself, resolved to one branch. The same step on "xla" is the negative control:
+the counter sees its dozens of ops.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+
+from jaxprep import BatchState, PrepConfig, prepare_padded
+
+TRITON_CALL = "stablehlo.custom_call @__gpu$xla.gpu.triton"
+NOT_WORK = {"stablehlo.constant", "stablehlo.reshape", "stablehlo.case", "stablehlo.return"}
+"""Ops the lowered step may hold besides the kernels: none computes anything per token."""
+SHAPES = {"256 decode": (256, 8192, 256), "256 req / 8192 tok": (256, 8192, 8192),
+          "1024 req / 16384 tok": (1024, 16384, 16384)}
+
+
+def _lowered(kernel: str, max_num_reqs: int, budget: int, bucket: int, platform: str = "cuda") -> str:
+    config = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=4096, max_num_batched_tokens=budget, block_size=16,
+                        kernel=kernel)
+    traced = prepare_padded.trace(BatchState.empty(config), config, bucket)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def _ops(text: str) -> collections.Counter:
+    """Every op of the module, Triton calls apart (their IR is an opaque attribute)."""
+    text = re.sub(r'ir = "[^"]*"', "", text)
+    body = [line for line in text.splitlines() if "=" in line or "stablehlo.return" in line]
+    counts = collections.Counter()
+    for line in body:
+        if TRITON_CALL in line:
+            counts["triton kernel"] += 1
+            continue
+        counts.update(re.findall(r"\b(stablehlo\.[a-z_]+)", line.split("{")[0] if "custom_call" in line else line))
+    return counts
+
+
+@pytest.mark.parametrize("kernel", ["auto", "pallas"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_cuda_step_is_two_triton_kernels_and_nothing_else(kernel, shape):
+    ops = _ops(_lowered(kernel, *SHAPES[shape]))
+    assert ops.pop("triton kernel") == 2, ops
+    assert set(ops) <= NOT_WORK, f"work outside the kernels: {set(ops) - NOT_WORK}"
+    assert ops["stablehlo.reshape"] == 5  # num_actual_tokens, num_reqs, max_query_len, max_seq_len, errors
+
+
+def test_the_reshapes_only_make_the_kernels_scalars_0d():
+    text = _lowered("auto", *SHAPES["256 decode"])
+    reshapes = [line for line in text.splitlines() if "stablehlo.reshape" in line]
+    assert reshapes and all("(tensor<1xi32>) -> tensor<i32>" in line for line in reshapes)
+
+
+def test_the_xla_step_lowers_to_many_ops_the_counter_sees():
+    """Negative control: on "xla" the counter finds no Triton call and the step's own ops."""
+    ops = _ops(_lowered("xla", *SHAPES["256 decode"]))
+    assert "triton kernel" not in ops
+    assert sum(ops.values()) > 20 and set(ops) - NOT_WORK, ops
+
+
+def test_auto_keeps_xla_on_cpu_and_tpu():
+    for platform in ("cpu", "tpu"):
+        text = _lowered("auto", *SHAPES["256 decode"], platform=platform)
+        assert TRITON_CALL not in text and "stablehlo.gather" in text, platform
+
+
+FLOAT_OPS = ("addf", "subf", "mulf", "divf", "cmpf", "sitofp", "uitofp", "fptosi", "fptoui", "dot", "exp", "log")
+
+
+def test_the_kernels_do_integer_math_only():
+    """The Triton IR inside both calls (bytecode; its string table names every op it uses) holds
+    integer arithmetic and no float op: no index can round on any GPU."""
+    text = _lowered("auto", *SHAPES["1024 req / 16384 tok"])
+    kernels = re.findall(r'ir = "([^"]*)"', text)
+    assert len(kernels) == 2
+    for ir in kernels:
+        names = set(ir.split("\\00"))
+        assert {"addi", "muli", "cmpi", "load", "store"} <= names  # the table is read: positive control
+        assert not names & set(FLOAT_OPS), names & set(FLOAT_OPS)
