@@ -238,3 +238,23 @@ def test_add_entry_bounds_name_the_field():
         assert not batch.rows.busy.any(), name
     with pytest.raises(InvalidUpdateError, match="holds no request"):
         batch.resume_requests(ResumeRequests.build(FULL, [dict(row=2, num_computed_tokens=0)]))
+
+
+def test_no_compile_after_warmup():
+    """`ServingBatch.warmup` compiles every payload rung and token bucket: updates of any size after
+    it (here 1 to 4 requests of up to 31 tokens, appends, resumes) and `prepare` compile nothing."""
+    from jaxprep import count_compiles
+    from jaxprep.serving import payload_buckets
+
+    batch = ServingBatch(SPEC)
+    batch.warmup(threads=1)
+    assert len(payload_buckets(SPEC)) > 1
+    rng = np.random.default_rng(0)
+    with count_compiles() as compiles:
+        for n in (1, 31, 9):
+            adds = [dict(row=r, token_ids=rng.integers(0, VOCAB, n), block_ids=list(range(1 + 8 * r, 9 + 8 * r)))
+                    for r in range(4)]
+            batch.apply_updates(StepUpdates.build(SPEC, add=adds, num_scheduled_tokens=[min(n, 4)] * 4))
+            batch.prepare(16)
+            batch.apply_updates(StepUpdates.build(SPEC, finish=range(4)))
+    assert compiles.compiles == 0
