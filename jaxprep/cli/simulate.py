@@ -349,6 +349,8 @@ def _summary(engine, workload, finished, wall_s: float, warmup: dict, compiles) 
         **_percentiles("dispatch_us", stats.dispatch_us),
         **_percentiles("prepare_us", stats.prep_us),
         "padding_waste": round(stats.padding_waste, 4),
+        "h2d_bytes_per_dispatch": round(stats.h2d_bytes / max(stats.dispatches, 1), 1),  # update buffers sent
+        "changed_bytes_per_dispatch": round(4 * stats.changed_words / max(stats.dispatches, 1), 1),
         "compiles_after_warmup": compiles.compiles,
         "traces_after_warmup": compiles.traces,
         "check_passed": None,

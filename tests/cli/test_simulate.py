@@ -61,7 +61,8 @@ def test_progress_bars_and_plot(tmp_path, capsys):
     argv = ["simulate", *SMALL, "--check", "--progress", "always", "--plot", str(path), "--no-compile-cache"]
     assert cli.main(argv) == 0  # no cache: it would be on for the rest of this process
     err = capsys.readouterr().err
-    assert "warm-up: 2 buckets" in err and "3/3" in err  # buckets (8, 16): the updates + 2 steps
+    # buckets (8, 16): the updates at 2 payload rungs (64, 96 words) + 2 steps
+    assert "warm-up: 2 buckets" in err and "4/4" in err
     assert "serving" in err and "10/10" in err
     assert "check: dense recompute" in err
     with open(path, "rb") as file:
