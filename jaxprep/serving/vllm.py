@@ -160,7 +160,7 @@ class VllmAdapter:
             raise ValueError(f"scheduled_cached_reqs: resumed request {req_id} was never admitted")
         if req_id not in cached.all_token_ids:
             raise ValueError(f"scheduled_cached_reqs: resumed request {req_id} comes without all_token_ids "
-                             "(the V1 scheduler sends them; run vLLM with VLLM_USE_V2_MODEL_RUNNER=0 or 1 consistently)")
+                             "(vLLM's scheduler sends them to the V1 runner, VLLM_USE_V2_MODEL_RUNNER=0)")
         return self._entry(req_id, cached.all_token_ids[req_id], cached.new_block_ids[i],
                            cached.num_computed_tokens[i])
 
@@ -190,7 +190,7 @@ class VllmAdapter:
             append[row] = _groups(new_blocks)
         computed = int(cached.num_computed_tokens[i])
         mirror = self.batch.rows
-        if mirror.pending_drafts[row] > 0 or mirror.num_computed_tokens[row] != computed:
+        if mirror.pending[row] or mirror.num_computed_tokens[row] != computed:
             resume.append(dict(row=row, num_computed_tokens=computed))
 
     def _schedule(self, scheduler_output) -> dict:

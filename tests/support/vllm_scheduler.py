@@ -54,15 +54,16 @@ class Workload:
 
 
 WORKLOADS = (
-    Workload("chunked prefill, preemption", num_steps=70, num_blocks=24, max_num_batched_tokens=32),
-    Workload("prefix caching", num_steps=45, prefix_caching=True, shared_prefix=24, num_blocks=40),
-    Workload("n-gram spec decode", num_steps=55, num_speculative_tokens=2, num_blocks=28),
-    Workload("async scheduling", num_steps=45, async_scheduling=True, num_blocks=26),
-    Workload("full + sliding window, LoRA", num_steps=50, sliding_window=16, num_loras=2, prefix_caching=True,
+    Workload("chunked prefill, preemption", num_steps=40, num_blocks=22, max_num_batched_tokens=32),
+    Workload("prefix caching", num_steps=30, prefix_caching=True, shared_prefix=24, num_blocks=40),
+    Workload("n-gram spec decode", num_steps=34, num_speculative_tokens=2, num_blocks=26),
+    Workload("async scheduling", num_steps=30, async_scheduling=True, num_blocks=24),
+    Workload("full + sliding window, LoRA", num_steps=34, sliding_window=16, num_loras=2, prefix_caching=True,
              shared_prefix=16, num_blocks=40),
-    Workload("six admissions in one step", num_steps=25, arrivals_per_step=7, max_num_batched_tokens=96,
-             prompt_lens=(4, 12), num_requests=14),
+    Workload("six admissions in one step", num_steps=12, arrivals_per_step=7, prompt_lens=(3, 6), num_requests=14),
 )
+"""Each run (both runner modes) schedules 180-190 non-empty steps; the KV pools of the first four are small
+enough to preempt requests."""
 
 
 def fake_token(req_id: str, position: int) -> int:

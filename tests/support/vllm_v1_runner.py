@@ -20,8 +20,8 @@ import types
 import numpy as np
 import torch
 
-from support.vllm_scheduler import Workload, cpu_platform_stubs, fake_token, kv_cache_config, vllm_config
 from support.vllm_ngram import load_vllm_ngram
+from support.vllm_scheduler import Workload, cpu_platform_stubs, fake_token, kv_cache_config, vllm_config
 
 
 def numba_stand_in() -> None:
@@ -74,6 +74,8 @@ class V1Runner:
             "logits_indices": logits_indices.numpy().copy(),
             "discard": runner.discard_request_mask.np[:num_reqs].copy(),
             "lora_ids": batch.request_lora_mapping[:num_reqs].copy(),
+            # InputBatch.make_lora_inputs: the adapter id of every token (what set_active_loras hands on)
+            "token_lora_mapping": np.asarray(batch.make_lora_inputs(scheduled, scheduled)[1], np.int64),
         }
         for g in range(self.num_groups):
             table = batch.block_table[g]
@@ -85,6 +87,13 @@ class V1Runner:
                 "logits_indices")}
             step["spec"]["num_draft_tokens"] = np.asarray(spec.num_draft_tokens, np.int32)
         return step
+
+    def forget(self, req_ids) -> None:
+        """Drops requests from the runner, as V2's ``finish_requests`` drops preempted ones (the V2 scheduler
+        re-sends them as new requests)."""
+        for req_id in req_ids:
+            self.runner.requests.pop(req_id, None)
+            self.runner.input_batch.remove_request(req_id)
 
     def sampled(self, step: dict) -> list[list[int]]:
         """The fake model's valid tokens per request of ``step`` (batch order): a discarded partial prefill
