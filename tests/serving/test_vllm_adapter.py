@@ -51,8 +51,9 @@ def scheduler_output(scheduled, new=(), cached=(), drafts=None, finished=(), pre
                            preempted_req_ids=set(preempted))
 
 
-def config(features=jaxprep.FeatureConfig(), max_model_len=32) -> ServingConfig:
+def config(features: jaxprep.FeatureConfig | None = None, max_model_len=32) -> ServingConfig:
     """Few distinct configurations (each one compiles): 8 rows, budget 32, block size 4."""
+    features = jaxprep.FeatureConfig() if features is None else features
     prep = jaxprep.PrepConfig(max_num_reqs=8, max_model_len=max_model_len, max_num_batched_tokens=32,
                               block_size=4, num_blocks=64, features=features, token_buckets=(32,))
     return ServingConfig(prep=prep, vocab_size=100)

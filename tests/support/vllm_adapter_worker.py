@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("CUDA_VISIBLE_DEVICES") != "":
     sys.exit("run with TRITON_INTERPRET=1 and CUDA_VISIBLE_DEVICES='' set before Python starts")
@@ -45,19 +46,21 @@ from support.vllm_v1_runner import V1Runner  # noqa: E402
 
 MAX_NUM_BATCHED_TOKENS = max(w.max_num_batched_tokens for w in WORKLOADS)
 NUM_BLOCKS = max(w.num_blocks for w in WORKLOADS)
+NUM_SPECULATIVE_TOKENS = max(w.num_speculative_tokens for w in WORKLOADS)
+MAX_LORAS = max(w.num_loras for w in WORKLOADS)
 
 
 def serving_config(work: Workload) -> ServingConfig:
-    """jaxprep's configuration of ``work``: vLLM's sizes and every feature the workload uses; one token budget,
-    KV-cache size and two-bucket ladder for all workloads (fewer compiles)."""
+    """jaxprep's configuration of ``work``: vLLM's sizes, and the features of all workloads at once (drafts,
+    LoRA, the discard mask), so that only the KV-cache groups tell two configurations apart (each one
+    compiles): one token budget, KV-cache size and two-bucket ladder for all workloads."""
     groups = ()
     if work.sliding_window:
         groups = (jaxprep.KVCacheGroupSpec(block_size=work.block_size, num_blocks=NUM_BLOCKS),
                   jaxprep.KVCacheGroupSpec(block_size=work.block_size, sliding_window=work.sliding_window,
                                            num_blocks=NUM_BLOCKS))
-    features = jaxprep.FeatureConfig(num_speculative_tokens=work.num_speculative_tokens, discard_request_mask=True,
-                                     kv_groups=groups,
-                                     lora=jaxprep.LoRAConfig(max_loras=work.num_loras) if work.num_loras else None)
+    features = jaxprep.FeatureConfig(num_speculative_tokens=NUM_SPECULATIVE_TOKENS, discard_request_mask=True,
+                                     kv_groups=groups, lora=jaxprep.LoRAConfig(max_loras=MAX_LORAS))
     prep = jaxprep.PrepConfig(max_num_reqs=work.max_num_seqs, max_model_len=work.max_model_len,
                               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, block_size=work.block_size,
                               num_blocks=NUM_BLOCKS, features=features, token_buckets=(16, MAX_NUM_BATCHED_TOKENS))
@@ -195,6 +198,7 @@ def record(adapter: VllmAdapter, step, sampled: dict[str, list[int]], width: int
 def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     from vllm.v1.outputs import DraftTokenIds
 
+    started = time.perf_counter()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2_mode else "0"  # read when the scheduler's config is built
     scheduler, requests, runner = make_scheduler(work), Requests(work), V1Runner(work)
     label = f"{work.name} [{'V2' if scheduler.use_v2_model_runner else 'V1'}]"
@@ -235,7 +239,8 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     if any(errors.values()):
         cmp.mismatches.append(f"[{label}] device error bits {errors}")
     report["workloads"][label] = dict(stats, v2_mode=scheduler.use_v2_model_runner, compared=sorted(cmp.compared),
-                                      h2d_bytes=adapter.batch.h2d_bytes)
+                                      h2d_bytes=adapter.batch.h2d_bytes,
+                                      seconds=round(time.perf_counter() - started, 1))
     report["mismatches"] += cmp.mismatches[:40]
 
 
