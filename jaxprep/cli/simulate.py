@@ -295,6 +295,8 @@ def _summary(engine, workload, finished, wall_s: float, warmup_s: float, compile
         "prep_method": "separate non-donating jitted call (unpack + state updates + prepare_padded) on the "
                        "step's own state and packed updates, before the step, timed to block_until_ready",
         "padding_waste": round(stats.padding_waste, 4),
+        "h2d_bytes_per_dispatch": round(stats.h2d_bytes / max(stats.dispatches, 1), 1),  # update buffers sent
+        "changed_bytes_per_dispatch": round(4 * stats.changed_words / max(stats.dispatches, 1), 1),
         "compiles_after_warmup": compiles.compiles,
         "traces_after_warmup": compiles.traces,
         "check_passed": None,

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
+from jaxprep.compilation import compile_all
+from jaxprep.compilation import warmup as jaxprep_warmup
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving import checks, transitions
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import PackedStep, pack_step
+from jaxprep.serving.packing import PackedStep, pack_step, payload_buckets
 from jaxprep.serving.state import (
     ERROR_BITS,
     AddRequests,
@@ -74,6 +78,16 @@ class ServingBatch:
         return packed
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
+
+    def warmup(self, threads: int | None = None) -> float:
+        """Compiles `transitions.apply_packed` for every rung of `payload_buckets` and `prepare` for
+        every token bucket (`jaxprep.warmup`), so no update or step compiles later; returns seconds."""
+        start = time.perf_counter()
+        lowered = [transitions.apply_packed.lower(self.state, np.zeros(words, np.int32), config=self.config)
+                   for words in payload_buckets(self.config)]
+        compile_all(lowered, threads)
+        jaxprep_warmup(self.config.prep, self.state.batch, threads=threads)
+        return time.perf_counter() - start
 
     def prepare(self, num_tokens_padded: int):
         """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""

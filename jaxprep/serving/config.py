@@ -25,11 +25,10 @@ class ServingConfig:
 
     Attributes:
       prep: the input-preparation configuration; ``prep.num_blocks`` (the KV-cache size) is required.
-      max_new_reqs_per_step: rows of the `AddRequests` payload a fused step carries; more new
-        requests in one step are added by extra `add_requests` calls of the same shape.
-      max_block_appends_per_step: entries of the `AppendBlocks` payload; ``None`` picks
-        ``cdiv(max_num_batched_tokens, block_size) + max_num_reqs`` (every block a full-budget
-        step can start, plus one per row for block boundaries).
+      max_new_reqs_per_step: unused, kept so that existing configurations still build: a step's
+        payload holds any number of new requests (`jaxprep.serving.packing`, its buffer grows with them).
+      max_block_appends_per_step: unused likewise (any number of appended blocks); ``None`` picks
+        ``cdiv(max_num_batched_tokens, block_size) + max_num_reqs``.
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
       ngram: the n-gram drafter (`jaxprep.serving.ngram`): every step proposes up to

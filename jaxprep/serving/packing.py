@@ -6,17 +6,20 @@ Layout (all int32 words; field ``f`` of entry ``i`` of a section of ``n`` entrie
                            schedule_dense, has_lora_slots, n_data, has_schedule (0: counts kept)
     finish   [n_finish]                   rows to free
     add      [len(add_fields) x n_add]     per added request: row, num_tokens, stop_len, ... (`Layout`)
-    resume   [5 x n_resume]                row, num_computed_tokens, num_tokens (-1 keep), prefill_len (-1 keep),
-                                           replace_blocks
-    segments [4 x n_segments]              kind, row, col, len: where each run of ``data`` goes
+    resume   [len(resume_fields) x n_resume]  row, num_computed_tokens, num_tokens (-1 keep), prefill_len (-1 keep),
+                                           replace_blocks, the blocks of each table
+    segments [4 x n_segments]              kind, row, col, len: where each appended run of ``data`` goes
     schedule [width x n_schedule]          (row,) num_scheduled_tokens (, num_draft_tokens, K drafts)(, grammar)
     lora     [max_loras if has_lora_slots]
     data     [n_data]                      token ids, M-RoPE positions, is_token_ids, block ids, run after run
 
-A segment of kind ``TOKENS`` writes ``token_ids[row, col : col + len]``; ``MROPE + d`` writes
-``mrope_positions[row, d, col : col + len]``; ``IS_TOKEN_IDS`` writes ``is_token_ids``;
-``TABLE + t`` writes block table t (`jaxprep.serving.state.table_names`).
-# add row 2 tokens [7, 8, 9], blocks [5]: segments [(TOKENS, 2, 0, 3), (TABLE, 2, 0, 1)], data [7, 8, 9, 5]
+An added row's data runs (its tokens, M-RoPE rows, is_token_ids, blocks of each table) are
+implied by its record's lengths (`add_runs`), a resumed row's likewise (`resume_runs`); appended
+blocks come as explicit segments. A run of kind ``TOKENS`` writes ``token_ids[row, col : col + len]``;
+``MROPE + d`` writes ``mrope_positions[row, d, col : col + len]``; ``IS_TOKEN_IDS`` writes
+``is_token_ids``; ``TABLE + t`` writes block table t (`jaxprep.serving.state.table_names`).
+# add row 2 tokens [7, 8, 9], blocks [5] (record num_tokens 3, blocks_0 1), append row 0 block 6 at
+#   column 2: segments [(TABLE, 0, 2, 1)], data [7, 8, 9, 5, 6]
 
 The schedule section is dense (rows 0..n-1, no row field) or sparse (a row field), whichever is
 shorter. The buffer is padded with zeros to a rung of the ladder `payload_buckets` (64, 128, ...
@@ -74,23 +77,48 @@ def payload_layout(config: ServingConfig) -> Layout:
     fields += ["mrope_position_delta"] if features.mrope else []
     fields += ["prompt_embeds_start"] if features.prompt_embeds else []
     fields += list(SAMPLING_FIELDS) if features.sampling is not None else []
+    fields += list(_length_fields(config))
     return Layout(add_fields=tuple(fields), num_drafts=draft_width(config), grammar=features.structured_outputs,
                   max_loras=features.lora.max_loras if features.lora is not None else 0,
                   num_tables=len(table_names(config)))
 
 
+def _length_fields(config: ServingConfig) -> tuple[str, ...]:
+    """The data runs of an added row, in data order, each named by the field holding its length."""
+    features = config.prep.features
+    names = ["num_tokens"] + (["mrope_len"] * 3 if features.mrope else [])
+    names += ["is_token_len"] if features.prompt_embeds else []
+    return tuple(dict.fromkeys(names[1:])) + tuple(f"blocks_{t}" for t in range(len(table_names(config))))
+
+
+def add_runs(config: ServingConfig) -> tuple[tuple[int, str], ...]:
+    """(segment kind, length field) of each data run of an added row, in data order."""
+    features = config.prep.features
+    runs = [(TOKENS, "num_tokens")] + ([(MROPE + d, "mrope_len") for d in range(3)] if features.mrope else [])
+    runs += [(IS_TOKEN_IDS, "is_token_len")] if features.prompt_embeds else []
+    return tuple(runs + [(TABLE + t, f"blocks_{t}") for t in range(len(table_names(config)))])
+
+
+def resume_fields(config: ServingConfig) -> tuple[str, ...]:
+    return RESUME_FIELDS + tuple(f"blocks_{t}" for t in range(len(table_names(config))))
+
+
+def resume_runs(config: ServingConfig) -> tuple[tuple[int, str], ...]:
+    return ((TOKENS, "num_tokens"),) + tuple((TABLE + t, f"blocks_{t}") for t in range(len(table_names(config))))
+
+
 @functools.lru_cache(maxsize=64)
 def payload_buckets(config: ServingConfig) -> tuple[int, ...]:
-    """The ladder of buffer lengths: 64, 128, ... up to the first that holds the largest single item
-    (one request of max_model_len tokens with all its blocks and feature rows, or a full schedule)."""
+    """The ladder of buffer lengths: 64, 96, 144, ... (x1.5, multiples of 16: a buffer is at most
+    1.5x its content) up to the first that holds the largest single item (one request of
+    max_model_len tokens with all its blocks and feature rows, or a full schedule)."""
     lay, rows = payload_layout(config), config.max_num_reqs
     per_token = 1 + (3 if config.prep.features.mrope else 0) + (1 if config.prep.features.prompt_embeds else 0)
-    one_request = (len(lay.add_fields) + len(SEGMENT_FIELDS) * (1 + 3 + 1 + lay.num_tables)
-                   + per_token * config.max_model_len + sum(table_widths(config)))
+    one_request = len(lay.add_fields) + per_token * config.max_model_len + sum(table_widths(config))
     largest = HEADER_WORDS + max(one_request, rows * len(lay.schedule_fields), rows, lay.max_loras)
     buckets = [SMALLEST_BUCKET]
     while buckets[-1] < largest:
-        buckets.append(2 * buckets[-1])
+        buckets.append(-(-buckets[-1] * 3 // 2 // 16) * 16)
     return tuple(buckets)
 
 
@@ -201,18 +229,19 @@ def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
         changed += len(rows)
     for entry in updates.add.entries:
         values = _add_record(entry, lay)
-        segments, data = _row_segments(entry.row, entry.token_ids, entry.block_ids, entry)
+        data = _row_data(entry.token_ids, entry.block_ids, entry)
         blocks[entry.row] = [len(b) for b in entry.block_ids]
-        items.append(("add", values, segments, data, len(values) + 4 * len(segments) + len(data)))
-        changed += len(values) - 1 + len(data)
+        items.append(("add", values, [], data, len(values) + len(data)))
+        changed += len(values) - 1 - len(entry.block_ids) + len(data)
     for entry in updates.resume.entries:
         replace = entry.block_ids is not None
         record = [entry.row, entry.num_computed_tokens, -1 if entry.token_ids is None else len(entry.token_ids),
                   -1 if entry.prefill_len is None else entry.prefill_len, int(replace)]
-        segments, data = _row_segments(entry.row, entry.token_ids, entry.block_ids if replace else (), None)
+        record += [len(b) for b in entry.block_ids] if replace else [0] * lay.num_tables
+        data = _row_data(entry.token_ids, entry.block_ids if replace else (), None)
         if replace:
             blocks[entry.row] = [len(b) for b in entry.block_ids]
-        items.append(("resume", record, segments, data, len(record) + 4 * len(segments) + len(data)))
+        items.append(("resume", record, [], data, len(record) + len(data)))
         changed += 1 + len(data)
     for row, table, ids in updates.append.segments:
         column = int(blocks[row, table])
@@ -234,7 +263,10 @@ def _add_record(entry, lay: Layout) -> list[int]:
     floats = {name: int(np.float32(sampling.get(name, 0.0)).view(np.int32)) for name in
               ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")}
     seeds = sampling.get("seeds", (0, 0))
-    values = dict(row=entry.row, num_tokens=len(entry.token_ids), stop_len=entry.stop_len,
+    lengths = {f"blocks_{t}": len(ids) for t, ids in enumerate(entry.block_ids)}
+    lengths.update(mrope_len=0 if entry.mrope_positions is None else entry.mrope_positions.shape[1],
+                   is_token_len=0 if entry.is_token_ids is None else len(entry.is_token_ids))
+    values = dict(lengths, row=entry.row, num_tokens=len(entry.token_ids), stop_len=entry.stop_len,
                   num_computed_tokens=entry.num_computed_tokens, prefill_len=entry.prefill_len, lora_id=entry.lora_id,
                   mrope_position_delta=entry.mrope_position_delta, prompt_embeds_start=entry.prompt_embeds_start,
                   top_k=int(sampling.get("top_k", 0)), seed_high=int(seeds[0]), seed_low=int(seeds[1]),
@@ -243,26 +275,15 @@ def _add_record(entry, lay: Layout) -> list[int]:
     return [int(values[name]) for name in lay.add_fields]
 
 
-def _row_segments(row: int, tokens, tables, entry):
-    """Segments and data of one row's tokens, feature rows and block tables."""
-    segments, data = [], []
-
-    def run(kind, values):
-        values = np.asarray(values, np.int64).ravel()
-        if len(values):
-            segments.append((kind, row, 0, len(values)))
-            data.extend(values.tolist())
-
-    if tokens is not None:
-        run(TOKENS, tokens)
+def _row_data(tokens, tables, entry) -> list[int]:
+    """The data runs of one added or resumed row, in `add_runs` order (the lengths are in its record)."""
+    runs = [] if tokens is None else [tokens]
     if entry is not None and entry.mrope_positions is not None:
-        for d in range(entry.mrope_positions.shape[0]):
-            run(MROPE + d, entry.mrope_positions[d])
+        runs += list(entry.mrope_positions)
     if entry is not None and entry.is_token_ids is not None:
-        run(IS_TOKEN_IDS, entry.is_token_ids.astype(np.int64))
-    for t, ids in enumerate(tables):
-        run(TABLE + t, ids)
-    return segments, data
+        runs.append(entry.is_token_ids.astype(np.int64))
+    runs += list(tables)
+    return np.concatenate([np.asarray(r, np.int64).ravel() for r in runs]).tolist() if runs else []
 
 
 def _schedule_record(schedule, lay: Layout):
@@ -348,19 +369,37 @@ def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
 
     finish = section(head["n_finish"], ("row",), rows)["row"]
     add = section(head["n_add"], lay.add_fields, rows)
-    resume = section(head["n_resume"], RESUME_FIELDS, rows)
+    resume = section(head["n_resume"], resume_fields(config), rows)
     num_segments = max(length // (len(SEGMENT_FIELDS) + 1), 1)
     segments = section(head["n_segments"], SEGMENT_FIELDS, num_segments)
     schedule = _read_schedule(blob, head, start, lay, rows)
     start = start + head["n_schedule"] * (len(lay.schedule_fields) - head["schedule_dense"])
     lora_slots = _read(blob, start + jnp.arange(max(lay.max_loras, 1), dtype=jnp.int32))[: lay.max_loras]
     start = start + head["has_lora_slots"] * lay.max_loras
+    segments = _all_segments(config, add, resume, segments)
     kind, row, col, value = _read_data(blob, start, head["n_data"], segments, length)
     ends = dict(kind=segments["kind"], row=segments["row"], end=segments["col"] + segments["len"])
     return DeviceUpdates(decode_steps=head["decode_steps"], finish_rows=finish, add=add, resume=resume, data_kind=kind,
                          data_row=row, data_col=col, data_value=value, segment_end=ends, schedule=schedule,
                          has_lora_slots=head["has_lora_slots"], lora_slots=lora_slots,
                          has_schedule=head["has_schedule"])
+
+
+def _all_segments(config: ServingConfig, add: dict, resume: dict, explicit: dict) -> dict:
+    """The runs of the data in data order: each added row's (`add_runs`), each resumed row's
+    (`resume_runs`), then the explicit (appended) segments; a padded entry's runs have length 0.
+    # add rows [2, -1], num_tokens [3, -1], blocks_0 [1, -1] -> runs (TOKENS, 2, 0, 3), (TABLE, 2, 0, 1),
+    #   (TOKENS, -1, 0, 0), (TABLE, -1, 0, 0), then the resume runs and the explicit segments
+    """
+    parts = []
+    for entries, runs in ((add, add_runs(config)), (resume, resume_runs(config))):
+        rows = entries["row"]
+        kinds = jnp.broadcast_to(jnp.array([k for k, _ in runs], jnp.int32)[None, :], (rows.shape[0], len(runs)))
+        lengths = jnp.stack([jnp.maximum(entries[name], 0) for _, name in runs], axis=1)
+        parts.append(dict(kind=kinds.reshape(-1), row=jnp.repeat(rows, len(runs)), col=jnp.zeros(kinds.size, jnp.int32),
+                          len=jnp.where(jnp.repeat(rows, len(runs)) >= 0, lengths.reshape(-1), 0)))
+    parts.append(explicit)
+    return {name: jnp.concatenate([part[name] for part in parts]) for name in SEGMENT_FIELDS}
 
 
 def _read(blob: jax.Array, index: jax.Array) -> jax.Array:

@@ -179,7 +179,7 @@ def admit_sampling_body(state: ServingState, updates: DeviceUpdates) -> ServingS
                              | (sorted_token[1:] != sorted_token[:-1])])
     bit = jnp.left_shift(jnp.int32(1), sorted_token % 32)
     mask = batch.prompt_bin_mask.at[jnp.where(first, sorted_row, num_rows), sorted_token // 32].add(bit, mode="drop")
-    return _replace_batch(state, output_bin_counts=counts, prompt_bin_mask=mask)
+    return dataclasses.replace(state, batch=dataclasses.replace(batch, output_bin_counts=counts, prompt_bin_mask=mask))
 
 
 def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool = True) -> ServingState:

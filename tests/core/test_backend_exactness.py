@@ -45,7 +45,6 @@ from jaxprep.serving import (
 from jaxprep.serving.model import MODEL_SCOPE
 from jaxprep.serving.ngram import NgramConfig, propose_ngram_jit
 from jaxprep.serving.packing import packed_size
-from jaxprep.serving.state import StepUpdates
 from jaxprep.sharding import DATA_AXIS, prepare_sharded
 
 ACCELERATORS = ("cuda", "tpu")
@@ -88,7 +87,6 @@ def _cases():
              for label, config, bucket in [("plain", SMALL, 8), ("plain", LARGE, 16384),
                                            ("all features", dataclasses.replace(SMALL, features=ALL_FEATURES), 32),
                                            ("all features + v2", LARGE_FEATURES, 8192)]]
-    updates = StepUpdates.build(serving)
     cases += [
         ("prepare.prepare_packed", prepare_packed, (BatchState.empty(LARGE), LARGE, 4096), {}),
         ("serving.serve_step", step.serve_step, (state, kv_cache, params, packed),
@@ -99,11 +97,7 @@ def _cases():
          dict(k=3, config=NgramConfig(prompt_lookup_min=2, prompt_lookup_max=4), max_model_len=40)),
         ("serving.update_and_prepare", step.update_and_prepare, (state, packed),
          dict(config=serving, num_tokens_padded=32)),
-        ("serving.apply_updates", transitions.apply_updates, (state, updates), {}),
-        ("serving.finish", transitions.finish, (state, updates.finish), {}),
-        ("serving.add", transitions.add, (state, updates.add), {}),
-        ("serving.append", transitions.append, (state, updates.append), {}),
-        ("serving.schedule", transitions.schedule, (state, updates.schedule), {}),
+        ("serving.apply_packed", transitions.apply_packed, (state, packed), dict(config=serving)),
         ("serving.record_sampled", transitions.record_sampled,
          (state, np.zeros(5, np.int32), np.zeros((5, 1), np.int32), np.zeros(5, np.int32)), {}),
         ("serving.dense_logits", workload.dense_logits, (params, np.zeros(16, np.int32)), dict(model=MODEL)),
@@ -183,9 +177,7 @@ OPTIONAL_MODULES = {"torch_bridge.vllm"}
 
 COVERED = {
     "jaxprep.prepare.prepare_padded", "jaxprep.prepare.prepare_packed", "jaxprep.serving.step.serve_step",
-    "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.transitions.apply_updates",
-    "jaxprep.serving.transitions.finish", "jaxprep.serving.transitions.add",
-    "jaxprep.serving.transitions.append", "jaxprep.serving.transitions.schedule",
+    "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.transitions.apply_packed",
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.workload.dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
     "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",

@@ -51,20 +51,21 @@ def test_greedy_tokens_match_dense_recomputation(name):
         assert totals["multi_step"] > 0
 
 
-def test_adds_and_appends_beyond_the_payload_sizes_go_first():
-    """One new request and one block per fused payload: the rest go through extra `apply_updates`."""
+def test_updates_too_big_for_the_step_buffer_go_first():
+    """Steps whose update passes the step's buffer (`step_payload_buckets`: here 64 words) send the
+    rest first, through `transitions.apply_packed`; the outputs still equal the dense recomputation."""
     prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=2, num_blocks=40)
-    config = ServingConfig(prep=prep, eos_token_id=EOS, decode_steps=4, max_new_reqs_per_step=1,
-                           max_block_appends_per_step=1)
+    config = ServingConfig(prep=prep, eos_token_id=EOS, decode_steps=4)
     workload = random_workload(5, num_requests=12, vocab_size=MODEL.vocab_size, prompt_len=(1, 12),
                                max_tokens=(4, 12))
     engine = Engine(config, MODEL, seed=4)
-    extra_calls = []
-    apply_updates = engine.batch.apply_updates
-    engine.batch.apply_updates = lambda updates: (extra_calls.append(1), apply_updates(updates))
+    first_buffers = []
+    pack = engine.batch.pack
+    engine.batch.pack = lambda updates: (lambda packed: (first_buffers.append(len(packed.before)), packed)[1])(
+        pack(updates))
     engine.submit(workload.requests)
     finished = engine.run()
-    assert len(extra_calls) > 5 and len(finished) == 12
+    assert sum(first_buffers) > 0 and len(finished) == 12
     assert check_against_dense(engine.params, MODEL, finished, prep.max_model_len).passed
 
 

@@ -82,7 +82,7 @@ def test_a_rejected_draft_rolls_back_the_row():
     assert np.asarray(state.batch.token_ids[0, :8]).tolist() == [5, 6, 7, g0, g1, g2, 0, 0]
     # the next step runs the last token at position 5, in the slot of block 2 (block size 4)
     step = StepUpdates.build(config, num_scheduled_tokens=[1, 0])
-    inputs = update_and_prepare(state, pack_updates(step), config=config, num_tokens_padded=8)
+    inputs = update_and_prepare(state, pack_updates(step, config), config=config, num_tokens_padded=8)
     assert int(inputs.positions[0]) == 5 and int(inputs.attn_metadata.slot_mapping[0]) == 2 * 4 + 1
     assert int(inputs.input_ids[0]) == g2
 
