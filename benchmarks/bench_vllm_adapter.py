@@ -1,6 +1,6 @@
 """vLLM's scheduler output turned into a prepared step: `VllmAdapter` against vLLM V1's own runner, one process.
 
-    PYTHONPATH=. python benchmarks/bench_vllm_adapter.py [--sizes 64,256,1024] [--steps 24] [--rounds 3]
+    PYTHONPATH=. python benchmarks/bench_vllm_adapter.py [--sizes 64,256,1024] [--steps 32] [--rounds 3]
 
 For each size N (vLLM ``max_num_seqs`` = N requests, all arriving at once: chunked prefills, then decodes),
 vLLM 0.33.0's real ``Scheduler`` (tests/support/vllm_scheduler.py) is driven by the fake model for
@@ -54,11 +54,12 @@ from support.vllm_v1_runner import V1Runner  # noqa: E402
 
 
 def workload(size: int, steps: int) -> Workload:
-    """N requests at once, prompts of 32-64 tokens, a pool that never preempts."""
+    """N requests at once, prompts of 16-32 tokens, a pool that never preempts: a few steps of chunked
+    prefills and admissions, then decodes."""
     budget = max(1024, 2 * size)
     return Workload(f"{size} requests", num_steps=steps, max_num_seqs=size, max_model_len=256,
                     max_num_batched_tokens=budget, block_size=16, num_blocks=size * 16 + 64, num_requests=size,
-                    arrivals_per_step=size, prompt_lens=(32, 64), max_tokens=(200, 200))
+                    arrivals_per_step=size, prompt_lens=(16, 32), max_tokens=(200, 200))
 
 
 def serving_config(work: Workload) -> ServingConfig:
@@ -159,7 +160,7 @@ def bookkeeping(runner: V1Runner, so, sampled: list[list[int]], num_tokens: int)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="64,256,1024")
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print(machine_line())

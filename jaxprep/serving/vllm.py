@@ -48,7 +48,7 @@ from jaxprep.serving.state import StepUpdates, draft_width
 class AdapterStep:
     """One prepared step and the request ids of its batch rows."""
 
-    inputs: StepInputs  # prepare_padded's outputs, at num_tokens_padded
+    inputs: StepInputs | None  # prepare_padded's outputs, at num_tokens_padded; None: nothing scheduled
     req_ids: list[str]  # batch row -> request id (ModelRunnerOutput.req_ids)
     req_id_to_index: dict[str, int]  # request id -> batch row (ModelRunnerOutput.req_id_to_index)
     num_tokens_padded: int  # the bucket of PrepConfig.token_buckets the step was prepared at
@@ -88,7 +88,11 @@ class VllmAdapter:
 
     def step(self, scheduler_output) -> AdapterStep:
         """Applies ``scheduler_output`` as one checked `StepUpdates` and prepares the step. On a bad output
-        (``ValueError``, `InvalidUpdateError` naming the field) the adapter and its batch are unchanged."""
+        (``ValueError``, `InvalidUpdateError` naming the field) the adapter and its batch are unchanged.
+
+        A step that schedules nothing (vLLM sends one to report finished requests) is applied and
+        prepares nothing: ``inputs`` is ``None`` and ``req_ids`` is empty, as V1's ``execute_model``
+        returns ``EMPTY_MODEL_RUNNER_OUTPUT`` after ``_update_states``."""
         kept = (dict(self.rows), dict(self.admitted), list(self._free),
                 None if self._lora_slots is None else self._lora_slots.copy())
         try:
@@ -97,6 +101,9 @@ class VllmAdapter:
             self.rows, self.admitted, self._free, self._lora_slots = kept
             raise
         total = int(scheduler_output.total_num_scheduled_tokens)
+        if total == 0:
+            self._last = None
+            return AdapterStep(inputs=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
         num_tokens_padded = self.config.prep.bucket_for(total)
         req_ids = sorted(scheduler_output.num_scheduled_tokens, key=self.rows.__getitem__)
         self._last = AdapterStep(inputs=self.batch.prepare(num_tokens_padded), req_ids=req_ids,
@@ -126,13 +133,14 @@ class VllmAdapter:
         (the batch is not: `step` applies the result)."""
         finish = self._finished(scheduler_output)
         add = [self._new_request(new) for new in scheduler_output.scheduled_new_reqs]
-        resume, append = [], {}
         cached = scheduler_output.scheduled_cached_reqs
+        running = []  # indices into cached of the requests that keep their rows
         for i, req_id in enumerate(cached.req_ids):
             if req_id in cached.resumed_req_ids:
                 add.append(self._resumed_request(cached, i, req_id))
             else:
-                self._running_request(cached, i, req_id, resume, append)
+                running.append(i)
+        resume, append = self._running_requests(cached, running)
         return StepUpdates.build(self.config, finish=finish, add=add, resume=resume, append=append,
                                  lora_slots=self._lora_update(scheduler_output),
                                  **self._schedule(scheduler_output))
@@ -186,25 +194,34 @@ class VllmAdapter:
             entry.update(sampling=admission.sampling, prompt_len=admission.prompt_len)
         return entry
 
-    def _running_request(self, cached, i: int, req_id: str, resume: list, append: dict) -> None:
+    def _running_requests(self, cached, running: list[int]) -> tuple[list, dict]:
+        """Block appends of the running requests, and a resume entry for each whose computed count the host
+        mirror does not know (pending drafts) or knows differently from vLLM."""
+        rows = np.fromiter((self._row(cached.req_ids[i]) for i in running), np.int64, len(running))
+        computed = np.fromiter((cached.num_computed_tokens[i] for i in running), np.int64, len(running))
+        mirror = self.batch.rows
+        restate = mirror.pending[rows] | (mirror.num_computed_tokens[rows] != computed)
+        resume = [dict(row=int(row), num_computed_tokens=int(c)) for row, c in zip(rows[restate], computed[restate])]
+        append = {}
+        for row, i in zip(rows.tolist(), running):
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None and any(new_blocks):
+                append[row] = _groups(new_blocks)
+        return resume, append
+
+    def _row(self, req_id: str) -> int:
         row = self.rows.get(req_id)
         if row is None:
             raise ValueError(f"scheduled_cached_reqs: request {req_id} holds no row (never added, or preempted "
                              "and not resumed)")
-        new_blocks = cached.new_block_ids[i]
-        if new_blocks is not None and any(len(ids) for ids in new_blocks):
-            append[row] = _groups(new_blocks)
-        computed = int(cached.num_computed_tokens[i])
-        mirror = self.batch.rows
-        if mirror.pending[row] or mirror.num_computed_tokens[row] != computed:
-            resume.append(dict(row=row, num_computed_tokens=computed))
+        return row
 
     def _schedule(self, scheduler_output) -> dict:
         rows, width = self.config.max_num_reqs, draft_width(self.config)
         scheduled, drafts = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
         draft_ids = np.zeros((rows, width), np.int64)
-        for req_id, count in scheduler_output.num_scheduled_tokens.items():
-            scheduled[self.rows[req_id]] = count
+        counts = scheduler_output.num_scheduled_tokens
+        scheduled[np.fromiter(map(self.rows.__getitem__, counts), np.int64, len(counts))] = list(counts.values())
         for req_id, ids in scheduler_output.scheduled_spec_decode_tokens.items():
             if len(ids) > width:
                 raise ValueError(f"scheduled_spec_decode_tokens[{req_id!r}] has {len(ids)} drafts, more than "

@@ -209,16 +209,16 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
         for request in requests.arrivals(number):
             scheduler.add_request(request)
         so = scheduler.schedule()
-        if so.total_num_scheduled_tokens == 0:
+        if so.total_num_scheduled_tokens == 0:  # finished requests only: both sides update, neither prepares
+            adapter.step(so)
+            runner.update_only(so, v2_mode)
             if pending:
                 scheduler.update_from_output(*pending)
                 pending = None
             continue
         count_coverage(stats, so)
         step = adapter.step(so)
-        if v2_mode:
-            runner.forget(so.preempted_req_ids or ())
-        vllm = runner.prepare(as_v1_output(so) if v2_mode else so)
+        vllm = runner.prepare(as_v1_output(so) if v2_mode else so, v2_mode)
         ours = host_step(adapter, step)
         compare_step(cmp, number, adapter, step, ours, vllm)
         negative_controls(report["caught"], label, number, adapter, step, ours, vllm)
@@ -235,6 +235,9 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
         scheduler.update_from_output(so, output)
         if work.num_speculative_tokens:
             scheduler.update_draft_token_ids(DraftTokenIds(*runner.propose_drafts(vllm, sampled)))
+    leaked = set(adapter.rows) - set(scheduler.requests)  # a finished request must not keep its row
+    if leaked:
+        cmp.mismatches.append(f"[{label}] rows kept by finished requests {sorted(leaked)}")
     errors = adapter.batch.errors()
     if any(errors.values()):
         cmp.mismatches.append(f"[{label}] device error bits {errors}")

@@ -55,8 +55,18 @@ class V1Runner:
         self.num_groups = len(config.kv_cache_groups)
         self.ngram = load_vllm_ngram() if work.num_speculative_tokens else None
 
-    def prepare(self, scheduler_output) -> dict:
-        """``_update_states`` + ``_prepare_inputs``; the step's fields, per request in batch order."""
+    def update_only(self, scheduler_output, v2_mode: bool = False) -> None:
+        """A step that schedules nothing: ``execute_model`` runs ``_update_states`` and returns."""
+        if v2_mode:
+            self.forget(scheduler_output.preempted_req_ids or ())
+        with cpu_platform_stubs():
+            self.runner._update_states(scheduler_output)
+
+    def prepare(self, scheduler_output, v2_mode: bool = False) -> dict:
+        """``_update_states`` + ``_prepare_inputs``; the step's fields, per request in batch order. Under V2
+        (``v2_mode``) preempted requests are dropped first (`forget`)."""
+        if v2_mode:
+            self.forget(scheduler_output.preempted_req_ids or ())
         runner, batch = self.runner, self.runner.input_batch
         with cpu_platform_stubs():
             runner._update_states(scheduler_output)
