@@ -72,7 +72,7 @@ class ServingBatch:
 
     def pack(self, updates: StepUpdates) -> PackedStep:
         """``updates`` (checked by the caller) as the buffers to send; counts their bytes."""
-        packed = pack_step(self.config, updates, self.rows.num_blocks)
+        packed = pack_step(self.config, updates, self.rows.table_blocks)
         self.h2d_bytes += packed.nbytes
         self.changed_words += packed.changed_words
         return packed

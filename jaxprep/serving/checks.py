@@ -31,12 +31,12 @@ class InvalidUpdateError(InvalidBatchError):
 
 @dataclasses.dataclass
 class HostRows:
-    """Host copies of the per-row counters (int64 [max_num_reqs] each; ``num_blocks`` per table)."""
+    """Host copies of the per-row counters (int64 [max_num_reqs] each; ``table_blocks`` per table)."""
 
     num_tokens: np.ndarray
     stop_len: np.ndarray
     num_computed_tokens: np.ndarray
-    num_blocks: np.ndarray  # [max_num_reqs, tables] (`table_names`)
+    table_blocks: np.ndarray  # [max_num_reqs, tables] blocks of each table (`table_names`)
     num_scheduled_tokens: np.ndarray
     num_draft_tokens: np.ndarray
     pending_drafts: np.ndarray  # drafts whose fate the host has not learnt; -1: not pending
@@ -44,7 +44,7 @@ class HostRows:
     @classmethod
     def empty(cls, num_rows: int, num_tables: int = 1) -> HostRows:
         rows = {f.name: np.zeros(num_rows, np.int64) for f in dataclasses.fields(cls)}
-        rows.update(num_blocks=np.zeros((num_rows, num_tables), np.int64),
+        rows.update(table_blocks=np.zeros((num_rows, num_tables), np.int64),
                     pending_drafts=np.full(num_rows, -1, np.int64))
         return cls(**rows)
 
@@ -58,6 +58,11 @@ class HostRows:
     @property
     def busy(self) -> np.ndarray:
         return self.num_tokens > 0
+
+    @property
+    def num_blocks(self) -> np.ndarray:
+        """[max_num_reqs] blocks of KV group 0 (a view of ``table_blocks``)."""
+        return self.table_blocks[:, 0]
 
     @property
     def pending(self) -> np.ndarray:
@@ -117,9 +122,9 @@ def _group_block_sizes(config: ServingConfig) -> list[int]:
 
 def _check_blocks_cover(where: str, rows: HostRows, row: int, tokens: int, config: ServingConfig, what: str) -> None:
     for g, size in enumerate(_group_block_sizes(config)):
-        if cdiv(tokens, size) > rows.num_blocks[row, g]:
+        if cdiv(tokens, size) > rows.table_blocks[row, g]:
             _fail(f"{where}: {what}={tokens} needs {cdiv(tokens, size)} blocks of {size} in "
-                  f"{table_names(config)[g]}, the row holds {int(rows.num_blocks[row, g])}")
+                  f"{table_names(config)[g]}, the row holds {int(rows.table_blocks[row, g])}")
 
 
 def _finish(rows: HostRows, payload, config: ServingConfig) -> None:
@@ -148,7 +153,7 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
                   f"<= max_model_len={prep.max_model_len}")
         check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
         _check_tables(where, entry.block_ids, config)
-        rows.num_blocks[entry.row] = [len(b) for b in entry.block_ids]
+        rows.table_blocks[entry.row] = [len(b) for b in entry.block_ids]
         if not 0 <= computed < num_tokens:
             _fail(f"{where}: num_computed_tokens={computed} must lie in [0, num_tokens={num_tokens})")
         _check_blocks_cover(where, rows, entry.row, computed, config, "num_computed_tokens")
@@ -211,7 +216,7 @@ def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
             _fail(f"{where}: num_computed_tokens={computed} is outside [0, num_tokens={num_tokens}]")
         if entry.block_ids is not None:
             _check_tables(where, entry.block_ids, config)
-            rows.num_blocks[row] = [len(b) for b in entry.block_ids]
+            rows.table_blocks[row] = [len(b) for b in entry.block_ids]
         _check_blocks_cover(where, rows, row, computed, config, "num_computed_tokens")
         if entry.prefill_len is not None and not 0 <= entry.prefill_len <= num_tokens:
             _fail(f"{where}: prefill_len={entry.prefill_len} is outside [0, num_tokens={num_tokens}]")
@@ -231,8 +236,8 @@ def _append(rows: HostRows, payload, config: ServingConfig) -> None:
             _fail(f"AppendBlocks.rows: row {row} holds no request")
         tables = [np.zeros(0, np.int64)] * num_tables
         tables[table] = ids
-        _check_tables(where, tables, config, used=rows.num_blocks[row])
-        rows.num_blocks[row, table] += len(ids)
+        _check_tables(where, tables, config, used=rows.table_blocks[row])
+        rows.table_blocks[row, table] += len(ids)
 
 
 def _lora_slots(rows: HostRows, slots, config: ServingConfig) -> None:
@@ -283,7 +288,7 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
              f"exceeds max_model_len={prep.max_model_len}")
     for g, size in enumerate(_group_block_sizes(config)):
         needed = -(-seq_lens // size)
-        _require(~active | (needed <= rows.num_blocks[:, g]),
+        _require(~active | (needed <= rows.table_blocks[:, g]),
                  f"blocks of {table_names(config)[g]} needed by num_computed_tokens + num_scheduled_tokens",
                  needed, "exceeds the row's allocated blocks: append its blocks first")
     samples = active & (seq_lens >= rows.num_tokens)

@@ -189,7 +189,7 @@ class PackedStep:
 
 def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np.ndarray) -> PackedStep:
     """``updates`` (checked) as buffers of the ladder. ``num_blocks_before`` [max_num_reqs, tables]:
-    the rows' block counts before the update (`HostRows.num_blocks`), to place the appended blocks."""
+    the rows' block counts before the update (`HostRows.table_blocks`), to place the appended blocks."""
     items, changed = _items(config, updates, np.array(num_blocks_before, np.int64))
     step_cap, top = step_payload_buckets(config)[-1], payload_buckets(config)[-1]
     total = HEADER_WORDS + sum(item[-1] for item in items)

@@ -110,7 +110,7 @@ class ShardedServingBatch:
     def packed(self, updates: list[StepUpdates]) -> ShardedPacked:
         """Every rank's packed updates: the buffers applied before the step (as many as the rank
         that needs most; an empty buffer for the others) and the step's, each one array sharded by rank."""
-        packs = [pack_step(self.config, u, rows.num_blocks) for u, rows in zip(updates, self.rows, strict=True)]
+        packs = [pack_step(self.config, u, rows.table_blocks) for u, rows in zip(updates, self.rows, strict=True)]
         depth = max(len(p.before) for p in packs)
         before = [self._stacked([p.before[i] if i < len(p.before) else p.step[:0] for p in packs])
                   for i in range(depth)]

@@ -56,8 +56,8 @@ def test_updates_too_big_for_the_step_buffer_go_first():
     rest first, through `transitions.apply_packed`; the outputs still equal the dense recomputation."""
     prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=2, num_blocks=40)
     config = ServingConfig(prep=prep, eos_token_id=EOS, decode_steps=4)
-    workload = random_workload(5, num_requests=12, vocab_size=MODEL.vocab_size, prompt_len=(1, 12),
-                               max_tokens=(4, 12))
+    workload = random_workload(5, num_requests=12, vocab_size=MODEL.vocab_size, prompt_len=(10, 20),
+                               max_tokens=(2, 10))
     engine = Engine(config, MODEL, seed=4)
     first_buffers = []
     pack = engine.batch.pack

@@ -121,8 +121,9 @@ def test_bad_admission_payload_is_rejected_before_dispatch():
     add = AddRequests.build(serving, [dict(row=0, token_ids=[3, 4], stop_len=6, block_ids=[1],
                                            sampling=SamplingParams(temperature=0.5))])
     before = batch.state
-    bad = dataclasses.replace(add.sampling, top_p=np.array([np.float32(1.5).view(np.int32)] * 2, np.int32))
+    entry = add.entries[0]
+    bad = dataclasses.replace(entry, sampling=dict(entry.sampling, top_p=1.5))  # a payload built by hand
     with pytest.raises(InvalidUpdateError, match=r"AddRequests.sampling.top_p at row 0 is 1.5, which is not in \(0, 1"):
-        batch.add_requests(dataclasses.replace(add, sampling=bad))
+        batch.add_requests(dataclasses.replace(add, entries=(bad,)))
     assert batch.state is before and not before.num_tokens.is_deleted()
     batch.apply_updates(StepUpdates.build(serving, add=[dict(row=0, token_ids=[3, 4], stop_len=6, block_ids=[1])]))

@@ -42,7 +42,7 @@ def assert_matches_reference(batch: ServingBatch, expected: dict) -> None:
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     for name in ("num_tokens", "stop_len", "num_computed_tokens"):
         np.testing.assert_array_equal(getattr(batch.rows, name), expected[name], err_msg=f"host mirror {name}")
-    np.testing.assert_array_equal(batch.rows.num_blocks[:, 0], expected["num_blocks"], err_msg="host mirror num_blocks")
+    np.testing.assert_array_equal(batch.rows.num_blocks, expected["num_blocks"], err_msg="host mirror num_blocks")
 
 
 def random_add(rng, free_rows):
@@ -60,7 +60,7 @@ def random_add(rng, free_rows):
 def random_append(rng, rows):
     appends, total = {}, 0
     for row in np.flatnonzero(rows.busy):
-        room = min(PREP.max_blocks_per_req - int(rows.num_blocks[row, 0]), CONFIG.max_block_appends_per_step - total)
+        room = min(PREP.max_blocks_per_req - int(rows.num_blocks[row]), CONFIG.max_block_appends_per_step - total)
         count = int(rng.integers(0, room + 1))
         if count:
             appends[int(row)] = rng.integers(1, PREP.num_blocks, count).tolist()
@@ -74,7 +74,7 @@ def random_schedule(rng, rows):
     budget = PREP.max_num_batched_tokens
     for row in rng.permutation(np.flatnonzero(rows.busy)):
         computed, num_tokens = int(rows.num_computed_tokens[row]), int(rows.num_tokens[row])
-        room = min(rows.num_blocks[row, 0] * PREP.block_size, PREP.max_model_len) - computed
+        room = min(rows.num_blocks[row] * PREP.block_size, PREP.max_model_len) - computed
         if computed == num_tokens - 1 and rng.random() < 0.5:
             d = int(rng.integers(1, CONFIG.num_speculative_tokens + 1))
             if d + 1 <= min(room, budget) and num_tokens + d + 1 <= PREP.max_model_len:
@@ -143,9 +143,9 @@ def test_fused_updates_match_reference():
     mirror = batch.rows.copy()
     for name in ("num_tokens", "num_computed_tokens"):
         getattr(mirror, name)[:] = ref.add(rows_after_finish, add)[name]
-    mirror.num_blocks[:, 0] = ref.add(rows_after_finish, add)["num_blocks"]
+    mirror.num_blocks[:] = ref.add(rows_after_finish, add)["num_blocks"]
     append = random_append(rng, mirror)
-    mirror.num_blocks[:, 0] = ref.append(ref.add(rows_after_finish, add), append)["num_blocks"]
+    mirror.num_blocks[:] = ref.append(ref.add(rows_after_finish, add), append)["num_blocks"]
     schedule = random_schedule(rng, mirror)
     batch.apply_updates(StepUpdates(finish=finish, add=add, append=append, schedule=schedule,
                                     decode_steps=np.ones(1, np.int32)))
