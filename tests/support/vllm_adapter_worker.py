@@ -243,7 +243,7 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     if any(errors.values()):
         cmp.mismatches.append(f"[{label}] device error bits {errors}")
     report["workloads"][label] = dict(stats, v2_mode=scheduler.use_v2_model_runner, compared=sorted(cmp.compared),
-                                      h2d_bytes=adapter.batch.h2d_bytes,
+                                      h2d_bytes=adapter.batch.h2d_bytes, changed_words=adapter.batch.changed_words,
                                       seconds=round(time.perf_counter() - started, 1))
     report["mismatches"] += cmp.mismatches[:40]
 
