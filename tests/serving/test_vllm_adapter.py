@@ -2,7 +2,7 @@
 
 The parity test drives vLLM 0.33.0's real ``Scheduler`` / ``AsyncScheduler`` in a subprocess
 (tests/support/vllm_adapter_worker.py) and compares every step with vLLM V1's ``_update_states`` +
-``_prepare_inputs``. The unit tests below feed hand-written scheduler outputs with vLLM's field names
+``_prepare_inputs`` and, in V2 runner mode, with MRV2's input kernels (Triton's CPU interpreter). The unit tests below feed hand-written scheduler outputs with vLLM's field names
 (`SimpleNamespace` stand-ins of `vllm/v1/core/sched/output.py::SchedulerOutput`, so they run without vLLM)
 and check issue 21's defects 1-6 through the adapter against worked examples.
 """
@@ -238,6 +238,7 @@ def test_the_runs_cover_issue_21s_workloads(parity_report):
     assert max(run["max_admissions"] for run in runs.values()) >= 6
     assert any("async" in name for name in runs)
     assert all("slot_mapping.1" in run["compared"] for name, run in runs.items() if "sliding window" in name)
+    assert all("v2.input_ids" in run["compared"] for run in v2.values())  # MRV2's kernels, V2's batch order
 
 
 def test_a_shifted_value_in_any_compared_field_is_caught(parity_report):

@@ -8,7 +8,8 @@ workload runs in both scheduler modes: ``VLLM_USE_V2_MODEL_RUNNER`` is set befor
 comes back in ``resumed_req_ids`` with ``all_token_ids``); 1, to V2 (it is re-sent as a new request).
 
 Every step: ``scheduler.schedule()`` -> the adapter (one `StepUpdates`, prepare) and the runner
-(``_update_states`` + ``_prepare_inputs``) -> per request, every field compared -> the fake model's
+(``_update_states`` + ``_prepare_inputs``), and under V2 also MRV2's input kernels in V2's batch order
+(`v2_kernels`) -> per request, every field compared -> the fake model's
 tokens recorded on both sides (the adapter's on the device, no host read) -> ``update_from_output``
 with the adapter's ``ModelRunnerOutput``, and under n-gram spec decode vLLM's n-gram drafts back to the
 scheduler. Under async scheduling the output of step N reaches the scheduler after step N + 1 is
@@ -41,7 +42,7 @@ import numpy as np  # noqa: E402
 import jaxprep  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
 from jaxprep.serving.vllm import VllmAdapter  # noqa: E402
-from support.vllm_scheduler import WORKLOADS, Requests, Workload, make_scheduler  # noqa: E402
+from support.vllm_scheduler import WORKLOADS, Requests, Workload, fake_token, make_scheduler  # noqa: E402
 from support.vllm_v1_runner import V1Runner  # noqa: E402
 
 MAX_NUM_BATCHED_TOKENS = max(w.max_num_batched_tokens for w in WORKLOADS)
@@ -108,8 +109,12 @@ def host_step(adapter: VllmAdapter, step) -> dict:
     return {k: np.asarray(v) for k, v in out.items()}
 
 
-def compare_step(cmp: Comparison, number: int, adapter: VllmAdapter, step, ours: dict, vllm: dict) -> None:
-    """Every field, request by request (the two batches may order requests differently)."""
+def compare_step(cmp: Comparison, number: int, adapter: VllmAdapter, step, ours: dict, vllm: dict,
+                 v2: dict | None = None) -> None:
+    """Every field, request by request (the two batches may order requests differently); ``v2``: MRV2's
+    kernels on the same step (`v2_kernels`), compared too."""
+    if v2 is not None:
+        compare_v2(cmp, number, step, ours, v2, vllm["req_ids"])
     cmp.check(number, "-", "batch_order", ours["idx_mapping"][:len(step.req_ids)],
               [adapter.rows[r] for r in step.req_ids])
     if sorted(step.req_ids) != sorted(vllm["req_ids"]):
@@ -142,6 +147,48 @@ def compare_step(cmp: Comparison, number: int, adapter: VllmAdapter, step, ours:
             cmp.check(number, req_id, "lora_ids", ours["lora_ids"][row], vllm["lora_ids"][i])
             cmp.check(number, req_id, "lora.token_lora_mapping", ours["lora.token_lora_mapping"][mine],
                       vllm["token_lora_mapping"][theirs])
+
+
+def v2_kernels(so, vllm: dict, runner: V1Runner, num_speculative_tokens: int) -> dict:
+    """MRV2's input kernels (tests/support/vllm_v2_worker.py: ``sort_batch_req_ids``, ``prepare_prefill_inputs``,
+    ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``) on V2's per-slot state, a slot per V1 batch
+    row: the token table (prompt, outputs, then the drafts), ``num_computed_tokens`` and ``prefill_len`` (the
+    tokens a request was admitted with: V2's re-sent requests carry their outputs)."""
+    from support.vllm_v2_worker import run as run_v2_kernels
+
+    batch, slot = runner.runner.input_batch, {r: i for i, r in enumerate(vllm["req_ids"])}
+    n = len(slot)
+    table = batch.token_ids_cpu[:n].copy()
+    # async scheduling: V1 keeps last step's samples on the device (-1 in its host table); V2 writes them
+    # into its device table. Every sampled token of the fake model at position p is fake_token(request, p).
+    for i, p in zip(*np.nonzero(table == -1)):
+        table[i, p] = fake_token(vllm["req_ids"][i], int(p))
+    return run_v2_kernels(dict(
+        num_speculative_tokens=num_speculative_tokens, num_tokens_padded=so.total_num_scheduled_tokens,
+        token_ids=table, num_computed_tokens=batch.num_computed_tokens_cpu[:n],
+        prefill_len=batch.num_prompt_tokens[:n],
+        scheduled=[(slot[r], count) for r, count in so.num_scheduled_tokens.items()],  # scheduler order
+        drafts=[(slot[r], ids) for r, ids in so.scheduled_spec_decode_tokens.items()]))
+
+
+def compare_v2(cmp: Comparison, number: int, step, ours: dict, v2: dict, req_ids: list[str]) -> None:
+    """Per request, in V2's batch order: input ids, positions, seq_lens and logits rows."""
+    qsl, cu = v2["query_start_loc"], v2["cu_num_logits"]
+    input_ids, positions = np.asarray(v2["input_ids"]), np.asarray(v2["positions"])
+    for k, slot in enumerate(v2["idx_mapping"]):
+        req_id = req_ids[slot]
+        b = step.req_id_to_index[req_id]
+        mine, theirs = slice(ours["qsl"][b], ours["qsl"][b + 1]), slice(qsl[k], qsl[k + 1])
+        cmp.check(number, req_id, "v2.input_ids", ours["input_ids"][mine], input_ids[theirs])
+        cmp.check(number, req_id, "v2.positions", ours["positions"][mine], positions[theirs])
+        cmp.check(number, req_id, "v2.seq_lens", ours["seq_lens"][b], v2["seq_lens"][k])
+        if "spec.cu_num_sampled_tokens" in ours:
+            cu_ours = ours["spec.cu_num_sampled_tokens"]
+            logits = ours["spec.logits_indices"][(cu_ours[b - 1] if b else 0):cu_ours[b]]
+        else:
+            logits = ours["logits_indices"][b:b + 1]
+        cmp.check(number, req_id, "v2.logits_indices", np.asarray(logits) - mine.start,
+                  np.asarray(v2["logits_indices"][cu[k]:cu[k + 1]]) - theirs.start)
 
 
 def v2_nulled(adapter: VllmAdapter, g: int, vllm: dict, i: int) -> np.ndarray:
@@ -219,9 +266,10 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
         count_coverage(stats, so)
         step = adapter.step(so)
         vllm = runner.prepare(as_v1_output(so) if v2_mode else so, v2_mode)
+        v2 = v2_kernels(so, vllm, runner, work.num_speculative_tokens) if v2_mode else None
         ours = host_step(adapter, step)
-        compare_step(cmp, number, adapter, step, ours, vllm)
-        negative_controls(report["caught"], label, number, adapter, step, ours, vllm)
+        compare_step(cmp, number, adapter, step, ours, vllm, v2)
+        negative_controls(report["caught"], label, number, adapter, step, ours, vllm, v2)
         sampled = runner.sampled(vllm)
         runner.record(so, vllm, sampled)
         by_id = dict(zip(vllm["req_ids"], sampled))
@@ -248,11 +296,11 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     report["mismatches"] += cmp.mismatches[:40]
 
 
-def negative_controls(caught: dict, label: str, number: int, adapter, step, ours: dict, vllm: dict) -> None:
+def negative_controls(caught: dict, label: str, number: int, adapter, step, ours: dict, vllm: dict, v2) -> None:
     """Each field compared again with jaxprep's value shifted by one: counts the steps that catch it."""
     for field in FIELDS:
         shifted = Comparison(label, corrupt=field)
-        compare_step(shifted, number, adapter, step, ours, vllm)
+        compare_step(shifted, number, adapter, step, ours, vllm, v2)
         if shifted.compared:
             seen = caught.setdefault(field, [0, 0])
             seen[0] += 1
@@ -275,7 +323,7 @@ def count_coverage(stats: dict, so) -> None:
 FIELDS = ("batch_order", "input_ids", "positions", "query_len", "seq_lens", "num_computed_tokens", "slot_mapping.0",
           "slot_mapping.1", "block_table.0", "block_table.1", "discard", "logits_indices", "spec.num_draft_tokens",
           "spec.draft_token_ids", "spec.logits_indices", "spec.target_logits_indices", "spec.bonus_logits_indices",
-          "lora_ids", "lora.token_lora_mapping")
+          "lora_ids", "lora.token_lora_mapping", "v2.input_ids", "v2.positions", "v2.seq_lens", "v2.logits_indices")
 """Every field `compare_step` compares."""
 
 
