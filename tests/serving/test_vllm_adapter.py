@@ -2,9 +2,10 @@
 
 The parity test drives vLLM 0.33.0's real ``Scheduler`` / ``AsyncScheduler`` in a subprocess
 (tests/support/vllm_adapter_worker.py) and compares every step with vLLM V1's ``_update_states`` +
-``_prepare_inputs`` and, in V2 runner mode, with MRV2's input kernels (Triton's CPU interpreter). The unit tests below feed hand-written scheduler outputs with vLLM's field names
-(`SimpleNamespace` stand-ins of `vllm/v1/core/sched/output.py::SchedulerOutput`, so they run without vLLM)
-and check issue 21's defects 1-6 through the adapter against worked examples.
+``_prepare_inputs`` and, in V2 runner mode, with MRV2's input kernels (Triton's CPU interpreter).
+The unit tests below feed hand-written scheduler outputs with vLLM's field names (`SimpleNamespace`
+stand-ins of `vllm/v1/core/sched/output.py::SchedulerOutput`, so they run without vLLM) and check
+issue 21's defects 1-6 through the adapter against worked examples.
 """
 
 from __future__ import annotations
