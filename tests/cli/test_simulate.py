@@ -59,7 +59,8 @@ def test_progress_bars_and_plot(tmp_path, capsys):
     path = tmp_path / "steps.png"
     assert cli.main(["simulate", *SMALL, "--check", "--progress", "always", "--plot", str(path)]) == 0
     err = capsys.readouterr().err
-    assert "warm-up: 2 buckets" in err and "5/5" in err  # buckets (8, 16): the updates + 2 steps + 2 timed preps
+    # buckets (8, 16): the updates at 2 payload rungs (64, 96 words) + 2 steps + 2 timed preps
+    assert "warm-up: 2 buckets" in err and "6/6" in err
     assert "serving" in err and "10/10" in err
     assert "check: dense recompute" in err
     with open(path, "rb") as file:
