@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxprep._constants import NULL_BLOCK_ID, PAD_STATE_ROW
 from jaxprep.config import cdiv
+from jaxprep.serving._values import check_payload_leaves
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.sampling_rows import check_add_sampling
 from jaxprep.serving.state import PAD_ROW, check_token_ids
@@ -174,6 +175,7 @@ def _checked(*steps):
     """A check of a payload: runs ``steps`` on a copy of the mirror, returns the copy."""
 
     def check(rows: HostRows, payload, config: ServingConfig) -> HostRows:
+        check_payload_leaves(payload, InvalidUpdateError)  # 2.7 tokens is an error, never truncated to 2
         rows = rows.copy()
         for step, part in steps:
             step(rows, payload if part is None else getattr(payload, part), config)

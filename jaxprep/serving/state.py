@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import INT32_MAX, NULL_BLOCK_ID
+from jaxprep.serving._values import check_entry, integer, integer_array
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.sampling_rows import AddSampling
 from jaxprep.state import BatchState
@@ -67,7 +68,7 @@ class FinishRequests:
 
     @classmethod
     def build(cls, config: ServingConfig, rows=()) -> FinishRequests:
-        return cls(rows=_padded(rows, config.max_num_reqs))
+        return cls(rows=_padded(rows, config.max_num_reqs, where="FinishRequests.rows"))
 
 
 @jax.tree_util.register_dataclass
@@ -100,6 +101,7 @@ class AddRequests:
                       block_ids=np.full((size, prep.max_blocks_per_req), NULL_BLOCK_ID, np.int32),
                       num_blocks=np.zeros(size, np.int32))
         for i, request in enumerate(requests):
+            check_entry(f"AddRequests entry {i}", request, ("row", "stop_len", "num_computed_tokens"))
             where = f"AddRequests entry {i} (row {request['row']}): token_ids"
             tokens = check_token_ids(where, request["token_ids"], config.token_id_bound)
             blocks = _row_values(request["block_ids"])
@@ -132,7 +134,7 @@ class AppendBlocks:
             raise ValueError(f"AppendBlocks holds at most max_block_appends_per_step={size} blocks, got {len(pairs)}")
         rows, blocks = np.full(size, PAD_ROW, np.int32), np.full(size, NULL_BLOCK_ID, np.int32)
         if pairs:
-            rows[: len(pairs)], blocks[: len(pairs)] = zip(*pairs)
+            rows[: len(pairs)], blocks[: len(pairs)] = integer_array("AppendBlocks (row, block id)", pairs).T
         return cls(rows=rows, block_ids=blocks)
 
 
@@ -149,10 +151,11 @@ class Schedule:
     def build(cls, config: ServingConfig, num_scheduled_tokens=None, num_draft_tokens=None,
               draft_token_ids=None) -> Schedule:
         rows, width = config.max_num_reqs, config.num_speculative_tokens
-        return cls(num_scheduled_tokens=_padded(num_scheduled_tokens, rows, fill=0),
-                   num_draft_tokens=_padded(num_draft_tokens, rows, fill=0),
-                   draft_token_ids=(np.zeros((rows, width), np.int32) if draft_token_ids is None
-                                    else np.asarray(draft_token_ids, np.int32).reshape(rows, width)))
+        return cls(num_scheduled_tokens=_padded(num_scheduled_tokens, rows, 0, "Schedule.num_scheduled_tokens"),
+                   num_draft_tokens=_padded(num_draft_tokens, rows, 0, "Schedule.num_draft_tokens"),
+                   draft_token_ids=integer_array("Schedule.draft_token_ids", np.zeros((rows, width), np.int32)
+                                                 if draft_token_ids is None else draft_token_ids
+                                                 ).astype(np.int32).reshape(rows, width))
 
 
 @jax.tree_util.register_dataclass
@@ -176,12 +179,12 @@ class StepUpdates:
         return cls(finish=FinishRequests.build(config, finish), add=AddRequests.build(config, add),
                    append=AppendBlocks.build(config, append),
                    schedule=Schedule.build(config, num_scheduled_tokens, num_draft_tokens, draft_token_ids),
-                   decode_steps=np.array([decode_steps], np.int32))
+                   decode_steps=np.array([integer("StepUpdates.decode_steps", decode_steps)], np.int32))
 
 
-def _padded(values, size: int, fill: int = PAD_ROW) -> np.ndarray:
+def _padded(values, size: int, fill: int = PAD_ROW, where: str = "payload") -> np.ndarray:
     """A [size] int32 array holding ``values`` then ``fill``."""
-    values = np.asarray([] if values is None else values, np.int64).ravel()
+    values = integer_array(where, values).ravel()  # 2.7 is an error, never truncated to 2
     if len(values) > size:
         raise ValueError(f"got {len(values)} entries, the payload holds {size}")
     out = np.full(size, fill, np.int32)
