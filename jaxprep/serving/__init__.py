@@ -14,8 +14,9 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.engine import Engine, LoopStats
 from jaxprep.serving.model import KVCache, ModelConfig, ServingModel, dense_forward, init_params, paged_forward
 from jaxprep.serving.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
-from jaxprep.serving.state import (PAD_ROW, AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState,
-                                   StepUpdates)
+from jaxprep.serving.packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
+from jaxprep.serving.state import (ERROR_BITS, PAD_ROW, AddRequests, AppendBlocks, FinishRequests, ResumeRequests,
+                                   Schedule, ServingState, StepUpdates, table_names)
 from jaxprep.serving.step import NO_TOKEN, serve_step, update_and_prepare
 from jaxprep.serving.workload import DenseCheck, Workload, check_against_dense, random_workload
 
@@ -25,4 +26,5 @@ __all__ = [
     "Scheduler", "SchedulerOutput", "ServingBatch", "ServingConfig", "ServingModel", "ServingState", "StepUpdates",
     "Workload", "check_against_dense", "dense_forward", "init_params", "paged_forward", "update_and_prepare",
     "random_workload", "serve_step",
+    "ERROR_BITS", "PackedStep", "ResumeRequests", "pack_step", "payload_buckets", "step_payload_buckets", "table_names",
 ]

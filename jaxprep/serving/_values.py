@@ -7,6 +7,7 @@ before anything is queued or stored.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import numpy as np
@@ -55,15 +56,22 @@ def integer_array(where: str, values, error: type[Exception] = ValueError) -> np
     return array.astype(np.int64)
 
 
-def check_payload_leaves(payload, error: type[Exception] = ValueError) -> None:
-    """Every array of an update payload (a pytree of dataclasses, built by hand or by ``build``)
-    holds integers (`integer_array`), so no check reads a truncated value. Integer arrays pass as
-    they are: the payload checks bound each field (an int64 2**40 token id is named there)."""
-    import jax
-
-    for path, leaf in jax.tree_util.tree_leaves_with_path(payload):
-        if np.asarray(leaf).dtype.kind not in "iu":
-            integer_array(f"{type(payload).__name__}{jax.tree_util.keystr(path)}", leaf, error)
+def check_payload_leaves(payload, error: type[Exception] = ValueError, where: str | None = None) -> None:
+    """Every number of an update payload (dataclasses of arrays, ints and tuples, built by hand or by
+    ``build``) is an integer, so no check reads a truncated value: a float array (or a Python float)
+    with a fraction, NaN or inf raises ``error`` naming the field. Integer and bool arrays pass as
+    they are (the payload checks bound each field); dicts (sampling rows) are checked where they are built."""
+    where = type(payload).__name__ if where is None else where
+    if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
+        for field in dataclasses.fields(payload):
+            check_payload_leaves(getattr(payload, field.name), error, f"{where}.{field.name}")
+    elif isinstance(payload, (tuple, list)):
+        for i, value in enumerate(payload):
+            check_payload_leaves(value, error, f"{where}[{i}]")
+    elif isinstance(payload, float):
+        integer_array(where, [payload], error)
+    elif isinstance(payload, np.ndarray) and payload.dtype.kind in "fcO":
+        integer_array(where, payload, error)
 
 
 def check_entry(where: str, entry: dict, names: tuple[str, ...]) -> None:

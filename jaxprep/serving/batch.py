@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
+from jaxprep.prepare import prepare_padded
 from jaxprep.serving import checks, transitions
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import pack_updates
-from jaxprep.serving.state import AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState, StepUpdates
+from jaxprep.serving.packing import PackedStep, pack_step
+from jaxprep.serving.state import (
+    ERROR_BITS,
+    AddRequests,
+    AppendBlocks,
+    FinishRequests,
+    ResumeRequests,
+    Schedule,
+    ServingState,
+    StepUpdates,
+)
 from jaxprep.serving.step import AppendedTokens, serve_step
 
 
@@ -18,6 +29,7 @@ class ServingBatch:
     Every method checks its payload on the host first and raises `InvalidUpdateError` before
     anything is dispatched, so on error ``state`` is still the old, live state. On success the old
     state's buffers are donated: use ``batch.state``, never a reference kept from before.
+    ``h2d_bytes`` adds up the bytes of every update buffer sent to the device.
     """
 
     def __init__(self, config: ServingConfig, state: ServingState | None = None):
@@ -25,38 +37,86 @@ class ServingBatch:
             raise ValueError("ServingBatch starts from an empty state (its host mirror starts empty)")
         self.config = config
         self.state = ServingState.empty(config) if state is None else state
-        self.rows = checks.HostRows.empty(config.max_num_reqs)
+        self.rows = checks.HostRows.for_config(config)
+        self.h2d_bytes = 0  # bytes of the update buffers sent, all calls together
+        self.changed_words = 0  # state entries those updates wrote
 
-    def finish_requests(self, payload: FinishRequests) -> None:
-        self._apply(checks.check_finish(self.rows, payload, self.config), transitions.finish, payload)
-
-    def add_requests(self, payload: AddRequests) -> None:
-        self._apply(checks.check_add(self.rows, payload, self.config), transitions.add, payload)
-
-    def append_block_ids(self, payload: AppendBlocks) -> None:
-        self._apply(checks.check_append(self.rows, payload, self.config), transitions.append, payload)
-
-    def schedule(self, payload: Schedule) -> None:
-        self._apply(checks.check_schedule(self.rows, payload, self.config), transitions.schedule, payload)
+    # --- updates ---------------------------------------------------------------------------
 
     def apply_updates(self, updates: StepUpdates) -> None:
-        """finish, add, append and schedule in one dispatch."""
-        self._apply(checks.check_updates(self.rows, updates, self.config), transitions.apply_updates, updates)
-
-    def record_sampled(self, idx_mapping, sampled_token_ids, num_sampled) -> None:
-        """Records one step's sampled tokens (``sampled_token_ids`` [R_pad, n], ``num_sampled`` [R_pad])."""
-        idx_mapping, num_sampled = np.asarray(idx_mapping, np.int32), np.asarray(num_sampled, np.int32)
-        sampled_token_ids = np.asarray(sampled_token_ids, np.int32)
-        rows = checks.check_record(self.rows, idx_mapping, sampled_token_ids, num_sampled, self.config)
-        self.state = transitions.record_sampled(self.state, idx_mapping, sampled_token_ids, num_sampled)
+        """finish, add, resume, append, lora_slots and schedule: checked, then one dispatch per buffer."""
+        rows = checks.check_updates(self.rows, updates, self.config)
+        packed = self.pack(updates)
+        for buffer in packed.buffers:
+            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
         self.rows = rows
 
+    def finish_requests(self, payload: FinishRequests) -> None:
+        self.apply_updates(_only(self.config, finish=payload))
+
+    def add_requests(self, payload: AddRequests) -> None:
+        self.apply_updates(_only(self.config, add=payload))
+
+    def resume_requests(self, payload: ResumeRequests) -> None:
+        self.apply_updates(_only(self.config, resume=payload))
+
+    def append_block_ids(self, payload: AppendBlocks) -> None:
+        self.apply_updates(_only(self.config, append=payload))
+
+    def schedule(self, payload: Schedule) -> None:
+        self.apply_updates(_only(self.config, schedule=payload))
+
+    def pack(self, updates: StepUpdates) -> PackedStep:
+        """``updates`` (checked by the caller) as the buffers to send; counts their bytes."""
+        packed = pack_step(self.config, updates, self.rows.num_blocks)
+        self.h2d_bytes += packed.nbytes
+        self.changed_words += packed.changed_words
+        return packed
+
+    # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
+
+    def prepare(self, num_tokens_padded: int):
+        """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""
+        return prepare_padded(self.state.batch, self.config.prep, num_tokens_padded)
+
+    def record_sampled(self, idx_mapping, sampled_token_ids, num_sampled) -> None:
+        """Records one step's samples (``idx_mapping`` [B], ``sampled_token_ids`` [B, n] or [B],
+        ``num_sampled`` [B]).
+
+        Host arrays are checked (shapes, rows, counts, token ids against vocab_size) and the mirror
+        advances exactly. Device arrays (`jax.Array`) are never read: only their shapes are checked;
+        the device sets `ServingState.errors` bits for values it cannot take (`errors`), and the
+        mirror advances by what the host knows (`checks.advance_unread`): rows with drafts become
+        pending until a `ResumeRequests` entry states their ``num_computed_tokens``.
+        """
+        arrays = (idx_mapping, sampled_token_ids, num_sampled)
+        bound = None if self.config.vocab_size is None else self.config.vocab_size
+        if any(isinstance(a, jax.Array) for a in arrays):
+            idx_mapping, sampled_token_ids, num_sampled = _device_shapes(*arrays)
+            rows = checks.advance_unread(self.rows, self.config)
+        else:
+            rows = checks.check_record(self.rows, *arrays, self.config)
+            idx_mapping, num_sampled = (np.asarray(a, np.int32) for a in (idx_mapping, num_sampled))
+            sampled_token_ids = np.asarray(sampled_token_ids, np.int64).astype(np.int32)
+            if sampled_token_ids.ndim == 1:
+                sampled_token_ids = sampled_token_ids[:, None]
+        self.state = transitions.record_sampled(self.state, idx_mapping, sampled_token_ids, num_sampled,
+                                                vocab_bound=bound)
+        self.rows = rows
+
+    def errors(self) -> dict[str, bool]:
+        """The device's error word read back (a host read): which `ERROR_BITS` are set."""
+        word = int(np.asarray(self.state.errors)[0])
+        return {name: bool(word & bit) for name, bit in ERROR_BITS.items()}
+
+    # --- jaxprep's own serving step ------------------------------------------------------------
+
     def serve(self, kv_cache: KVCache, params, updates: StepUpdates, *, model: ServingModel,
-              num_tokens_padded: int, packed: np.ndarray | None = None) -> tuple[KVCache, np.ndarray]:
+              num_tokens_padded: int, packed: PackedStep | None = None) -> tuple[KVCache, np.ndarray]:
         """Checks ``updates``, runs `serve_step` (donating the state and ``kv_cache``) and reads back
         the appended tokens [config.decode_steps, max_num_reqs] (-1 = none).
 
-        ``packed``: ``pack_updates(updates)`` if the caller has it already.
+        ``packed``: ``batch.pack(updates)`` if the caller has it already.
         """
         rows, kv_cache, tokens = self._run(kv_cache, params, updates, model, num_tokens_padded, packed)
         tokens = np.asarray(tokens)
@@ -64,7 +124,7 @@ class ServingBatch:
         return kv_cache, tokens
 
     def dispatch(self, kv_cache: KVCache, params, updates: StepUpdates, predicted: np.ndarray, *,
-                 model: ServingModel, num_tokens_padded: int, packed: np.ndarray | None = None):
+                 model: ServingModel, num_tokens_padded: int, packed: PackedStep | None = None):
         """`serve` without waiting: returns the KV cache and the step's tokens as a device array, and
         advances the mirror by ``predicted`` ([1, max_num_reqs]: the rows that will append a token,
         `jaxprep.serving.overlap.predicted_tokens`). Async scheduling's half of a step."""
@@ -78,14 +138,37 @@ class ServingBatch:
     def _run(self, kv_cache, params, updates, model, num_tokens_padded, packed):
         rows = checks.check_updates(self.rows, updates, self.config)
         checks.check_step(rows, int(np.asarray(updates.decode_steps)[0]), num_tokens_padded, self.config)
-        packed = pack_updates(updates) if packed is None else packed
-        self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed, config=self.config,
+        packed = self.pack(updates) if packed is None else packed
+        for buffer in packed.before:
+            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
+        self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed.step, config=self.config,
                                                   model=model, num_tokens_padded=num_tokens_padded)
         return rows, kv_cache, tokens
 
-    def _apply(self, rows: checks.HostRows, update, payload) -> None:
-        self.state = update(self.state, payload)
-        self.rows = rows
+
+def _only(config: ServingConfig, **parts) -> StepUpdates:
+    """A `StepUpdates` with only ``parts``; without a schedule the scheduled counts are kept."""
+    empty = StepUpdates.build(config)
+    fields = dict(finish=empty.finish, add=empty.add, resume=empty.resume, append=empty.append, schedule=None,
+                  decode_steps=empty.decode_steps)
+    return StepUpdates(**{**fields, **parts})
+
+
+def _device_shapes(idx_mapping, sampled_token_ids, num_sampled):
+    """Shape checks of device arrays (no read): [B], [B, n] (or [B]), [B], integers."""
+    arrays = [jax.numpy.asarray(a) for a in (idx_mapping, sampled_token_ids, num_sampled)]
+    names = ("idx_mapping", "sampled_token_ids", "num_sampled")
+    for name, array in zip(names, arrays):
+        if not jax.numpy.issubdtype(array.dtype, jax.numpy.integer):
+            raise checks.InvalidUpdateError(f"record_sampled.{name} must hold integers, got dtype {array.dtype}")
+    idx, sampled, counts = arrays
+    if sampled.ndim == 1:
+        sampled = sampled[:, None]
+    same_rows = idx.shape[:1] == sampled.shape[:1] == counts.shape[:1]
+    if idx.ndim != 1 or sampled.ndim != 2 or counts.ndim != 1 or not same_rows:
+        raise checks.InvalidUpdateError(f"record_sampled: shapes idx_mapping {idx.shape}, sampled_token_ids "
+                                        f"{sampled.shape}, num_sampled {counts.shape} must be [B], [B, n], [B]")
+    return idx, sampled, counts
 
 
 def check_dispatchable(config: ServingConfig) -> None:

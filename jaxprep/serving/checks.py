@@ -1,9 +1,13 @@
 """Host-side checks of update payloads against a host mirror of the per-row counters.
 
-`HostRows` mirrors the small [max_num_reqs] counters of a `ServingState` (vLLM's CPU
+`HostRows` mirrors the small per-row counters of a `ServingState` (vLLM's CPU
 ``num_computed_tokens_np``): checks read it, never the device, so no check waits on a step. Every
 ``check_*`` function works on a copy and returns it; the caller keeps the copy only if the whole
 update passed, so a failed update leaves both the mirror and the device state as they were.
+
+A row whose step verified drafts is *pending* after a read-free `record_sampled`: how many drafts
+it kept is on the device only. The next update states its ``num_computed_tokens`` (a `resume`
+entry) before the row is scheduled again.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ import dataclasses
 
 import numpy as np
 
-from jaxprep._constants import NULL_BLOCK_ID, PAD_STATE_ROW
+from jaxprep._checks import max_block_id
+from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, NULL_BLOCK_ID, PAD_STATE_ROW
 from jaxprep.config import cdiv
+from jaxprep.features.sampling import FLOAT_PARAMS, check_parameter_bounds
 from jaxprep.serving._values import check_payload_leaves
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.sampling_rows import check_add_sampling
-from jaxprep.serving.state import PAD_ROW, check_token_ids
+from jaxprep.serving.state import check_token_ids, draft_width, num_kv_groups, table_names, table_widths
 from jaxprep.validate import InvalidBatchError
 
 
@@ -27,18 +32,26 @@ class InvalidUpdateError(InvalidBatchError):
 
 @dataclasses.dataclass
 class HostRows:
-    """Host copies of the per-row counters (int64 [max_num_reqs] each)."""
+    """Host copies of the per-row counters (int64 [max_num_reqs] each; ``num_blocks`` per table)."""
 
     num_tokens: np.ndarray
     stop_len: np.ndarray
     num_computed_tokens: np.ndarray
-    num_blocks: np.ndarray
+    num_blocks: np.ndarray  # [max_num_reqs, tables] (`table_names`)
     num_scheduled_tokens: np.ndarray
     num_draft_tokens: np.ndarray
+    pending_drafts: np.ndarray  # drafts whose fate the host has not learnt; -1: not pending
 
     @classmethod
-    def empty(cls, num_rows: int) -> HostRows:
-        return cls(**{f.name: np.zeros(num_rows, np.int64) for f in dataclasses.fields(cls)})
+    def empty(cls, num_rows: int, num_tables: int = 1) -> HostRows:
+        rows = {f.name: np.zeros(num_rows, np.int64) for f in dataclasses.fields(cls)}
+        rows.update(num_blocks=np.zeros((num_rows, num_tables), np.int64),
+                    pending_drafts=np.full(num_rows, -1, np.int64))
+        return cls(**rows)
+
+    @classmethod
+    def for_config(cls, config: ServingConfig) -> HostRows:
+        return cls.empty(config.max_num_reqs, len(table_names(config)))
 
     def copy(self) -> HostRows:
         return HostRows(**{f.name: getattr(self, f.name).copy() for f in dataclasses.fields(self)})
@@ -47,30 +60,67 @@ class HostRows:
     def busy(self) -> np.ndarray:
         return self.num_tokens > 0
 
+    @property
+    def pending(self) -> np.ndarray:
+        return self.pending_drafts >= 0
+
 
 def _fail(message: str):
     raise InvalidUpdateError(message)
 
 
-def _check_rows(name: str, rows: np.ndarray, num_rows: int, pad: int = PAD_ROW) -> np.ndarray:
-    """The real rows of a payload; ``pad`` (-1) is padding, anything else must be a valid row."""
-    rows = np.asarray(rows, np.int64)
-    bad = (rows != pad) & ((rows < 0) | (rows >= num_rows))
+def _check_rows(name: str, rows, num_rows: int, pad: int | None = None) -> np.ndarray:
+    """The rows of a payload, each a valid row named once (``pad`` entries skipped)."""
+    rows = np.asarray(rows, np.int64).ravel()
+    real = rows if pad is None else rows[rows != pad]
+    bad = (real < 0) | (real >= num_rows)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        _fail(f"{name}[{i}] = {int(rows[i])} is outside the rows [0, max_num_reqs={num_rows}) (-1 pads)")
-    real = rows[rows != pad]
+        _fail(f"{name}[{i}] = {int(real[i])} is outside the rows [0, max_num_reqs={num_rows})")
     if len(np.unique(real)) != len(real):
         _fail(f"{name} names a row twice: {real.tolist()}")
     return real
 
 
-def _check_block_ids(name: str, block_ids: np.ndarray, config: ServingConfig) -> None:
-    bad = (block_ids <= NULL_BLOCK_ID) | (block_ids > config.prep.max_block_id)
-    if bad.any():
-        index = tuple(int(i[0]) for i in np.nonzero(bad))
-        _fail(f"{name}{list(index)} = {int(block_ids[index])} is outside the allocatable block ids "
-              f"[1, num_blocks - 1 = {config.prep.max_block_id}] (block 0 is the null block)")
+def _check_tables(where: str, tables, config: ServingConfig, used=None) -> None:
+    """Each table's block count fits its width, and its ids are allocatable in its group (the null
+    block 0 allowed only in sliding-window groups and the Mamba table)."""
+    names, widths = table_names(config), table_widths(config)
+    for t, ids in enumerate(tables):
+        count = len(ids) + (0 if used is None else int(used[t]))
+        if count > widths[t]:
+            _fail(f"{where}: {names[t]} would hold {count} blocks, more than its width {widths[t]}")
+        low, high = _block_bounds(config, t)
+        bad = (ids < low) | (ids > high)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            _fail(f"{where}: {names[t]} block id [{i}] = {int(ids[i])} is outside [{low}, {high}] "
+                  f"({'block 0 is the null block; ' if low else ''}num_blocks - 1 = {high})")
+
+
+def _block_bounds(config: ServingConfig, table: int) -> tuple[int, int]:
+    features, groups = config.prep.features, num_kv_groups(config)
+    if table >= groups:  # the Mamba state blocks
+        return NULL_BLOCK_ID, config.prep.max_block_id
+    if not features.kv_groups or table == 0:
+        spec = features.kv_groups[0] if features.kv_groups else None
+        high = config.prep.max_block_id
+    else:
+        spec = features.kv_groups[table]
+        high = spec.max_block_id if spec.num_blocks is not None else max_block_id(config.num_blocks, spec.block_size)
+    return (NULL_BLOCK_ID if spec is not None and spec.sliding_window else NULL_BLOCK_ID + 1), high
+
+
+def _group_block_sizes(config: ServingConfig) -> list[int]:
+    groups = config.prep.features.kv_groups
+    return [config.block_size] + [g.block_size for g in groups[1:]]
+
+
+def _check_blocks_cover(where: str, rows: HostRows, row: int, tokens: int, config: ServingConfig, what: str) -> None:
+    for g, size in enumerate(_group_block_sizes(config)):
+        if cdiv(tokens, size) > rows.num_blocks[row, g]:
+            _fail(f"{where}: {what}={tokens} needs {cdiv(tokens, size)} blocks of {size} in "
+                  f"{table_names(config)[g]}, the row holds {int(rows.num_blocks[row, g])}")
 
 
 def _finish(rows: HostRows, payload, config: ServingConfig) -> None:
@@ -79,90 +129,164 @@ def _finish(rows: HostRows, payload, config: ServingConfig) -> None:
     if len(idle):
         _fail(f"FinishRequests.rows: row {int(idle[0])} holds no request")
     for field in dataclasses.fields(rows):
-        getattr(rows, field.name)[real] = 0
+        getattr(rows, field.name)[real] = -1 if field.name == "pending_drafts" else 0
 
 
 def _add(rows: HostRows, payload, config: ServingConfig) -> None:
-    """Rows free, 1 <= num_tokens <= stop_len <= max_model_len, token ids in [0, vocab_size),
-    prefix-cache hits inside the tokens and their blocks, block counts within the row, block ids
-    allocatable."""
+    """Rows free; 1 <= num_tokens <= stop_len <= max_model_len; token ids in [0, vocab_size);
+    prefix-cache hits inside the tokens and their blocks; each table's blocks within its width and
+    its group's ids; feature values within their bounds."""
     prep = config.prep
-    entries = np.flatnonzero(np.asarray(payload.rows) != PAD_ROW)
-    real = _check_rows("AddRequests.rows", payload.rows, config.max_num_reqs)
+    real = _check_rows("AddRequests.rows", [e.row for e in payload.entries], config.max_num_reqs)
     busy = real[rows.busy[real]]
     if len(busy):
         _fail(f"AddRequests.rows: row {int(busy[0])} is busy; finish its request first")
-    for i in entries:
-        num_tokens, stop_len = int(payload.num_tokens[i]), int(payload.stop_len[i])
-        computed, num_blocks = int(payload.num_computed_tokens[i]), int(payload.num_blocks[i])
-        where = f"AddRequests entry {i} (row {int(payload.rows[i])})"
+    for i, entry in enumerate(payload.entries):
+        where = f"AddRequests entry {i} (row {entry.row})"
+        num_tokens, stop_len, computed = len(entry.token_ids), entry.stop_len, entry.num_computed_tokens
         if not 1 <= num_tokens <= stop_len <= prep.max_model_len:
             _fail(f"{where}: need 1 <= num_tokens={num_tokens} <= stop_len={stop_len} "
                   f"<= max_model_len={prep.max_model_len}")
-        if not 0 <= num_blocks <= prep.max_blocks_per_req:
-            _fail(f"{where}: num_blocks={num_blocks} is outside [0, max_blocks_per_req={prep.max_blocks_per_req}]")
-        if not 0 <= computed < num_tokens or cdiv(computed, prep.block_size) > num_blocks:
-            _fail(f"{where}: num_computed_tokens={computed} must lie in [0, num_tokens={num_tokens}) and fit "
-                  f"its num_blocks={num_blocks} blocks of {prep.block_size}")
-        _check_block_ids(f"AddRequests.block_ids[{i}]", np.asarray(payload.block_ids[i][:num_blocks]), config)
-        check_token_ids(f"{where}: token_ids", np.asarray(payload.token_ids[i][:num_tokens]), config.token_id_bound,
-                        InvalidUpdateError)
-    if getattr(payload, "sampling", None) is not None:
-        check_add_sampling(payload.sampling, entries, np.asarray(payload.num_tokens),
-                           prep.features.sampling.vocab_size, _fail)
-    rows.num_tokens[real] = payload.num_tokens[entries]
-    rows.stop_len[real] = payload.stop_len[entries]
-    rows.num_computed_tokens[real] = payload.num_computed_tokens[entries]
-    rows.num_blocks[real] = payload.num_blocks[entries]
+        check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
+        _check_tables(where, entry.block_ids, config)
+        rows.num_blocks[entry.row] = [len(b) for b in entry.block_ids]
+        if not 0 <= computed < num_tokens:
+            _fail(f"{where}: num_computed_tokens={computed} must lie in [0, num_tokens={num_tokens})")
+        _check_blocks_cover(where, rows, entry.row, computed, config, "num_computed_tokens")
+        if not 0 <= entry.prefill_len <= num_tokens:
+            _fail(f"{where}: prefill_len={entry.prefill_len} is outside [0, num_tokens={num_tokens}]")
+        _check_features(where, entry, config)
+        rows.num_tokens[entry.row], rows.stop_len[entry.row] = num_tokens, stop_len
+        rows.num_computed_tokens[entry.row] = computed
     rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
+    rows.pending_drafts[real] = -1
+
+
+def _check_features(where: str, entry, config: ServingConfig) -> None:
+    """LoRA id >= 0; M-RoPE and is_token_ids rows within the tokens; sampling parameters in vLLM's bounds."""
+    features, num_tokens = config.prep.features, len(entry.token_ids)
+    if entry.lora_id < 0:
+        _fail(f"{where}: lora_id={entry.lora_id} must be >= 0 (0: no adapter)")
+    for name, values in (("mrope_positions", entry.mrope_positions), ("is_token_ids", entry.is_token_ids)):
+        if values is not None and values.shape[-1] > num_tokens:
+            _fail(f"{where}: {name} has {values.shape[-1]} positions, more than num_tokens={num_tokens}")
+    if entry.mrope_positions is not None and ((entry.mrope_positions < 0) | (entry.mrope_positions > INT32_MAX)).any():
+        _fail(f"{where}: mrope_positions hold a value outside [0, 2**31)")
+    if entry.prompt_embeds_start < 0:
+        _fail(f"{where}: prompt_embeds_start={entry.prompt_embeds_start} must be >= 0")
+    if entry.sampling is not None:
+        values = {name: np.array([entry.sampling[name]], np.float32) for name in FLOAT_PARAMS}
+        values["top_k"] = np.array([entry.sampling["top_k"]])
+        try:
+            check_parameter_bounds(values, features.sampling.vocab_size, f"{where}: AddRequests.sampling")
+        except InvalidBatchError as error:
+            _fail(str(error))
+        if not 0 <= entry.sampling["prompt_len"] <= num_tokens:
+            _fail(f"{where}: AddRequests.sampling.prompt_len={entry.sampling['prompt_len']} is outside "
+                  f"[0, num_tokens={num_tokens}]")
+
+
+def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
+    """Rows busy; stated tokens within stop_len and the vocabulary; a pending row's computed count
+    among those its drafts allow; computed tokens inside the known tokens and the row's blocks."""
+    real = _check_rows("ResumeRequests.rows", [e.row for e in payload.entries], config.max_num_reqs)
+    idle = real[~rows.busy[real]]
+    if len(idle):
+        _fail(f"ResumeRequests.rows: row {int(idle[0])} holds no request (add it instead)")
+    for i, entry in enumerate(payload.entries):
+        where, row, computed = f"ResumeRequests entry {i} (row {entry.row})", entry.row, entry.num_computed_tokens
+        if entry.token_ids is not None:
+            num_tokens = len(entry.token_ids)
+            if not 1 <= num_tokens <= rows.stop_len[row]:
+                _fail(f"{where}: need 1 <= len(token_ids)={num_tokens} <= stop_len={int(rows.stop_len[row])}")
+            check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
+        elif rows.pending[row]:
+            low, extra = int(rows.num_computed_tokens[row]), int(rows.pending_drafts[row])
+            if not low <= computed <= low + extra:
+                _fail(f"{where}: num_computed_tokens={computed} is outside [{low}, {low + extra}], what the row's "
+                      f"{extra} verified drafts allow")
+            num_tokens = computed + 1
+        else:
+            num_tokens = int(rows.num_tokens[row])
+        if not 0 <= computed <= num_tokens:
+            _fail(f"{where}: num_computed_tokens={computed} is outside [0, num_tokens={num_tokens}]")
+        if entry.block_ids is not None:
+            _check_tables(where, entry.block_ids, config)
+            rows.num_blocks[row] = [len(b) for b in entry.block_ids]
+        _check_blocks_cover(where, rows, row, computed, config, "num_computed_tokens")
+        if entry.prefill_len is not None and not 0 <= entry.prefill_len <= num_tokens:
+            _fail(f"{where}: prefill_len={entry.prefill_len} is outside [0, num_tokens={num_tokens}]")
+        rows.num_tokens[row], rows.num_computed_tokens[row] = num_tokens, computed
+        rows.num_scheduled_tokens[row] = rows.num_draft_tokens[row] = 0
+        rows.pending_drafts[row] = -1
 
 
 def _append(rows: HostRows, payload, config: ServingConfig) -> None:
-    """Rows busy; a row's blocks after the append fit ``max_blocks_per_req`` columns."""
-    targets = np.asarray(payload.rows, np.int64)
-    bad = (targets != PAD_ROW) & ((targets < 0) | (targets >= config.max_num_reqs))
+    """Rows busy; a table's blocks after the append fit its width; ids allocatable in its group."""
+    num_tables = len(table_names(config))
+    for row, table, ids in payload.segments:
+        where = f"AppendBlocks row {row}"
+        if not 0 <= row < config.max_num_reqs:
+            _fail(f"{where}: the row is outside [0, max_num_reqs={config.max_num_reqs})")
+        if not rows.busy[row]:
+            _fail(f"AppendBlocks.rows: row {row} holds no request")
+        tables = [np.zeros(0, np.int64)] * num_tables
+        tables[table] = ids
+        _check_tables(where, tables, config, used=rows.num_blocks[row])
+        rows.num_blocks[row, table] += len(ids)
+
+
+def _lora_slots(rows: HostRows, slots, config: ServingConfig) -> None:
+    lora = config.prep.features.lora
+    if slots is None:
+        return
+    if lora is None:
+        _fail("StepUpdates.lora_slots given, but FeatureConfig.lora is off")
+    if slots.shape != (lora.max_loras,):
+        _fail(f"StepUpdates.lora_slots has shape {slots.shape}, expected [max_loras={lora.max_loras}]")
+    bad = (slots != EMPTY_LORA_SLOT) & (slots < 1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        _fail(f"AppendBlocks.rows[{i}] = {int(targets[i])} is outside the rows [0, max_num_reqs="
-              f"{config.max_num_reqs}) (-1 pads)")
-    real = targets != PAD_ROW
-    idle = targets[real][~rows.busy[targets[real]]]
-    if len(idle):
-        _fail(f"AppendBlocks.rows: row {int(idle[0])} holds no request")
-    _check_block_ids("AppendBlocks.block_ids", np.where(real, payload.block_ids, 1), config)
-    np.add.at(rows.num_blocks, targets[real], 1)
-    over = rows.num_blocks > config.max_blocks_per_req
-    if over.any():
-        row = int(np.flatnonzero(over)[0])
-        _fail(f"AppendBlocks: row {row} would hold {int(rows.num_blocks[row])} blocks, more than "
-              f"max_blocks_per_req={config.max_blocks_per_req}")
+        _fail(f"StepUpdates.lora_slots[{i}] = {int(slots[i])} must be an adapter id >= 1 or -1 (empty)")
 
 
 def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
-    """Counts non-negative; only busy rows scheduled; total within the token budget; S >= D + 1 for
-    rows with drafts; C + S within the known tokens (+ drafts), max_model_len and the allocated
-    blocks; a row that samples has room for its new tokens below max_model_len."""
-    prep = config.prep
-    scheduled = np.asarray(payload.num_scheduled_tokens, np.int64)
-    drafts = np.asarray(payload.num_draft_tokens, np.int64)
+    """Counts non-negative; only busy, settled rows scheduled; total within the token budget; S >= D + 1
+    for rows with drafts, draft ids in the vocabulary (-1 only with FeatureConfig.async_tokens); C + S
+    within the known tokens (+ drafts), max_model_len and every group's allocated blocks; a row that
+    samples has room for its new tokens below max_model_len; grammar rows only on scheduled rows."""
+    if payload is None:
+        return
+    prep, width = config.prep, draft_width(config)
+    scheduled, drafts = payload.num_scheduled_tokens, payload.num_draft_tokens
     _require(scheduled >= 0, "Schedule.num_scheduled_tokens", scheduled, "is negative")
-    _require((drafts >= 0) & (drafts <= config.num_speculative_tokens), "Schedule.num_draft_tokens", drafts,
-             f"is outside [0, num_speculative_tokens={config.num_speculative_tokens}]")
+    _require((drafts >= 0) & (drafts <= width), "Schedule.num_draft_tokens", drafts,
+             f"is outside [0, num_speculative_tokens={width}]")
     _require((scheduled == 0) | rows.busy, "Schedule.num_scheduled_tokens", scheduled, "is set on a free row")
+    _require((scheduled == 0) | ~rows.pending, "Schedule.num_scheduled_tokens", scheduled,
+             "is set on a row whose drafts are pending: state its num_computed_tokens with a resume entry first")
     _require((drafts == 0) | (scheduled >= drafts + 1), "Schedule.num_scheduled_tokens", scheduled,
              "is below num_draft_tokens + 1")
     if scheduled.sum() > prep.max_num_batched_tokens:
         _fail(f"Schedule: sum(num_scheduled_tokens)={int(scheduled.sum())} exceeds max_num_batched_tokens="
               f"{prep.max_num_batched_tokens}")
+    for row in np.flatnonzero(drafts > 0):
+        check_token_ids(f"Schedule.draft_token_ids[{row}]", payload.draft_token_ids[row, : drafts[row]],
+                        config.token_id_bound, InvalidUpdateError, allow_placeholder=prep.features.async_tokens)
+    grammar = payload.grammar_index
+    _require((grammar == NO_GRAMMAR) | ((grammar >= 0) & (scheduled > 0)), "Schedule.grammar_index", grammar,
+             "must be -1 (none) or a bitmask row >= 0 of a scheduled row")
     seq_lens = rows.num_computed_tokens + scheduled
     active = scheduled > 0
     _require(~active | (seq_lens <= rows.num_tokens + drafts), "num_computed_tokens + num_scheduled_tokens",
              seq_lens, "passes the row's num_tokens + num_draft_tokens (tokens not known yet)")
     _require(~active | (seq_lens <= prep.max_model_len), "num_computed_tokens + num_scheduled_tokens", seq_lens,
              f"exceeds max_model_len={prep.max_model_len}")
-    needed = -(-seq_lens // prep.block_size)
-    _require(~active | (needed <= rows.num_blocks), "blocks needed by num_computed_tokens + num_scheduled_tokens",
-             needed, "exceeds the row's allocated num_blocks: append its blocks first")
+    for g, size in enumerate(_group_block_sizes(config)):
+        needed = -(-seq_lens // size)
+        _require(~active | (needed <= rows.num_blocks[:, g]),
+                 f"blocks of {table_names(config)[g]} needed by num_computed_tokens + num_scheduled_tokens",
+                 needed, "exceeds the row's allocated blocks: append its blocks first")
     samples = active & (seq_lens >= rows.num_tokens)
     new_len = rows.num_tokens + drafts + 1
     _require(~samples | (new_len <= prep.max_model_len), "num_tokens + num_draft_tokens + 1", new_len,
@@ -171,24 +295,17 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
     rows.num_draft_tokens[:] = drafts
 
 
-def _checked(*steps):
-    """A check of a payload: runs ``steps`` on a copy of the mirror, returns the copy."""
-
-    def check(rows: HostRows, payload, config: ServingConfig) -> HostRows:
-        check_payload_leaves(payload, InvalidUpdateError)  # 2.7 tokens is an error, never truncated to 2
-        rows = rows.copy()
-        for step, part in steps:
-            step(rows, payload if part is None else getattr(payload, part), config)
-        return rows
-
-    return check
-
-
-check_finish = _checked((_finish, None))
-check_add = _checked((_add, None))
-check_append = _checked((_append, None))
-check_schedule = _checked((_schedule, None))
-check_updates = _checked((_finish, "finish"), (_add, "add"), (_append, "append"), (_schedule, "schedule"))
+def check_updates(rows: HostRows, updates, config: ServingConfig) -> HostRows:
+    """The mirror after ``updates`` (finish, add, resume, append, lora_slots, schedule), on a copy."""
+    check_payload_leaves(updates, InvalidUpdateError)  # 2.7 tokens is an error, never truncated to 2
+    rows = rows.copy()
+    _finish(rows, updates.finish, config)
+    _add(rows, updates.add, config)
+    _resume(rows, updates.resume, config)
+    _append(rows, updates.append, config)
+    _lora_slots(rows, updates.lora_slots, config)
+    _schedule(rows, updates.schedule, config)
+    return rows
 
 
 def check_step(rows: HostRows, decode_steps: int, num_tokens_padded: int, config: ServingConfig) -> None:
@@ -210,33 +327,76 @@ def check_step(rows: HostRows, decode_steps: int, num_tokens_padded: int, config
 
 
 def check_record(rows: HostRows, idx_mapping, sampled_token_ids, num_sampled, config: ServingConfig) -> HostRows:
-    """Batch rows map to scheduled rows; 0 <= num_sampled <= D + 1 and fits below max_model_len."""
-    real = _check_rows("record_sampled.idx_mapping", idx_mapping, config.max_num_reqs, pad=PAD_STATE_ROW)
-    entries = np.flatnonzero(np.asarray(idx_mapping) != PAD_STATE_ROW)
+    """Host arrays of one step's samples: shapes [B], [B, n] (or [B]), [B]; batch rows map to
+    scheduled rows; 0 <= num_sampled <= D + 1; the kept tokens in the vocabulary and below
+    max_model_len. Returns the advanced mirror (a copy)."""
+    idx = _int_array("record_sampled.idx_mapping", idx_mapping, 1)
+    sampled = _int_array("record_sampled.sampled_token_ids", sampled_token_ids, 2)
+    counts = _int_array("record_sampled.num_sampled", num_sampled, 1)
+    if sampled.shape[0] != len(idx) or len(counts) != len(idx):
+        _fail(f"record_sampled: idx_mapping has {len(idx)} batch rows, sampled_token_ids {sampled.shape[0]} "
+              f"and num_sampled {len(counts)}: they must agree")
+    entries = np.flatnonzero(idx != PAD_STATE_ROW)
+    real = _check_rows("record_sampled.idx_mapping", idx, config.max_num_reqs, pad=PAD_STATE_ROW)
     unscheduled = real[rows.num_scheduled_tokens[real] == 0]
     if len(unscheduled):
         _fail(f"record_sampled.idx_mapping: row {int(unscheduled[0])} was not scheduled")
-    sampled = np.asarray(num_sampled, np.int64)[entries]
-    width = np.asarray(sampled_token_ids).shape[1]
     computed, scheduled = rows.num_computed_tokens[real], rows.num_scheduled_tokens[real]
     num_tokens, drafts = rows.num_tokens[real], rows.num_draft_tokens[real]
     discarded = computed + scheduled < num_tokens
-    sampled = np.where(discarded, 0, sampled)
-    bad = (sampled < 0) | (sampled > np.minimum(drafts + 1, width))
+    kept = np.where(discarded, 0, counts[entries])
+    bad = (kept < 0) | (kept > np.minimum(drafts + 1, sampled.shape[1]))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        _fail(f"record_sampled.num_sampled for row {int(real[i])} is {int(sampled[i])}, outside "
-              f"[0, num_draft_tokens + 1 = {int(drafts[i]) + 1}] (and the sampled width {width})")
-    new_len = num_tokens + sampled
+        _fail(f"record_sampled.num_sampled for row {int(real[i])} is {int(kept[i])}, outside "
+              f"[0, num_draft_tokens + 1 = {int(drafts[i]) + 1}] (and the sampled width {sampled.shape[1]})")
+    for i, b in enumerate(entries):
+        check_token_ids(f"record_sampled.sampled_token_ids[{b}]", sampled[b, : kept[i]], config.token_id_bound,
+                        InvalidUpdateError)
+    new_len = num_tokens + kept
     if (new_len > config.max_model_len).any():
         i = int(np.flatnonzero(new_len > config.max_model_len)[0])
         _fail(f"record_sampled: row {int(real[i])} would hold {int(new_len[i])} tokens, more than "
               f"max_model_len={config.max_model_len}")
     rows = rows.copy()
-    rows.num_computed_tokens[real] += np.where(discarded, scheduled, scheduled - (drafts + 1 - sampled))
+    rows.num_computed_tokens[real] += np.where(discarded, scheduled, scheduled - (drafts + 1 - kept))
     rows.num_tokens[real] = new_len
     rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
     return rows
+
+
+def advance_unread(rows: HostRows, config: ServingConfig) -> HostRows:
+    """The mirror after a `record_sampled` whose arrays stay on the device (no host read), assuming
+    prepare's batch (every scheduled row once): a prefill chunk computes its tokens; a row without
+    drafts that reaches its last token appends one; a row with D drafts keeps 1..D + 1 tokens, so it
+    becomes pending: ``num_computed_tokens`` holds its least value, ``pending_drafts`` D.
+    # C 9, S 3, D 2, N 10 -> pending: C 10 (all drafts rejected), N 11, pending_drafts 2
+    """
+    rows = rows.copy()
+    scheduled, drafts = rows.num_scheduled_tokens, rows.num_draft_tokens
+    active = scheduled > 0
+    samples = active & (rows.num_computed_tokens + scheduled >= rows.num_tokens)
+    rows.num_computed_tokens += np.where(active, scheduled - drafts, 0)
+    rows.num_tokens += samples.astype(np.int64)
+    pending = samples & (drafts > 0)
+    rows.pending_drafts[pending] = drafts[pending]
+    rows.num_scheduled_tokens[:] = 0
+    rows.num_draft_tokens[:] = 0
+    return rows
+
+
+def _int_array(name: str, values, ndim: int) -> np.ndarray:
+    """``values`` as int64 with ``ndim`` dims (a [B] sampled array reads as [B, 1]); a named error otherwise."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu" and not (array.dtype == object and array.size == 0):
+        _fail(f"{name} must hold integers, got dtype {array.dtype}")
+    if ndim == 2 and array.ndim == 1:
+        array = array[:, None]
+    if array.ndim != ndim:
+        _fail(f"{name} must be {ndim}-D, got shape {array.shape}")
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        _fail(f"{name} holds a value outside int64")
+    return array.astype(np.int64)
 
 
 def _require(ok: np.ndarray, name: str, values: np.ndarray, problem: str) -> None:

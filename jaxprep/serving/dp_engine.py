@@ -10,6 +10,7 @@ bucket (an idle rank runs a padding-only batch, vLLM's dummy batch), chosen to w
 
 from __future__ import annotations
 
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxprep.serving.config import ServingConfig
@@ -50,12 +51,16 @@ class DataParallelEngine(Engine):
         return self.batch.rank_tokens(tokens)
 
     def _prepare_only(self, packed, bucket: int):
-        return update_and_prepare_sharded(self.batch.state, packed, config=self.config, num_tokens_padded=bucket,
+        return update_and_prepare_sharded(self.batch.state, packed.step, config=self.config, num_tokens_padded=bucket,
                                           mesh=self.mesh)
 
-    def _lowered_updates(self, updates: list[StepUpdates]):
+    def _empty_buffers(self, words: int):
+        """An empty update of ``words`` words per rank, sharded as the live buffers are."""
+        return self.batch._stacked([np.zeros(words, np.int32)] * self.num_ranks)
+
+    def _lowered_updates(self, buffer):
         """Lowered from the live arrays, so with their shardings."""
-        return apply_updates_sharded.lower(self.batch.state, self._pack(updates), config=self.config, mesh=self.mesh)
+        return apply_updates_sharded.lower(self.batch.state, buffer, config=self.config, mesh=self.mesh)
 
     def _lowered(self, packed, bucket: int) -> list:
         state, config, mesh = self.batch.state, self.config, self.mesh

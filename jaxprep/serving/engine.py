@@ -17,7 +17,7 @@ from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.dispatch_log import DispatchRecord, dispatch_record
 from jaxprep.serving.model import KVCache, ServingModel, init_params
-from jaxprep.serving.packing import pack_updates
+from jaxprep.serving.packing import PackedStep, payload_buckets, step_payload_buckets
 from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare
@@ -37,10 +37,13 @@ class LoopStats:
     draft_tokens: int = 0  # speculative decoding: drafts scheduled (and verified)
     accepted_draft_tokens: int = 0  # drafts kept (those cut at a stop count as not kept)
     draft_steps: int = 0  # request-steps with at least one draft
+    h2d_bytes: int = 0  # bytes of the update buffers sent to the device (`jaxprep.serving.packing`)
+    changed_words: int = 0  # state entries those updates wrote (new tokens, block ids, counters)
     host_s: float = 0.0  # async scheduling: host time per iteration, waits for the device excluded
     overlapped_host_s: float = 0.0  # async scheduling: the part spent while the previous step still ran
     # per-dispatch history, kept only by an engine built with ``keep_history`` (it grows every dispatch)
     prep_us: list[float] = dataclasses.field(default_factory=list)  # with ``time_prep`` too
+    h2d_bytes_log: list[int] = dataclasses.field(default_factory=list)  # update bytes of each dispatch
     dispatches_log: list[DispatchRecord] = dataclasses.field(default_factory=list)
 
     @property
@@ -124,15 +127,18 @@ class Engine:
 
     @property
     def num_executables(self) -> int:
-        """What `warmup` compiles: the updates alone, and per bucket the step (and the timed prep)."""
-        return 1 + len(self.config.prep.token_buckets) * (2 if self.time_prep else 1)
+        """What `warmup` compiles: the updates alone per payload rung (`payload_buckets`), and per
+        token bucket and step payload rung the step (and the timed prep)."""
+        steps = len(self.config.prep.token_buckets) * len(step_payload_buckets(self.config))
+        return len(payload_buckets(self.config)) + steps * (2 if self.time_prep else 1)
 
     def _all_lowered(self):
-        empty = [StepUpdates.build(self.config)] * self.num_ranks
-        yield self._lowered_updates(empty)
-        packed = self._pack(empty)
-        for bucket in self.config.prep.token_buckets:
-            yield from self._lowered(packed, bucket)
+        for words in payload_buckets(self.config):
+            yield self._lowered_updates(self._empty_buffers(words))
+        for words in step_payload_buckets(self.config):
+            packed = self._empty_buffers(words)
+            for bucket in self.config.prep.token_buckets:
+                yield from self._lowered(packed, bucket)
 
     def add_request(self, request: Request) -> None:
         """Routes ``request`` to the rank with the fewest tokens still to compute (`dp_policy.route`)."""
@@ -218,13 +224,8 @@ class Engine:
         return [request for s in self.schedulers for request in s.drain_finished()]
 
     def _rank_updates(self, outs: list[SchedulerOutput]) -> list[StepUpdates]:
-        """Every rank's fused payload; adds and appends beyond its static sizes go first, in extra
-        dispatches that update every rank (an empty payload for a rank with nothing extra)."""
-        split = [split_updates(self.config, out) for out in outs]
-        empty = StepUpdates.build(self.config)
-        for i in range(max(len(extra) for extra, _ in split)):
-            self._apply_updates([extra[i] if i < len(extra) else empty for extra, _ in split])
-        return [updates for _, updates in split]
+        """Every rank's payload (any number of adds and appends: the buffers grow with them)."""
+        return [scheduler_updates(self.config, out) for out in outs]
 
     def _count(self, outs: list[SchedulerOutput], tokens: list[np.ndarray], bucket: int) -> None:
         """Every rank pads to ``bucket`` in every iteration it runs (an idle rank runs one, all padding);
@@ -244,17 +245,24 @@ class Engine:
             stats.scheduled_tokens += out.total_num_scheduled_tokens + int(appended.num_decoded.sum())
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
+        step_bytes = self.batch.h2d_bytes - stats.h2d_bytes
+        stats.h2d_bytes, stats.changed_words = self.batch.h2d_bytes, self.batch.changed_words
         stats.model_steps += max(iterations)
         if self.keep_history:
             scheduled = [out.num_scheduled_tokens for out in outs]
             first = self.config.num_speculative_tokens  # later iterations start at slot K + 1 (`AppendedTokens`)
             appended = [part[first:part.shape[0] - first] for part in tokens]
             stats.dispatches_log.append(dispatch_record(scheduled, appended, bucket))
+            stats.h2d_bytes_log.append(step_bytes)
 
     # --- device hooks: one rank on one device ---------------------------------------------------
 
-    def _pack(self, updates: list[StepUpdates]):
-        return pack_updates(updates[0])
+    def _pack(self, updates: list[StepUpdates]) -> PackedStep:
+        return self.batch.pack(updates[0])
+
+    def _empty_buffers(self, words: int):
+        """An empty update of ``words`` words (what warm-up lowers each rung with)."""
+        return np.zeros(words, np.int32)
 
     def _apply_updates(self, updates: list[StepUpdates]) -> None:
         self.batch.apply_updates(updates[0])
@@ -265,11 +273,12 @@ class Engine:
                                                  num_tokens_padded=bucket, packed=packed)
         return [tokens]
 
-    def _prepare_only(self, packed, bucket: int):
-        return update_and_prepare(self.batch.state, packed, config=self.config, num_tokens_padded=bucket)
+    def _prepare_only(self, packed: PackedStep, bucket: int):
+        """Times the step's buffer only (the buffers applied before it, if any, are left out)."""
+        return update_and_prepare(self.batch.state, packed.step, config=self.config, num_tokens_padded=bucket)
 
-    def _lowered_updates(self, updates: list[StepUpdates]):
-        return transitions.apply_updates.lower(self.batch.state, updates[0])
+    def _lowered_updates(self, buffer):
+        return transitions.apply_packed.lower(self.batch.state, buffer, config=self.config)
 
     def _lowered(self, packed, bucket: int) -> list:
         state, config = self.batch.state, self.config
@@ -291,34 +300,11 @@ def with_vocab_size(config: ServingConfig, model: ServingModel) -> ServingConfig
     return config
 
 
-def split_updates(config: ServingConfig, out: SchedulerOutput) -> tuple[list[StepUpdates], StepUpdates]:
-    """``out`` as payloads of the static sizes: the extra updates to apply first (adds and appends
-    beyond ``max_new_reqs_per_step`` / ``max_block_appends_per_step``), then the fused step's."""
-    adds, appends = out.new_requests, list(out.new_block_ids.items())
-    size_add, size_append = config.max_new_reqs_per_step, config.max_block_appends_per_step
-    finish, extra = out.finished_rows, []
-    while len(adds) > size_add or sum(len(b) for _, b in appends) > size_append:
-        chunk, appends = _take_blocks(appends, size_append)
-        extra.append(StepUpdates.build(config, finish=finish, add=adds[:size_add], append=chunk))
-        finish, adds = (), adds[size_add:]
-    return extra, StepUpdates.build(config, finish=finish, add=adds, append=dict(appends),
-                                    num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps,
-                                    num_draft_tokens=out.num_draft_tokens, draft_token_ids=out.draft_token_ids)
-
-
-def _take_blocks(appends: list[tuple[int, list[int]]], size: int):
-    """Splits (row, blocks) items into a chunk {row: blocks} of at most ``size`` blocks and the rest,
-    keeping each row's blocks in order.
-    # [(0, [5, 6]), (2, [7])], size 1 -> {0: [5]}, [(0, [6]), (2, [7])]
-    """
-    chunk, rest, room = {}, [], size
-    for row, blocks in appends:
-        taken = blocks[:room]
-        if taken:
-            chunk[row], room = taken, room - len(taken)
-        if len(taken) < len(blocks):
-            rest.append((row, blocks[len(taken):]))
-    return chunk, rest
+def scheduler_updates(config: ServingConfig, out: SchedulerOutput) -> StepUpdates:
+    """The `StepUpdates` of one `Scheduler.schedule` output."""
+    return StepUpdates.build(config, finish=out.finished_rows, add=out.new_requests, append=out.new_block_ids,
+                             num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps,
+                             num_draft_tokens=out.num_draft_tokens, draft_token_ids=out.draft_token_ids)
 
 
 def _counter(total: int, on_compiled):

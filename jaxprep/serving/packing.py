@@ -1,49 +1,421 @@
-"""One host-to-device transfer per step: every int32 leaf of a `StepUpdates` in one flat buffer.
+"""One step's updates in one int32 buffer whose length grows with the change, not with the maxima.
 
-The layout (`jaxprep.packing`, one ``INT32`` span per leaf, named by its path) is fixed by the
-`ServingConfig`, so it is static inside the jit and the split back into leaves is free slicing
-(docs/semantics.md#peer-lessons, item 1 of "What jaxprep takes from them").
-# leaves rows [4], token_ids [4, 8] -> blob [36]: blob[0:4] -> rows, blob[4:36].reshape(4, 8) -> token_ids
+Layout (all int32 words; field ``f`` of entry ``i`` of a section of ``n`` entries at ``start + f * n + i``):
+
+    header [HEADER_WORDS]  decode_steps, n_finish, n_add, n_resume, n_segments, n_schedule,
+                           schedule_dense, has_lora_slots, n_data, has_schedule (0: counts kept)
+    finish   [n_finish]                   rows to free
+    add      [len(add_fields) x n_add]     per added request: row, num_tokens, stop_len, ... (`Layout`)
+    resume   [5 x n_resume]                row, num_computed_tokens, num_tokens (-1 keep), prefill_len (-1 keep),
+                                           replace_blocks
+    segments [4 x n_segments]              kind, row, col, len: where each run of ``data`` goes
+    schedule [width x n_schedule]          (row,) num_scheduled_tokens (, num_draft_tokens, K drafts)(, grammar)
+    lora     [max_loras if has_lora_slots]
+    data     [n_data]                      token ids, M-RoPE positions, is_token_ids, block ids, run after run
+
+A segment of kind ``TOKENS`` writes ``token_ids[row, col : col + len]``; ``MROPE + d`` writes
+``mrope_positions[row, d, col : col + len]``; ``IS_TOKEN_IDS`` writes ``is_token_ids``;
+``TABLE + t`` writes block table t (`jaxprep.serving.state.table_names`).
+# add row 2 tokens [7, 8, 9], blocks [5]: segments [(TOKENS, 2, 0, 3), (TABLE, 2, 0, 1)], data [7, 8, 9, 5]
+
+The schedule section is dense (rows 0..n-1, no row field) or sparse (a row field), whichever is
+shorter. The buffer is padded with zeros to a rung of the ladder `payload_buckets` (64, 128, ...
+words): the device reads only what the header counts, so the same executable serves every update
+of its rung, and the rungs are compiled at warm-up. An update that does not fit the serving step's
+rungs (`step_payload_words`) is split: leading buffers are applied by `transitions.apply_packed`,
+the last one (the schedule) goes with the step (`pack_step`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxprep.packing import INT32, Span, layout, num_packed_words, pack_host, path_name, unpack
+from jaxprep._constants import NO_GRAMMAR
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.state import StepUpdates
+from jaxprep.serving.state import StepUpdates, draft_width, table_names, table_widths
+
+HEADER = ("decode_steps", "n_finish", "n_add", "n_resume", "n_segments", "n_schedule", "schedule_dense",
+          "has_lora_slots", "n_data", "has_schedule")
+HEADER_WORDS = len(HEADER)
+TOKENS, IS_TOKEN_IDS, MROPE, TABLE = 0, 1, 2, 5  # segment kinds; MROPE + d (d < 3); TABLE + t
+SEGMENT_FIELDS = ("kind", "row", "col", "len")
+RESUME_FIELDS = ("row", "num_computed_tokens", "num_tokens", "prefill_len", "replace_blocks")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed_high", "seed_low", "seeds_set",
+                   "repetition_penalty", "frequency_penalty", "presence_penalty", "prompt_len")
+SMALLEST_BUCKET = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The static part of the buffer layout of a `ServingConfig`."""
+
+    add_fields: tuple[str, ...]
+    num_drafts: int  # K draft words per schedule entry (0: no draft fields)
+    grammar: bool
+    max_loras: int
+    num_tables: int
+
+    @property
+    def schedule_fields(self) -> tuple[str, ...]:
+        drafts = ("num_draft_tokens", *(f"draft_{i}" for i in range(self.num_drafts))) if self.num_drafts else ()
+        return ("row", "num_scheduled_tokens", *drafts, *(("grammar_index",) if self.grammar else ()))
 
 
 @functools.lru_cache(maxsize=64)
-def _spans(treedef, shapes: tuple[tuple[int, ...], ...]) -> tuple[Span, ...]:
-    """The layout of a `StepUpdates` of this structure and these leaf shapes."""
-    placeholders = jax.tree_util.tree_unflatten(treedef, range(len(shapes)))
-    names = [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(placeholders)[0]]
-    return layout(tuple((name, shape, INT32) for name, shape in zip(names, shapes, strict=True)))
+def payload_layout(config: ServingConfig) -> Layout:
+    features = config.prep.features
+    fields = ["row", "num_tokens", "stop_len", "num_computed_tokens", "prefill_len"]
+    fields += ["lora_id"] if features.lora is not None else []
+    fields += ["mrope_position_delta"] if features.mrope else []
+    fields += ["prompt_embeds_start"] if features.prompt_embeds else []
+    fields += list(SAMPLING_FIELDS) if features.sampling is not None else []
+    return Layout(add_fields=tuple(fields), num_drafts=draft_width(config), grammar=features.structured_outputs,
+                  max_loras=features.lora.max_loras if features.lora is not None else 0,
+                  num_tables=len(table_names(config)))
 
 
-def _layout(config: ServingConfig):
-    leaves, treedef = jax.tree_util.tree_flatten(StepUpdates.build(config))
-    return treedef, _spans(treedef, tuple(leaf.shape for leaf in leaves))
+@functools.lru_cache(maxsize=64)
+def payload_buckets(config: ServingConfig) -> tuple[int, ...]:
+    """The ladder of buffer lengths: 64, 128, ... up to the first that holds the largest single item
+    (one request of max_model_len tokens with all its blocks and feature rows, or a full schedule)."""
+    lay, rows = payload_layout(config), config.max_num_reqs
+    per_token = 1 + (3 if config.prep.features.mrope else 0) + (1 if config.prep.features.prompt_embeds else 0)
+    one_request = (len(lay.add_fields) + len(SEGMENT_FIELDS) * (1 + 3 + 1 + lay.num_tables)
+                   + per_token * config.max_model_len + sum(table_widths(config)))
+    largest = HEADER_WORDS + max(one_request, rows * len(lay.schedule_fields), rows, lay.max_loras)
+    buckets = [SMALLEST_BUCKET]
+    while buckets[-1] < largest:
+        buckets.append(2 * buckets[-1])
+    return tuple(buckets)
+
+
+@functools.lru_cache(maxsize=64)
+def step_payload_buckets(config: ServingConfig) -> tuple[int, ...]:
+    """The rungs the serving step is compiled for: up to the first that holds a full schedule and a
+    finish of every row (a steady step); bigger updates go first, by `transitions.apply_packed`."""
+    lay = payload_layout(config)
+    steady = HEADER_WORDS + config.max_num_reqs * (1 + len(lay.schedule_fields) - 1) + lay.max_loras
+    buckets = payload_buckets(config)
+    return tuple(b for b in buckets if b < steady) + (next(b for b in buckets if b >= steady),)
 
 
 def packed_size(config: ServingConfig) -> int:
-    return num_packed_words(_layout(config)[1])
+    """The smallest buffer: an empty update."""
+    return payload_buckets(config)[0]
 
 
-def pack_updates(updates: StepUpdates) -> np.ndarray:
-    """The leaves of ``updates`` (host arrays), raveled and concatenated: [packed_size] int32."""
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    spans = _spans(treedef, tuple(leaf.shape for leaf in leaves))
-    return pack_host({span.name: leaf for span, leaf in zip(spans, leaves, strict=True)}, spans)
+# --- host side ---------------------------------------------------------------------------------
 
 
-def unpack_updates(blob: jax.Array, config: ServingConfig) -> StepUpdates:
-    """Inverse of `pack_updates`, for use inside a jitted function (static slices and reshapes)."""
-    treedef, spans = _layout(config)
-    views = unpack(blob, spans)
-    return jax.tree_util.tree_unflatten(treedef, [views[span.name] for span in spans])
+@dataclasses.dataclass
+class _Chunk:
+    finish: list = dataclasses.field(default_factory=list)
+    add: list = dataclasses.field(default_factory=list)
+    resume: list = dataclasses.field(default_factory=list)
+    segments: list = dataclasses.field(default_factory=list)
+    data: list = dataclasses.field(default_factory=list)
+    lora: np.ndarray | None = None
+    schedule: tuple | None = None  # (dense, rows [n] or None, columns [width, n])
+    words: int = HEADER_WORDS
+
+    def take(self, item) -> None:
+        kind, record, segments, data, words = item
+        if kind == "finish":
+            self.finish += record
+        elif kind == "lora":
+            self.lora = record
+        elif kind == "schedule":
+            self.schedule = record
+        elif record is not None:
+            getattr(self, kind).append(record)
+        self.segments += segments
+        self.data += data
+        self.words += words
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedStep:
+    """An update as buffers: ``before`` (applied by `transitions.apply_packed`, in order) and ``step``
+    (the serving step's, or the last `apply_packed`). ``content_words`` counts the words that carry
+    a value (header and padding excluded), ``changed_words`` the state entries the update writes."""
+
+    before: tuple[np.ndarray, ...]
+    step: np.ndarray
+    content_words: int
+    changed_words: int
+
+    @property
+    def nbytes(self) -> int:
+        """Host-to-device bytes of the whole update."""
+        return 4 * (sum(len(b) for b in self.before) + len(self.step))
+
+    @property
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        return (*self.before, self.step)
+
+
+def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np.ndarray) -> PackedStep:
+    """``updates`` (checked) as buffers of the ladder. ``num_blocks_before`` [max_num_reqs, tables]:
+    the rows' block counts before the update (`HostRows.num_blocks`), to place the appended blocks."""
+    items, changed = _items(config, updates, np.array(num_blocks_before, np.int64))
+    step_cap, top = step_payload_buckets(config)[-1], payload_buckets(config)[-1]
+    total = HEADER_WORDS + sum(item[-1] for item in items)
+    chunks = [_Chunk()]
+    if total > step_cap:
+        last = 1 if updates.schedule is not None else 0
+        for item in items[: len(items) - last]:  # everything but the schedule, greedily into buffers of the top rung
+            if chunks[-1].words + item[-1] > top and chunks[-1].words > HEADER_WORDS:
+                chunks.append(_Chunk())
+            chunks[-1].take(item)
+        chunks.append(_Chunk())
+        items = items[len(items) - last:]
+    for item in items:
+        chunks[-1].take(item)
+    decode_steps = int(np.asarray(updates.decode_steps).ravel()[0])
+    buffers = [_encode(config, chunk, decode_steps if i == len(chunks) - 1 else 1) for i, chunk in enumerate(chunks)]
+    content = sum(c.words - HEADER_WORDS for c in chunks)
+    return PackedStep(before=tuple(buffers[:-1]), step=buffers[-1], content_words=content, changed_words=changed)
+
+
+def pad_to(buffer: np.ndarray, words: int) -> np.ndarray:
+    """``buffer`` padded with zeros to ``words`` (a buffer is read only as far as its header counts)."""
+    return np.pad(buffer, (0, words - len(buffer))) if words > len(buffer) else buffer
+
+
+def bucket_for(config: ServingConfig, words: int) -> int:
+    return next(b for b in payload_buckets(config) if b >= words)
+
+
+def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
+    """(kind, record, segments, data, words) per item, the schedule last; and the changed entries."""
+    lay, items, changed = payload_layout(config), [], 0
+    rows = [int(r) for r in updates.finish.rows]
+    if rows:
+        items.append(("finish", rows, [], [], len(rows)))
+        blocks[rows] = 0
+        changed += len(rows)
+    for entry in updates.add.entries:
+        values = _add_record(entry, lay)
+        segments, data = _row_segments(entry.row, entry.token_ids, entry.block_ids, entry)
+        blocks[entry.row] = [len(b) for b in entry.block_ids]
+        items.append(("add", values, segments, data, len(values) + 4 * len(segments) + len(data)))
+        changed += len(values) - 1 + len(data)
+    for entry in updates.resume.entries:
+        replace = entry.block_ids is not None
+        record = [entry.row, entry.num_computed_tokens, -1 if entry.token_ids is None else len(entry.token_ids),
+                  -1 if entry.prefill_len is None else entry.prefill_len, int(replace)]
+        segments, data = _row_segments(entry.row, entry.token_ids, entry.block_ids if replace else (), None)
+        if replace:
+            blocks[entry.row] = [len(b) for b in entry.block_ids]
+        items.append(("resume", record, segments, data, len(record) + 4 * len(segments) + len(data)))
+        changed += 1 + len(data)
+    for row, table, ids in updates.append.segments:
+        column = int(blocks[row, table])
+        blocks[row, table] += len(ids)
+        items.append(("append", None, [(TABLE + table, row, column, len(ids))], ids.tolist(), 4 + len(ids)))
+        changed += len(ids)
+    if updates.lora_slots is not None:
+        items.append(("lora", updates.lora_slots.astype(np.int32), [], [], lay.max_loras))
+        changed += lay.max_loras
+    if updates.schedule is None:
+        return items, changed
+    schedule, words, count = _schedule_record(updates.schedule, lay)
+    items.append(("schedule", schedule, [], [], words))
+    return items, changed + count
+
+
+def _add_record(entry, lay: Layout) -> list[int]:
+    sampling = entry.sampling or {}
+    floats = {name: int(np.float32(sampling.get(name, 0.0)).view(np.int32)) for name in
+              ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")}
+    seeds = sampling.get("seeds", (0, 0))
+    values = dict(row=entry.row, num_tokens=len(entry.token_ids), stop_len=entry.stop_len,
+                  num_computed_tokens=entry.num_computed_tokens, prefill_len=entry.prefill_len, lora_id=entry.lora_id,
+                  mrope_position_delta=entry.mrope_position_delta, prompt_embeds_start=entry.prompt_embeds_start,
+                  top_k=int(sampling.get("top_k", 0)), seed_high=int(seeds[0]), seed_low=int(seeds[1]),
+                  seeds_set=int(bool(sampling.get("seeds_set", False))), prompt_len=int(sampling.get("prompt_len", 0)),
+                  **floats)
+    return [int(values[name]) for name in lay.add_fields]
+
+
+def _row_segments(row: int, tokens, tables, entry):
+    """Segments and data of one row's tokens, feature rows and block tables."""
+    segments, data = [], []
+
+    def run(kind, values):
+        values = np.asarray(values, np.int64).ravel()
+        if len(values):
+            segments.append((kind, row, 0, len(values)))
+            data.extend(values.tolist())
+
+    if tokens is not None:
+        run(TOKENS, tokens)
+    if entry is not None and entry.mrope_positions is not None:
+        for d in range(entry.mrope_positions.shape[0]):
+            run(MROPE + d, entry.mrope_positions[d])
+    if entry is not None and entry.is_token_ids is not None:
+        run(IS_TOKEN_IDS, entry.is_token_ids.astype(np.int64))
+    for t, ids in enumerate(tables):
+        run(TABLE + t, ids)
+    return segments, data
+
+
+def _schedule_record(schedule, lay: Layout):
+    """(dense, rows, columns [fields, n]), its words and its changed entries: the rows with work or a
+    grammar, as a dense prefix or sparse rows, whichever is shorter."""
+    scheduled = np.asarray(schedule.num_scheduled_tokens, np.int64)
+    grammar = np.asarray(schedule.grammar_index, np.int64)
+    live = np.flatnonzero((scheduled > 0) | (grammar != NO_GRAMMAR))
+    columns = [scheduled]
+    if lay.num_drafts:
+        columns += [schedule.num_draft_tokens, *np.asarray(schedule.draft_token_ids, np.int64).T]
+    if lay.grammar:
+        columns.append(grammar)
+    width = len(columns)
+    dense = len(live) == 0 or (int(live[-1]) + 1) * width <= len(live) * (width + 1)
+    n = 0 if len(live) == 0 else (int(live[-1]) + 1 if dense else len(live))
+    picked = np.arange(n) if dense else live
+    table = np.stack([np.asarray(c, np.int64)[picked] for c in columns]) if n else np.zeros((width, 0), np.int64)
+    drafts = int(np.asarray(schedule.num_draft_tokens)[live].sum()) if lay.num_drafts else 0
+    return (dense, None if dense else live, table), n * (width + (0 if dense else 1)), len(live) + drafts
+
+
+def _encode(config: ServingConfig, chunk: _Chunk, decode_steps: int) -> np.ndarray:
+    dense, sched_rows, sched_table = chunk.schedule if chunk.schedule is not None else (True, None, np.zeros((0, 0)))
+    n_schedule = sched_table.shape[1] if sched_table.size else 0
+    parts = [np.array([decode_steps, len(chunk.finish), len(chunk.add), len(chunk.resume), len(chunk.segments),
+                       n_schedule, int(dense), int(chunk.lora is not None), len(chunk.data),
+                       int(chunk.schedule is not None)], np.int64)]
+    for section in (chunk.add, chunk.resume, chunk.segments):
+        if section:
+            parts.append(np.asarray(section, np.int64).T.ravel())
+    parts.insert(1, np.asarray(chunk.finish, np.int64))
+    if n_schedule:
+        if not dense:
+            parts.append(np.asarray(sched_rows, np.int64))
+        parts.append(sched_table.ravel())
+    if chunk.lora is not None:
+        parts.append(np.asarray(chunk.lora, np.int64))
+    parts.append(np.asarray(chunk.data, np.int64))
+    words = np.concatenate(parts).astype(np.int32)
+    return pad_to(words, bucket_for(config, len(words)))
+
+
+# --- device side -------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceUpdates:
+    """A buffer read back inside the jit, every section at its static size; rows past a section's
+    count read as -1 (nothing)."""
+
+    decode_steps: jax.Array  # [] int32
+    finish_rows: jax.Array  # [R]
+    add: dict  # name -> [R] (add_fields)
+    resume: dict  # name -> [R] (RESUME_FIELDS)
+    data_kind: jax.Array  # [L] segment kind of each data word; -1 past n_data
+    data_row: jax.Array  # [L]
+    data_col: jax.Array  # [L]
+    data_value: jax.Array  # [L]
+    segment_end: dict  # kind, row, end column of each segment [S]
+    schedule: dict  # num_scheduled_tokens, num_draft_tokens [R], draft_token_ids [R, K], grammar_index [R]
+    has_lora_slots: jax.Array  # []
+    lora_slots: jax.Array  # [max_loras]
+    has_schedule: jax.Array  # [] 0: the schedule section is absent, the counts are kept
+
+
+def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
+    """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather)."""
+    lay, rows = payload_layout(config), config.max_num_reqs
+    blob = jnp.asarray(blob, jnp.int32)
+    length = blob.shape[0]
+    head = {name: blob[i] for i, name in enumerate(HEADER)}
+    start = jnp.int32(HEADER_WORDS)
+
+    def section(count, fields, size):
+        nonlocal start
+        index = jnp.arange(size, dtype=jnp.int32)
+        valid = index < count
+        out = {name: jnp.where(valid, _read(blob, start + f * count + index), -1) for f, name in enumerate(fields)}
+        start = start + len(fields) * count
+        return out
+
+    finish = section(head["n_finish"], ("row",), rows)["row"]
+    add = section(head["n_add"], lay.add_fields, rows)
+    resume = section(head["n_resume"], RESUME_FIELDS, rows)
+    num_segments = max(length // (len(SEGMENT_FIELDS) + 1), 1)
+    segments = section(head["n_segments"], SEGMENT_FIELDS, num_segments)
+    schedule = _read_schedule(blob, head, start, lay, rows)
+    start = start + head["n_schedule"] * (len(lay.schedule_fields) - head["schedule_dense"])
+    lora_slots = _read(blob, start + jnp.arange(max(lay.max_loras, 1), dtype=jnp.int32))[: lay.max_loras]
+    start = start + head["has_lora_slots"] * lay.max_loras
+    kind, row, col, value = _read_data(blob, start, head["n_data"], segments, length)
+    ends = dict(kind=segments["kind"], row=segments["row"], end=segments["col"] + segments["len"])
+    return DeviceUpdates(decode_steps=head["decode_steps"], finish_rows=finish, add=add, resume=resume, data_kind=kind,
+                         data_row=row, data_col=col, data_value=value, segment_end=ends, schedule=schedule,
+                         has_lora_slots=head["has_lora_slots"], lora_slots=lora_slots,
+                         has_schedule=head["has_schedule"])
+
+
+def _read(blob: jax.Array, index: jax.Array) -> jax.Array:
+    return jnp.take(blob, index, mode="fill", fill_value=0)
+
+
+def _read_schedule(blob, head, start, lay: Layout, rows: int) -> dict:
+    """Dense: field f of row i at start + f * n + i; sparse: a row field first."""
+    dense, count = head["schedule_dense"], head["n_schedule"]
+    index = jnp.arange(rows, dtype=jnp.int32)
+    valid = index < count
+    fields = lay.schedule_fields
+    row = jnp.where(dense == 1, index, _read(blob, start + index))
+    row = jnp.where(valid, row, rows)
+
+    def column(name):  # field position counted without the row field in dense mode
+        f = fields.index(name) - dense
+        return jnp.where(valid, _read(blob, start + f * count + index), 0)
+
+    def scatter(name, fill):
+        return jnp.full((rows,), fill, jnp.int32).at[row].set(column(name), mode="drop")
+
+    out = dict(num_scheduled_tokens=scatter("num_scheduled_tokens", 0))
+    k = lay.num_drafts
+    out["num_draft_tokens"] = scatter("num_draft_tokens", 0) if k else jnp.zeros((rows,), jnp.int32)
+    drafts = [scatter(f"draft_{i}", 0) for i in range(k)]
+    out["draft_token_ids"] = jnp.stack(drafts, axis=1) if k else jnp.zeros((rows, 0), jnp.int32)
+    if lay.grammar:
+        grammar = jnp.where(valid, _read(blob, start + (fields.index("grammar_index") - dense) * count + index),
+                            NO_GRAMMAR)
+        out["grammar_index"] = jnp.full((rows,), NO_GRAMMAR, jnp.int32).at[row].set(grammar, mode="drop")
+    return out
+
+
+def _read_data(blob, start, n_data, segments, length: int):
+    """Per data word j: its segment's kind and row, and its column ``col + j - segment start``.
+    # segments len [3, 1], cols [0, 4] -> words 0..3 in segments [0, 0, 0, 1], columns [0, 1, 2, 4]
+    """
+    lengths = jnp.maximum(segments["len"], 0)
+    ends = jnp.cumsum(lengths)
+    j = jnp.arange(length, dtype=jnp.int32)
+    seg = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, lengths.shape[0] - 1).astype(jnp.int32)
+    valid = (j < n_data) & (j < ends[-1])
+    first = ends[seg] - lengths[seg]
+    kind = jnp.where(valid, segments["kind"][seg], -1)
+    return kind, segments["row"][seg], segments["col"][seg] + j - first, _read(blob, start + j)
+
+
+def pack_updates(updates: StepUpdates, config: ServingConfig,
+                 num_blocks_before: np.ndarray | None = None) -> np.ndarray:
+    """``updates`` as one buffer (`pack_step` without a split); ``num_blocks_before`` defaults to
+    empty rows (right when the update appends to no row it did not add)."""
+    if num_blocks_before is None:
+        num_blocks_before = np.zeros((config.max_num_reqs, payload_layout(config).num_tables), np.int64)
+    packed = pack_step(config, updates, num_blocks_before)
+    if packed.before:
+        raise ValueError(f"the update needs {len(packed.buffers)} buffers; use pack_step")
+    return packed.step

@@ -5,7 +5,8 @@ Rank r owns rows ``[r * R, (r + 1) * R)`` of the global `ServingState` (R = the 
 (NB = the per-rank ``num_blocks``). Inside one jitted ``shard_map`` call every device sees only its
 slices, so the per-rank code is the single-device code (`serve_body`): row indices, block ids and
 slots in payloads and metadata are local to their rank. Each rank sends its own packed
-`StepUpdates`; they travel as one [num_ranks, packed_size] array sharded by rank.
+`StepUpdates`; they travel as one [num_ranks, words] array sharded by rank (every rank's buffer
+padded to the longest rung of the step).
 
 On several processes (`jax.distributed.initialize`, README "Multi-host") every array is assembled
 with `jax.make_array_from_callback`, so each process places only the slices of its own devices'
@@ -26,7 +27,7 @@ from jaxprep.serving import checks
 from jaxprep.serving.batch import advance_rows
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import pack_updates, unpack_updates
+from jaxprep.serving.packing import pack_step, pad_to, unpack_updates
 from jaxprep.serving.state import ServingState, StepUpdates
 from jaxprep.serving.step import serve_body, update_and_prepare_body
 from jaxprep.serving.transitions import apply_updates_body
@@ -78,6 +79,18 @@ def update_and_prepare_sharded(state: ServingState, packed: jax.Array, *, config
     return _per_rank(rank_prepare, mesh, (ROWS, ROWS), ROWS)(state, packed)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedPacked:
+    """`PackedStep` of every rank: each buffer a [num_ranks, words] array sharded by rank."""
+
+    before: tuple[jax.Array, ...]
+    step: jax.Array
+
+    @property
+    def buffers(self) -> tuple[jax.Array, ...]:
+        return (*self.before, self.step)
+
+
 class ShardedServingBatch:
     """`ServingBatch` over a mesh: the global state and one host mirror (`HostRows`) per rank.
 
@@ -88,20 +101,38 @@ class ShardedServingBatch:
 
     def __init__(self, config: ServingConfig, mesh: Mesh):
         self.config, self.mesh, self.num_ranks = config, mesh, mesh.size
-        self.state = put_global(ServingState.empty(_global(config, self.num_ranks)), NamedSharding(mesh, ROWS))
-        self.rows = [checks.HostRows.empty(config.max_num_reqs) for _ in range(self.num_ranks)]
+        state = ServingState.empty(_global(config, self.num_ranks))
+        state = dataclasses.replace(state, errors=np.zeros((self.num_ranks,), np.int32))  # one error word per rank
+        self.state = put_global(state, NamedSharding(mesh, ROWS))
+        self.rows = [checks.HostRows.for_config(config) for _ in range(self.num_ranks)]
+        self.h2d_bytes = self.changed_words = 0
 
-    def packed(self, updates: list[StepUpdates]) -> jax.Array:
-        """Every rank's packed updates as one array sharded by rank."""
-        return put_global(np.stack([pack_updates(u) for u in updates]), NamedSharding(self.mesh, ROWS))
+    def packed(self, updates: list[StepUpdates]) -> ShardedPacked:
+        """Every rank's packed updates: the buffers applied before the step (as many as the rank
+        that needs most; an empty buffer for the others) and the step's, each one array sharded by rank."""
+        packs = [pack_step(self.config, u, rows.num_blocks) for u, rows in zip(updates, self.rows, strict=True)]
+        depth = max(len(p.before) for p in packs)
+        before = [self._stacked([p.before[i] if i < len(p.before) else p.step[:0] for p in packs])
+                  for i in range(depth)]
+        step = self._stacked([p.step for p in packs])
+        self.h2d_bytes += sum(b.size * 4 for b in before) + step.size * 4
+        self.changed_words += sum(p.changed_words for p in packs)
+        return ShardedPacked(before=tuple(before), step=step)
+
+    def _stacked(self, buffers: list[np.ndarray]) -> jax.Array:
+        words = max(64, max(len(b) for b in buffers))
+        stacked = np.stack([pad_to(b, words) for b in buffers]).astype(np.int32)
+        return put_global(stacked, NamedSharding(self.mesh, ROWS))
 
     def apply_updates(self, updates: list[StepUpdates]) -> None:
         rows = self._checked(updates)
-        self.state = apply_updates_sharded(self.state, self.packed(updates), config=self.config, mesh=self.mesh)
+        packed = self.packed(updates)
+        for buffer in packed.buffers:
+            self.state = apply_updates_sharded(self.state, buffer, config=self.config, mesh=self.mesh)
         self.rows = rows
 
     def serve(self, kv_cache: KVCache, params, updates: list[StepUpdates], *, model: ServingModel,
-              num_tokens_padded: int, packed: jax.Array | None = None) -> tuple[KVCache, np.ndarray]:
+              num_tokens_padded: int, packed: ShardedPacked | None = None) -> tuple[KVCache, np.ndarray]:
         """Runs `serve_step_sharded`; returns the KV cache and the tokens [decode_steps, num_ranks * R]."""
         rows = self._checked(updates)
         for rank, (rank_rows, rank_updates) in enumerate(zip(rows, updates)):
@@ -111,7 +142,9 @@ class ShardedServingBatch:
             except checks.InvalidUpdateError as error:
                 raise checks.InvalidUpdateError(f"rank {rank}: {error}") from None
         packed = self.packed(updates) if packed is None else packed
-        self.state, kv_cache, tokens = serve_step_sharded(self.state, kv_cache, params, packed, config=self.config,
+        for buffer in packed.before:
+            self.state = apply_updates_sharded(self.state, buffer, config=self.config, mesh=self.mesh)
+        self.state, kv_cache, tokens = serve_step_sharded(self.state, kv_cache, params, packed.step, config=self.config,
                                                           model=model, num_tokens_padded=num_tokens_padded,
                                                           mesh=self.mesh)
         tokens = to_host(tokens)

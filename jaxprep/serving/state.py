@@ -1,11 +1,12 @@
-"""`ServingState`, the device-resident serving tables, and the padded per-step update payloads.
+"""`ServingState`, the device-resident serving tables, and the host payloads of one step's updates.
 
 `ServingState` wraps the `BatchState` that `prepare_inputs` reads and adds the serving-only
 bookkeeping (vLLM V2 ``RequestState``: ``total_len``, ``num_blocks``; docs/semantics.md#v2-state, #jax-design). A row is
-busy while ``num_tokens > 0``.
+busy while ``num_tokens > 0``. Draft counts live in one place, ``state.batch.num_draft_tokens``.
 
-The payloads are pytrees of host (NumPy) arrays padded to sizes fixed by `ServingConfig`, so a
-jitted update sees the same shapes every step; padded entries use row -1, which updates nothing.
+The payloads (`StepUpdates` and its parts) are host objects holding only what changes: a request's
+tokens, its blocks per KV-cache group, its feature values. `jaxprep.serving.packing` lays them out
+in one int32 buffer whose length comes from a small ladder (docs/guides/serving_updates.md).
 """
 
 from __future__ import annotations
@@ -17,29 +18,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._constants import INT32_MAX, NULL_BLOCK_ID
-from jaxprep.serving._values import check_entry, integer, integer_array
+from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID
+from jaxprep.config import block_table_width
+from jaxprep.features import MROPE_NUM_DIMS
+from jaxprep.serving._values import integer, integer_array
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.sampling_rows import AddSampling
 from jaxprep.state import BatchState
 
 PAD_ROW = -1
 """Row of a padded payload entry: it changes nothing."""
 
-HostOrDevice = np.ndarray | jax.Array
-"""Payload leaves are NumPy arrays on the host and traced arrays inside a jitted update."""
+MAMBA = "mamba"
+"""Key of the Mamba state blocks in an `AppendBlocks` entry given as a dict."""
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ServingState:
-    """The batch tables plus per-row serving counters; every leaf is an int32 device array."""
+    """The batch tables plus per-row serving counters; every leaf is a device array."""
 
-    batch: BatchState  # token_ids, block_table, num_computed_tokens (authoritative), num_scheduled_tokens
+    batch: BatchState  # token_ids, block tables, num_computed_tokens (authoritative), num_draft_tokens, features
     num_tokens: jax.Array  # [max_num_reqs] prompt + sampled tokens in token_ids; 0 = free row
-    stop_len: jax.Array  # [max_num_reqs] num_tokens at which the request stops: min(prompt + max_tokens, max_model_len)
-    num_blocks: jax.Array  # [max_num_reqs] allocated block-table columns
-    num_draft_tokens: jax.Array  # [max_num_reqs] draft tokens scheduled this step (spec decode)
+    stop_len: jax.Array  # [max_num_reqs] num_tokens at which the request stops (max_model_len: no stop)
+    num_blocks: jax.Array  # [max_num_reqs] allocated columns of KV group 0's block table
+    errors: jax.Array  # [1] error word of the unchecked device transitions (`ERROR_BITS`), 0 if none
 
     @classmethod
     def empty(cls, config: ServingConfig) -> ServingState:
@@ -47,8 +49,16 @@ class ServingState:
         def zeros():  # one buffer per field: donation rejects a buffer passed twice
             return jnp.zeros((config.max_num_reqs,), jnp.int32)
 
-        return cls(batch=BatchState.empty(config.prep), num_tokens=zeros(), stop_len=zeros(),
-                   num_blocks=zeros(), num_draft_tokens=zeros())
+        batch = BatchState.empty(config.prep)
+        if batch.num_draft_tokens is None:  # the serving step keeps draft counts even without spec-decode outputs
+            batch = dataclasses.replace(batch, num_draft_tokens=zeros())
+        return cls(batch=batch, num_tokens=zeros(), stop_len=zeros(), num_blocks=zeros(),
+                   errors=jnp.zeros((1,), jnp.int32))
+
+    @property
+    def num_draft_tokens(self) -> jax.Array:
+        """[max_num_reqs] drafts scheduled this step: ``batch.num_draft_tokens`` (the one copy)."""
+        return self.batch.num_draft_tokens
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Host copies of every leaf, by field name (the batch's fields included)."""
@@ -59,109 +69,158 @@ class ServingState:
         return host
 
 
-@jax.tree_util.register_dataclass
+ERROR_BITS = {"sampled_token_id": 1, "num_sampled": 2, "idx_mapping": 4}
+"""Bits of `ServingState.errors`, set by `record_sampled` on device inputs it could not take:
+a sampled token outside [0, vocab_size) (written as 0), a ``num_sampled`` outside
+[0, num_draft_tokens + 1] (clamped), an ``idx_mapping`` entry outside [-1, max_num_reqs) (skipped)."""
+
+
+# --- the payloads ------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class FinishRequests:
     """Rows to free (finished or preempted requests)."""
 
-    rows: HostOrDevice  # [max_num_reqs] state rows; pad -1
+    rows: np.ndarray  # [F] int64 state rows
 
     @classmethod
     def build(cls, config: ServingConfig, rows=()) -> FinishRequests:
-        return cls(rows=_padded(rows, config.max_num_reqs, where="FinishRequests.rows"))
+        rows = integer_array("FinishRequests.rows", [] if rows is None else list(rows)).ravel()  # 2.7: an error
+        return cls(rows=rows[rows != PAD_ROW])
 
 
-@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AddEntry:
+    """One request written into a free row (normalised from the dict `AddRequests.build` takes)."""
+
+    row: int
+    token_ids: np.ndarray  # [n] int64: prompt (+ outputs of a resumed request)
+    block_ids: tuple[np.ndarray, ...]  # one int64 array per table (`table_names`)
+    num_computed_tokens: int = 0
+    stop_len: int = 0
+    prefill_len: int = 0
+    lora_id: int = NO_LORA_ID
+    mrope_positions: np.ndarray | None = None  # [3, m] int64, m <= n
+    mrope_position_delta: int = 0
+    is_token_ids: np.ndarray | None = None  # [m] bool, m <= n
+    prompt_embeds_start: int = 0
+    sampling: dict | None = None  # `jaxprep.features.sampling_params.state_row` values, + prompt_len
+
+
 @dataclasses.dataclass(frozen=True)
 class AddRequests:
-    """New (or resumed) requests written into free rows: whole rows of the token and block tables."""
+    """New (or resumed-as-new) requests: each one's tokens, blocks and feature values, nothing padded."""
 
-    rows: HostOrDevice  # [A] state rows; pad -1 (A = max_new_reqs_per_step)
-    token_ids: HostOrDevice  # [A, max_model_len] prompt (+ resumed outputs), zero past num_tokens
-    num_tokens: HostOrDevice  # [A] tokens written
-    stop_len: HostOrDevice  # [A] num_tokens at which the request stops
-    num_computed_tokens: HostOrDevice  # [A] > 0 after a prefix-cache hit
-    block_ids: HostOrDevice  # [A, max_blocks_per_req] allocated blocks, null block 0 past num_blocks
-    num_blocks: HostOrDevice  # [A]
-    sampling: AddSampling | None = None  # FeatureConfig.sampling: parameters and prompt lengths
+    entries: tuple[AddEntry, ...]
 
     @classmethod
     def build(cls, config: ServingConfig, requests=()) -> AddRequests:
-        """``requests``: dicts with row, token_ids, stop_len, block_ids and optionally
-        num_computed_tokens (default 0), and with the sampling feature ``sampling``
-        (`jaxprep.SamplingParams`, None: greedy) and ``prompt_len``. At most ``max_new_reqs_per_step``."""
-        size, prep = config.max_new_reqs_per_step, config.prep
-        requests = list(requests)
-        if len(requests) > size:
-            raise ValueError(f"AddRequests holds at most max_new_reqs_per_step={size} requests, got {len(requests)}")
-        arrays = dict(rows=np.full(size, PAD_ROW, np.int32),
-                      token_ids=np.zeros((size, prep.max_model_len), np.int32),
-                      num_tokens=np.zeros(size, np.int32), stop_len=np.zeros(size, np.int32),
-                      num_computed_tokens=np.zeros(size, np.int32),
-                      block_ids=np.full((size, prep.max_blocks_per_req), NULL_BLOCK_ID, np.int32),
-                      num_blocks=np.zeros(size, np.int32))
-        for i, request in enumerate(requests):
-            check_entry(f"AddRequests entry {i}", request, ("row", "stop_len", "num_computed_tokens"))
-            where = f"AddRequests entry {i} (row {request['row']}): token_ids"
-            tokens = check_token_ids(where, request["token_ids"], config.token_id_bound)
-            blocks = _row_values(request["block_ids"])
-            arrays["rows"][i] = request["row"]
-            _fill_row(arrays["token_ids"], i, tokens, "AddRequests.token_ids", "max_model_len")
-            _fill_row(arrays["block_ids"], i, blocks, "AddRequests.block_ids", "max_blocks_per_req")
-            arrays["num_tokens"][i] = len(tokens)
-            arrays["num_blocks"][i] = len(blocks)
-            arrays["stop_len"][i] = request["stop_len"]
-            arrays["num_computed_tokens"][i] = request.get("num_computed_tokens", 0)
-        if prep.features.sampling is not None:
-            arrays["sampling"] = AddSampling.build(prep.features.sampling, requests, size)
-        return cls(**arrays)
+        """``requests``: dicts with ``row``, ``token_ids``, ``block_ids`` (a list for one KV group, a list
+        of per-group lists with several), optional ``num_computed_tokens`` (prefix-cache hit, default
+        0), ``stop_len`` (default max_model_len: no stop), ``prefill_len`` (default len(token_ids)),
+        and where the feature is on ``lora_id``, ``mrope_positions`` ([3, m]) + ``mrope_position_delta``,
+        ``is_token_ids`` ([m] bool) + ``prompt_embeds_start``, ``mamba_block_ids``, ``sampling``
+        (`jaxprep.SamplingParams`, None: greedy) + ``prompt_len``. Any number up to max_num_reqs."""
+        return cls(entries=tuple(_add_entry(config, i, request) for i, request in enumerate(requests)))
 
 
-@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResumeEntry:
+    """A running row re-stated: its computed tokens, and optionally its blocks and tokens."""
+
+    row: int
+    num_computed_tokens: int
+    block_ids: tuple[np.ndarray, ...] | None = None  # replaces every table of the row
+    token_ids: np.ndarray | None = None  # replaces the row's tokens (num_tokens = len)
+    prefill_len: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeRequests:
+    """Rows whose ``num_computed_tokens`` (and blocks, tokens) the host sets: a request resumed after
+    preemption keeps its row; an outside scheduler re-syncs the computed count after drafts."""
+
+    entries: tuple[ResumeEntry, ...]
+
+    @classmethod
+    def build(cls, config: ServingConfig, resumes=()) -> ResumeRequests:
+        """``resumes``: dicts with ``row``, ``num_computed_tokens``, optional ``block_ids`` (as in
+        `AddRequests`), ``mamba_block_ids``, ``token_ids`` and ``prefill_len`` (default
+        len(token_ids) when token_ids are given, else unchanged)."""
+        entries = []
+        for i, resume in enumerate(resumes):
+            where = f"ResumeRequests entry {i} (row {resume['row']})"
+            tokens = resume.get("token_ids")
+            if tokens is not None:
+                tokens = check_token_ids(f"{where}: token_ids", tokens, config.token_id_bound)
+            blocks = None
+            if resume.get("block_ids") is not None or resume.get("mamba_block_ids") is not None:
+                blocks = _table_blocks(config, where, resume.get("block_ids", []), resume.get("mamba_block_ids"))
+            prefill = resume.get("prefill_len", None if tokens is None else len(tokens))
+            entries.append(ResumeEntry(row=_int(resume["row"], f"{where}: row"),
+                                       num_computed_tokens=_int(resume["num_computed_tokens"],
+                                                                f"{where}: num_computed_tokens"),
+                                       block_ids=blocks, token_ids=tokens,
+                                       prefill_len=None if prefill is None else _int(prefill, f"{where}: prefill_len")))
+        return cls(entries=tuple(entries))
+
+
 @dataclasses.dataclass(frozen=True)
 class AppendBlocks:
-    """Block ids appended to rows after their last allocated column, in payload order."""
+    """Block ids appended to rows after their last allocated column, per table."""
 
-    rows: HostOrDevice  # [P] state rows; pad -1 (P = max_block_appends_per_step)
-    block_ids: HostOrDevice  # [P]
+    segments: tuple[tuple[int, int, np.ndarray], ...]  # (row, table, block ids), in payload order
 
     @classmethod
     def build(cls, config: ServingConfig, appends=None) -> AppendBlocks:
-        """``appends``: {row: [block ids]}."""
-        size = config.max_block_appends_per_step
-        pairs = [(row, block) for row, blocks in (appends or {}).items() for block in blocks]
-        if len(pairs) > size:
-            raise ValueError(f"AppendBlocks holds at most max_block_appends_per_step={size} blocks, got {len(pairs)}")
-        rows, blocks = np.full(size, PAD_ROW, np.int32), np.full(size, NULL_BLOCK_ID, np.int32)
-        if pairs:
-            rows[: len(pairs)], blocks[: len(pairs)] = integer_array("AppendBlocks (row, block id)", pairs).T
-        return cls(rows=rows, block_ids=blocks)
+        """``appends``: {row: [ids]} with one KV group; {row: [[g0 ids], [g1 ids], ...]} with several
+        (a last list for the Mamba blocks on a hybrid model); or {row: {group: [ids], "mamba": [ids]}}."""
+        segments = []
+        for row, value in (appends or {}).items():
+            where = f"AppendBlocks row {row}"
+            for table, blocks in _per_table(config, where, value, allow_mamba_in_list=True).items():
+                if len(blocks):
+                    segments.append((_int(row, f"{where}: row"), table, blocks))
+        return cls(segments=tuple(segments))
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Tokens (and drafts) every row runs this step; 0 = not in the batch."""
 
-    num_scheduled_tokens: HostOrDevice  # [max_num_reqs]
-    num_draft_tokens: HostOrDevice  # [max_num_reqs] D; a row with drafts schedules D + 1 tokens
-    draft_token_ids: HostOrDevice  # [max_num_reqs, num_speculative_tokens] written after num_tokens
+    num_scheduled_tokens: np.ndarray  # [max_num_reqs] int64
+    num_draft_tokens: np.ndarray  # [max_num_reqs] D; a row with drafts schedules D + 1 tokens
+    draft_token_ids: np.ndarray  # [max_num_reqs, num_speculative_tokens] int64, written after num_tokens
+    grammar_index: np.ndarray  # [max_num_reqs] bitmask row block of each row this step, NO_GRAMMAR = none
 
     @classmethod
     def build(cls, config: ServingConfig, num_scheduled_tokens=None, num_draft_tokens=None,
-              draft_token_ids=None) -> Schedule:
-        rows, width = config.max_num_reqs, config.num_speculative_tokens
-        return cls(num_scheduled_tokens=_padded(num_scheduled_tokens, rows, 0, "Schedule.num_scheduled_tokens"),
-                   num_draft_tokens=_padded(num_draft_tokens, rows, 0, "Schedule.num_draft_tokens"),
-                   draft_token_ids=integer_array("Schedule.draft_token_ids", np.zeros((rows, width), np.int32)
-                                                 if draft_token_ids is None else draft_token_ids
-                                                 ).astype(np.int32).reshape(rows, width))
+              draft_token_ids=None, grammar_index=None) -> Schedule:
+        rows, width = config.max_num_reqs, draft_width(config)
+        if draft_token_ids is None:
+            drafts = np.zeros((rows, width), np.int64)
+        else:
+            drafts = _int64_array(draft_token_ids, "Schedule.draft_token_ids")
+            if drafts.size != rows * width:
+                raise ValueError(f"Schedule.draft_token_ids has shape {drafts.shape}, expected "
+                                 f"[max_num_reqs={rows}, num_speculative_tokens={width}]")
+            drafts = drafts.reshape(rows, width)
+        if isinstance(grammar_index, dict):
+            grammar = np.full(rows, NO_GRAMMAR, np.int64)
+            for row, index in grammar_index.items():
+                grammar[_int(row, "Schedule.grammar_index row")] = _int(index, "Schedule.grammar_index")
+        else:
+            grammar = _dense(grammar_index, rows, NO_GRAMMAR, "Schedule.grammar_index")
+        return cls(num_scheduled_tokens=_dense(num_scheduled_tokens, rows, 0, "Schedule.num_scheduled_tokens"),
+                   num_draft_tokens=_dense(num_draft_tokens, rows, 0, "Schedule.num_draft_tokens"),
+                   draft_token_ids=drafts, grammar_index=grammar)
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepUpdates:
-    """Everything the host sends for one step, applied in field order: finish, add, append, schedule.
+    """Everything the host sends for one step, applied in field order: finish, add, resume, append,
+    lora_slots, schedule.
 
     ``decode_steps`` is read by the serving step, not by the state transitions: 1 runs the scheduled
     step once; k > 1 (every scheduled row decoding its last token) lets it decode up to k tokens.
@@ -171,37 +230,137 @@ class StepUpdates:
     add: AddRequests
     append: AppendBlocks
     schedule: Schedule
-    decode_steps: HostOrDevice  # [1] iterations the serving step may run, 1 <= k <= config.decode_steps
+    decode_steps: np.ndarray  # [1] iterations the serving step may run, 1 <= k <= config.decode_steps
+    resume: ResumeRequests = ResumeRequests(entries=())
+    lora_slots: np.ndarray | None = None  # [max_loras] adapter id per LoRA slot (-1 empty); None: unchanged
 
     @classmethod
-    def build(cls, config: ServingConfig, *, finish=(), add=(), append=None, num_scheduled_tokens=None,
-              num_draft_tokens=None, draft_token_ids=None, decode_steps: int = 1) -> StepUpdates:
+    def build(cls, config: ServingConfig, *, finish=(), add=(), resume=(), append=None, num_scheduled_tokens=None,
+              num_draft_tokens=None, draft_token_ids=None, grammar_index=None, lora_slots=None,
+              decode_steps: int = 1) -> StepUpdates:
+        if lora_slots is not None:
+            lora_slots = _int64_array(lora_slots, "StepUpdates.lora_slots").ravel()
         return cls(finish=FinishRequests.build(config, finish), add=AddRequests.build(config, add),
-                   append=AppendBlocks.build(config, append),
-                   schedule=Schedule.build(config, num_scheduled_tokens, num_draft_tokens, draft_token_ids),
+                   resume=ResumeRequests.build(config, resume), append=AppendBlocks.build(config, append),
+                   schedule=Schedule.build(config, num_scheduled_tokens, num_draft_tokens, draft_token_ids,
+                                           grammar_index),
+                   lora_slots=lora_slots,
                    decode_steps=np.array([integer("StepUpdates.decode_steps", decode_steps)], np.int32))
 
 
-def _padded(values, size: int, fill: int = PAD_ROW, where: str = "payload") -> np.ndarray:
-    """A [size] int32 array holding ``values`` then ``fill``."""
-    values = integer_array(where, values).ravel()  # 2.7 is an error, never truncated to 2
-    if len(values) > size:
-        raise ValueError(f"got {len(values)} entries, the payload holds {size}")
-    out = np.full(size, fill, np.int32)
-    out[: len(values)] = values
-    return out
+# --- tables ------------------------------------------------------------------------------------
 
 
-def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = ValueError) -> np.ndarray:
-    """``token_ids`` as an int64 array if each is an integer in [0, ``bound``); otherwise raises
-    ``error`` naming ``where``, the position, the value and the bound (nothing is stored first, so an
-    id like 2**40 is never wrapped into int32).
+def draft_width(config: ServingConfig) -> int:
+    """Draft slots per scheduled row: the larger of the serving and the prepare configs' K."""
+    return max(config.num_speculative_tokens, config.prep.features.num_speculative_tokens)
+
+
+def table_names(config: ServingConfig) -> tuple[str, ...]:
+    """The block tables a row holds, in payload order: KV group 0 (``block_table``), groups 1..G-1
+    (``extra_block_tables[g-1]``), then ``mamba_block_table`` on a hybrid model."""
+    features = config.prep.features
+    names = ["block_table"] + [f"extra_block_tables[{g}]" for g in range(max(len(features.kv_groups) - 1, 0))]
+    if features.hybrid is not None:
+        names.append("mamba_block_table")
+    return tuple(names)
+
+
+def table_widths(config: ServingConfig) -> tuple[int, ...]:
+    """Columns of each table of `table_names`."""
+    prep, features = config.prep, config.prep.features
+    widths = [prep.max_blocks_per_req]
+    widths += [block_table_width(prep.max_model_len, g.block_size) for g in features.kv_groups[1:]]
+    if features.hybrid is not None:
+        widths.append(features.hybrid.table_width(prep.max_model_len))
+    return tuple(widths)
+
+
+def num_kv_groups(config: ServingConfig) -> int:
+    return max(len(config.prep.features.kv_groups), 1)
+
+
+def _table_blocks(config: ServingConfig, where: str, block_ids, mamba_block_ids=None) -> tuple[np.ndarray, ...]:
+    """Blocks of every table from an add/resume dict: ``block_ids`` per KV group, ``mamba_block_ids``."""
+    tables = _per_table(config, where, block_ids, allow_mamba_in_list=False)
+    if mamba_block_ids is not None:
+        if config.prep.features.hybrid is None:
+            raise ValueError(f"{where}: mamba_block_ids given, but FeatureConfig.hybrid is off")
+        tables[len(table_names(config)) - 1] = _int64_array(mamba_block_ids, f"{where}: mamba_block_ids").ravel()
+    return tuple(tables.get(t, np.zeros(0, np.int64)) for t in range(len(table_names(config))))
+
+
+def _per_table(config: ServingConfig, where: str, value, allow_mamba_in_list: bool) -> dict[int, np.ndarray]:
+    """{table: int64 ids} from a flat list (one KV group), a list of per-group lists or a dict."""
+    groups, names = num_kv_groups(config), table_names(config)
+    hybrid = config.prep.features.hybrid is not None
+    if isinstance(value, dict):
+        out = {}
+        for key, ids in value.items():
+            table = len(names) - 1 if key == MAMBA and hybrid else key
+            if not isinstance(table, int) or not 0 <= table < len(names):
+                raise ValueError(f"{where}: table key {key!r} is not a KV group in [0, {groups}) or 'mamba'")
+            out[table] = _int64_array(ids, f"{where}[{key!r}]").ravel()
+        return out
+    items = list(value)
+    nested = bool(items) and all(isinstance(v, (list, tuple, np.ndarray, range)) for v in items)
+    if not nested or (groups == 1 and not items):
+        if groups > 1 and items:
+            raise ValueError(f"{where}: block_ids must be one list per KV group ({groups} groups), got a flat list")
+        return {0: _int64_array(items, f"{where}: block_ids").ravel()}
+    allowed = groups + (1 if hybrid and allow_mamba_in_list else 0)
+    if len(items) not in (groups, allowed):
+        raise ValueError(f"{where}: block_ids has {len(items)} group lists, FeatureConfig.kv_groups has {groups}")
+    return {t: _int64_array(ids, f"{where}: block_ids[{t}]").ravel() for t, ids in enumerate(items)}
+
+
+def _add_entry(config: ServingConfig, i: int, request: dict) -> AddEntry:
+    features, prep = config.prep.features, config.prep
+    where = f"AddRequests entry {i} (row {request.get('row')})"
+    tokens = check_token_ids(f"{where}: token_ids", request["token_ids"], config.token_id_bound)
+    blocks = _table_blocks(config, where, request.get("block_ids", []), request.get("mamba_block_ids"))
+    stop_len = request.get("stop_len")
+    values = dict(row=_int(request["row"], f"{where}: row"), token_ids=tokens, block_ids=blocks,
+                  num_computed_tokens=_int(request.get("num_computed_tokens", 0), f"{where}: num_computed_tokens"),
+                  stop_len=prep.max_model_len if stop_len is None else _int(stop_len, f"{where}: stop_len"),
+                  prefill_len=_int(request.get("prefill_len", len(tokens)), f"{where}: prefill_len"))
+    if features.lora is not None:
+        values["lora_id"] = _int(request.get("lora_id", NO_LORA_ID), f"{where}: lora_id")
+    if features.mrope and request.get("mrope_positions") is not None:
+        positions = _int64_array(request["mrope_positions"], f"{where}: mrope_positions")
+        if positions.ndim != 2 or positions.shape[0] != MROPE_NUM_DIMS:
+            raise ValueError(f"{where}: mrope_positions must have shape [3, m], got {positions.shape}")
+        values.update(mrope_positions=positions, mrope_position_delta=_int(request.get("mrope_position_delta", 0),
+                                                                            f"{where}: mrope_position_delta"))
+    if features.prompt_embeds and request.get("is_token_ids") is not None:
+        flags = np.asarray(request["is_token_ids"])
+        if flags.dtype != np.bool_ or flags.ndim != 1:
+            raise ValueError(f"{where}: is_token_ids must be a 1-D bool array, got {flags.dtype} {flags.shape}")
+        values.update(is_token_ids=flags, prompt_embeds_start=_int(request.get("prompt_embeds_start", 0),
+                                                                   f"{where}: prompt_embeds_start"))
+    if features.sampling is not None:
+        from jaxprep.features.sampling_params import state_row
+
+        row = state_row(request.get("sampling"), features.sampling.vocab_size)
+        values["sampling"] = dict(row, prompt_len=_int(request.get("prompt_len", len(tokens)), f"{where}: prompt_len"))
+    return AddEntry(**values)
+
+
+# --- value checks shared by the builders and the host checks ---------------------------------------
+
+
+def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = ValueError,
+                    allow_placeholder: bool = False) -> np.ndarray:
+    """``token_ids`` as an int64 array if each is an integer in [0, ``bound``) (or -1 with
+    ``allow_placeholder``); otherwise raises ``error`` naming ``where``, the position, the value and
+    the bound (nothing is stored first, so an id like 2**40 is never wrapped into int32).
     # where "request 3: prompt_token_ids", ids [5, 2**40], bound 64
     #   -> "request 3: prompt_token_ids[1] = 1099511627776 is outside [0, 64)"
     """
     values = np.asarray(token_ids)
+    low = -1 if allow_placeholder else 0
     if values.dtype.kind in "iu":
-        bad = (values < 0) | (values >= bound)
+        bad = (values < low) | (values >= bound)
         if not bad.any():
             return values.astype(np.int64).ravel()
         values = values.ravel()
@@ -212,8 +371,9 @@ def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = 
             value = operator.index(value)
         except TypeError:
             raise error(f"{where}[{position}] = {value!r} is not an integer token id") from None
-        if not 0 <= value < bound:
-            raise error(f"{where}[{position}] = {value} is outside [0, {_bound_name(bound)})")
+        if not low <= value < bound:
+            raise error(f"{where}[{position}] = {value} is outside [0, {_bound_name(bound)})"
+                        + (" (-1 is the async placeholder)" if allow_placeholder else ""))
     return np.asarray(values, np.int64)
 
 
@@ -221,11 +381,37 @@ def _bound_name(bound: int) -> str:
     return "2**31 (int32)" if bound == INT32_MAX + 1 else f"vocab_size={bound}"
 
 
-def _row_values(values) -> np.ndarray:
-    return np.asarray(values, np.int64).ravel()
+def _int(value, where: str) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{where} = {value!r} is not an integer") from None
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ValueError(f"{where} = {value} is outside int32")
+    return value
 
 
-def _fill_row(table: np.ndarray, i: int, values: np.ndarray, name: str, bound: str) -> None:
-    if len(values) > table.shape[1]:
-        raise ValueError(f"{name}[{i}] has {len(values)} entries, more than {bound}={table.shape[1]}")
-    table[i, : len(values)] = values
+def _int64_array(values, where: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.size == 0:
+        return array.astype(np.int64)
+    if array.dtype.kind not in "iu":
+        if array.dtype == object:
+            return np.asarray([_int(v, where) for v in array.ravel()], np.int64).reshape(array.shape)
+        raise ValueError(f"{where} must hold integers, got dtype {array.dtype}")
+    if array.dtype == np.uint64 and (array > INT32_MAX).any() or (array.astype(np.int64) != array).any():
+        raise ValueError(f"{where} has values outside int64")
+    array = array.astype(np.int64)
+    if ((array > INT32_MAX) | (array < -INT32_MAX - 1)).any():
+        raise ValueError(f"{where} has values outside int32")
+    return array
+
+
+def _dense(values, size: int, fill: int, where: str) -> np.ndarray:
+    """A [size] int64 array holding ``values`` then ``fill``."""
+    values = _int64_array([] if values is None else values, where).ravel()
+    if len(values) > size:
+        raise ValueError(f"{where}: got {len(values)} entries, the payload holds {size}")
+    out = np.full(size, fill, np.int64)
+    out[: len(values)] = values
+    return out

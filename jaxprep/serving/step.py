@@ -115,7 +115,7 @@ def serve_body(state: ServingState, kv_cache: KVCache, params, packed_updates: j
     (`jaxprep.serving.data_parallel` runs it on every device of a mesh)."""
     updates = unpack_updates(packed_updates, config)
     state = apply_updates_body(state, updates)
-    return _run_iterations(state, kv_cache, params, jnp.clip(updates.decode_steps[0], 1, config.decode_steps),
+    return _run_iterations(state, kv_cache, params, jnp.clip(updates.decode_steps, 1, config.decode_steps),
                            config, model, num_tokens_padded)
 
 

@@ -1,12 +1,15 @@
 """Device transitions ``ServingState -> ServingState``: each ``*_body`` is the pure traced
 transition, the plain name its jitted form that donates the state.
 
-Each transition is a handful of scatters with ``mode='drop'``. Padded payload rows (-1) are first
-mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1 index to the last row even
-with ``mode='drop'`` (docs/semantics.md#jax-traps), so -1 must never reach a scatter.
+Each transition is a handful of scatters with ``mode='drop'``. Payload rows past a section's count
+(-1) are first mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1 index to the
+last row even with ``mode='drop'`` (docs/semantics.md#jax-traps), so -1 must never reach a scatter.
 
-These functions do not check their payloads; `jaxprep.serving.ServingBatch` checks them on the host
-before dispatch, so a bad update raises before any buffer is donated.
+`apply_updates_body` reads one packed buffer (`jaxprep.serving.packing`) and applies, in order:
+finish, add, resume, the data segments (tokens, M-RoPE positions, is_token_ids, block ids of
+every table), the sampling admission, the LoRA slots and the schedule. The buffers are checked on
+the host (`jaxprep.serving.checks`) before dispatch; every read and write here stays in bounds
+whatever a buffer holds.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep.serving.sampling_rows import admit, count_sampled
-from jaxprep.serving.state import AddRequests, AppendBlocks, FinishRequests, Schedule, ServingState, StepUpdates
+from jaxprep._constants import MROPE_MISSING_POSITION, NO_GRAMMAR, NO_LORA_ID, NULL_BLOCK_ID
+from jaxprep.features.sampling import FLOAT_PARAMS
+from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, unpack_updates
+from jaxprep.serving.sampling_rows import count_sampled
+from jaxprep.serving.state import ERROR_BITS, ServingState
 
 
 def row_index(rows: jax.Array, num_rows: int) -> jax.Array:
@@ -35,87 +41,198 @@ def _set(array: jax.Array, rows: jax.Array, values) -> jax.Array:
     return array.at[rows].set(values, mode="drop")
 
 
+def _gather(array: jax.Array, rows: jax.Array, fill: int = 0) -> jax.Array:
+    return jnp.take(array, rows, axis=0, mode="fill", fill_value=fill)
+
+
 def _replace_batch(state: ServingState, **fields) -> ServingState:
     return dataclasses.replace(state, batch=dataclasses.replace(state.batch, **fields))
 
 
-def finish_body(state: ServingState, payload: FinishRequests) -> ServingState:
-    """Frees rows: counters to 0 and block-table rows to the null block (token ids are left stale)."""
-    rows = row_index(payload.rows, state.num_tokens.shape[0])
-    batch = state.batch
-    state = _replace_batch(state, block_table=_set(batch.block_table, rows, NULL_BLOCK_ID),
-                           num_computed_tokens=_set(batch.num_computed_tokens, rows, 0),
-                           num_scheduled_tokens=_set(batch.num_scheduled_tokens, rows, 0))
-    return dataclasses.replace(state, num_tokens=_set(state.num_tokens, rows, 0),
-                               stop_len=_set(state.stop_len, rows, 0),
-                               num_blocks=_set(state.num_blocks, rows, 0),
-                               num_draft_tokens=_set(state.num_draft_tokens, rows, 0))
+def tables(batch) -> list[jax.Array]:
+    """Every block table of a row, in `jaxprep.serving.state.table_names` order."""
+    out = [batch.block_table, *(batch.extra_block_tables or ())]
+    return out + ([batch.mamba_block_table] if batch.mamba_block_table is not None else [])
 
 
-def add_body(state: ServingState, payload: AddRequests) -> ServingState:
-    """Writes whole rows: token ids, block ids and counters of new or resumed requests."""
-    rows = row_index(payload.rows, state.num_tokens.shape[0])
-    batch = state.batch
-    state = _replace_batch(state, token_ids=_set(batch.token_ids, rows, payload.token_ids),
-                           block_table=_set(batch.block_table, rows, payload.block_ids),
-                           num_computed_tokens=_set(batch.num_computed_tokens, rows, payload.num_computed_tokens),
-                           num_scheduled_tokens=_set(batch.num_scheduled_tokens, rows, 0))
-    if payload.sampling is not None:  # FeatureConfig.sampling: parameters and penalty bins
-        state = dataclasses.replace(state, batch=admit(state.batch, rows, payload.sampling, payload.token_ids,
-                                                       payload.num_tokens))
-    return dataclasses.replace(state, num_tokens=_set(state.num_tokens, rows, payload.num_tokens),
-                               stop_len=_set(state.stop_len, rows, payload.stop_len),
-                               num_blocks=_set(state.num_blocks, rows, payload.num_blocks),
-                               num_draft_tokens=_set(state.num_draft_tokens, rows, 0))
+def _with_tables(batch, new: list[jax.Array]):
+    extra = len(batch.extra_block_tables or ())
+    fields = dict(block_table=new[0])
+    if batch.extra_block_tables is not None:
+        fields["extra_block_tables"] = tuple(new[1: 1 + extra])
+    if batch.mamba_block_table is not None:
+        fields["mamba_block_table"] = new[-1]
+    return dataclasses.replace(batch, **fields)
 
 
-def append_body(state: ServingState, payload: AppendBlocks) -> ServingState:
-    """Appends block ids after each row's ``num_blocks`` columns (vLLM ``append_row``).
+def _set_optional(batch, rows: jax.Array, **values):
+    """``batch`` with ``field[rows] = value`` for each field that the configuration keeps."""
+    fields = {name: _set(getattr(batch, name), rows, value) for name, value in values.items()
+              if getattr(batch, name) is not None}
+    return dataclasses.replace(batch, **fields)
 
-    An entry's column is the row's block count plus the number of earlier entries for that row.
-    # num_blocks [3, 1], rows [1, 0, 1, -1], ids [7, 8, 9, 0] -> columns [1, 3, 2, -]
-    #   block_table[1, 1] = 7, block_table[0, 3] = 8, block_table[1, 2] = 9; num_blocks -> [4, 3]
+
+def _clear_rows(batch, rows: jax.Array):
+    """A freed or re-admitted row: null blocks in every table, no draft, no grammar, no adapter."""
+    batch = _with_tables(batch, [_set(t, rows, NULL_BLOCK_ID) for t in tables(batch)])
+    return _set_optional(batch, rows, num_computed_tokens=0, num_scheduled_tokens=0, num_draft_tokens=0,
+                         prefill_len=0, num_accepted_tokens=1, grammar_index=NO_GRAMMAR, lora_ids=NO_LORA_ID,
+                         mamba_checkpoint_offsets=0)
+
+
+def finish_body(state: ServingState, rows: jax.Array) -> ServingState:
+    """Frees rows: counters to 0 and block tables to the null block (token ids are left stale)."""
+    rows = row_index(rows, state.num_tokens.shape[0])
+    return dataclasses.replace(state, batch=_clear_rows(state.batch, rows), num_tokens=_set(state.num_tokens, rows, 0),
+                               stop_len=_set(state.stop_len, rows, 0), num_blocks=_set(state.num_blocks, rows, 0))
+
+
+def add_body(state: ServingState, add: dict) -> ServingState:
+    """Writes the counters and per-request feature values of new requests (their tokens and blocks
+    follow as data segments); M-RoPE rows are reset to missing and is_token_ids to all tokens."""
+    rows = row_index(add["row"], state.num_tokens.shape[0])
+    batch = _clear_rows(state.batch, rows)
+    batch = _set_optional(batch, rows, num_computed_tokens=add["num_computed_tokens"], prefill_len=add["prefill_len"],
+                          lora_ids=add.get("lora_id"), mrope_position_delta=add.get("mrope_position_delta"),
+                          prompt_embeds_start=add.get("prompt_embeds_start"),
+                          mrope_positions=MROPE_MISSING_POSITION if batch.mrope_positions is not None else None,
+                          is_token_ids=True if batch.is_token_ids is not None else None)
+    return dataclasses.replace(state, batch=batch, num_tokens=_set(state.num_tokens, rows, add["num_tokens"]),
+                               stop_len=_set(state.stop_len, rows, add["stop_len"]),
+                               num_blocks=_set(state.num_blocks, rows, 0))
+
+
+def resume_body(state: ServingState, resume: dict) -> ServingState:
+    """Sets ``num_computed_tokens``; where given (>= 0) ``num_tokens`` and ``prefill_len``; nulls
+    every table of the rows whose blocks are replaced (their new blocks follow as data segments)."""
+    num_rows = state.num_tokens.shape[0]
+    rows = row_index(resume["row"], num_rows)
+
+    def kept(array, values):  # values, or the row's current value where -1
+        return jnp.where(values >= 0, values, _gather(array, rows))
+
+    batch = _set_optional(state.batch, rows, num_computed_tokens=resume["num_computed_tokens"], num_scheduled_tokens=0,
+                          num_draft_tokens=0)
+    if batch.prefill_len is not None:
+        batch = dataclasses.replace(batch, prefill_len=_set(batch.prefill_len, rows,
+                                                            kept(batch.prefill_len, resume["prefill_len"])))
+    replaced = jnp.where(resume["replace_blocks"] == 1, rows, num_rows)
+    batch = _with_tables(batch, [_set(t, replaced, NULL_BLOCK_ID) for t in tables(batch)])
+    return dataclasses.replace(state, batch=batch,
+                               num_tokens=_set(state.num_tokens, rows, kept(state.num_tokens, resume["num_tokens"])),
+                               num_blocks=_set(state.num_blocks, replaced, 0))
+
+
+def segments_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
+    """Writes every data word at its segment's (row, column) of its table.
+    # word 9 of kind TABLE + 1, row 2, column 3 -> extra_block_tables[0][2, 3] = 9
     """
     num_rows = state.num_tokens.shape[0]
-    rows = row_index(payload.rows, num_rows)
-    entry = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    earlier_same_row = (rows[:, None] == rows[None, :]) & (entry[None, :] < entry[:, None])
-    rank = jnp.sum(earlier_same_row, axis=1, dtype=jnp.int32)
-    columns = jnp.take(state.num_blocks, rows, mode="fill", fill_value=0) + rank
-    block_table = state.batch.block_table.at[rows, columns].set(payload.block_ids, mode="drop")
-    num_blocks = state.num_blocks.at[rows].add(jnp.ones_like(rows), mode="drop")
-    return dataclasses.replace(_replace_batch(state, block_table=block_table), num_blocks=num_blocks)
+    kind, value, col = updates.data_kind, updates.data_value, updates.data_col
+
+    def rows_of(k):
+        return jnp.where(kind == k, row_index(updates.data_row, num_rows), num_rows)
+
+    batch = state.batch
+    batch = dataclasses.replace(batch, token_ids=batch.token_ids.at[rows_of(TOKENS), col].set(value, mode="drop"))
+    if batch.mrope_positions is not None:
+        positions = batch.mrope_positions
+        for d in range(positions.shape[1]):
+            positions = positions.at[rows_of(MROPE + d), d, col].set(value, mode="drop")
+        batch = dataclasses.replace(batch, mrope_positions=positions)
+    if batch.is_token_ids is not None:
+        flags = batch.is_token_ids.at[rows_of(IS_TOKEN_IDS), col].set(value != 0, mode="drop")
+        batch = dataclasses.replace(batch, is_token_ids=flags)
+    batch = _with_tables(batch, [t.at[rows_of(TABLE + i), col].set(value, mode="drop")
+                                 for i, t in enumerate(tables(batch))])
+    ends = updates.segment_end  # group 0's allocated columns: the end of its last segment
+    group0 = jnp.where(ends["kind"] == TABLE, row_index(ends["row"], num_rows), num_rows)
+    return dataclasses.replace(state, batch=batch, num_blocks=state.num_blocks.at[group0].max(ends["end"], mode="drop"))
 
 
-def schedule_body(state: ServingState, payload: Schedule) -> ServingState:
-    """Sets every row's scheduled and draft counts and writes the draft ids after ``num_tokens``.
+def admit_sampling_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
+    """The added rows' sampling parameters, and their penalty bins from the token words of this
+    update (vLLM V2 ``Sampler.add_request``): ``prompt_bin_mask`` bit t % 32 of word t // 32 for
+    each prompt token t, ``output_bin_counts`` for the tokens in [prompt_len, num_tokens).
+    # V 64, tokens [3, 40, 3, 7, 7], prompt_len 3 -> mask words [1 << 3, 1 << 8], counts[7] = 2
+    """
+    batch, add = state.batch, updates.add
+    num_rows, vocab = state.num_tokens.shape[0], batch.output_bin_counts.shape[1]
+    rows = row_index(add["row"], num_rows)
+    values = {name: jax.lax.bitcast_convert_type(add[name], jnp.float32) for name in FLOAT_PARAMS}
+    values.update(top_k=add["top_k"], seeds=jnp.stack([add["seed_high"], add["seed_low"]], axis=1),
+                  seeds_set=add["seeds_set"] != 0, prompt_bin_mask=0, output_bin_counts=0)
+    batch = dataclasses.replace(batch, **{name: _set(getattr(batch, name), rows, value)
+                                          for name, value in values.items()})
+    # per data word: is it a token of an added row, in its prompt or its outputs?
+    prompt_len = jnp.full((num_rows + 1,), -1, jnp.int32).at[rows].set(add["prompt_len"], mode="drop")
+    num_tokens = jnp.zeros((num_rows + 1,), jnp.int32).at[rows].set(add["num_tokens"], mode="drop")
+    row = jnp.where(updates.data_kind == TOKENS, row_index(updates.data_row, num_rows), num_rows)
+    token, col = updates.data_value, updates.data_col
+    known = (row < num_rows) & (token >= 0) & (token < vocab) & (prompt_len[row] >= 0)
+    is_prompt = known & (col < prompt_len[row])
+    is_output = known & (col >= prompt_len[row]) & (col < num_tokens[row])
+    counts = batch.output_bin_counts.at[jnp.where(is_output, row, num_rows), token].add(1, mode="drop")
+    # each (row, token) of the prompt once: sorted, then the first of each run adds its bit
+    sorted_row, sorted_token = jax.lax.sort((jnp.where(is_prompt, row, num_rows), token), num_keys=2)
+    first = jnp.concatenate([jnp.ones((1,), bool), (sorted_row[1:] != sorted_row[:-1])
+                             | (sorted_token[1:] != sorted_token[:-1])])
+    bit = jnp.left_shift(jnp.int32(1), sorted_token % 32)
+    mask = batch.prompt_bin_mask.at[jnp.where(first, sorted_row, num_rows), sorted_token // 32].add(bit, mode="drop")
+    return _replace_batch(state, output_bin_counts=counts, prompt_bin_mask=mask)
+
+
+def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool = True) -> ServingState:
+    """Sets every row's scheduled and draft counts (in ``batch.num_draft_tokens``), writes the draft
+    ids after ``num_tokens`` and the step's grammar rows; nothing where ``present`` is false.
 
     # num_tokens [5], num_draft [2], drafts [[41, 42, 0]] -> token_ids[0, 5:7] = [41, 42]
     """
     num_rows, max_model_len = state.batch.token_ids.shape
-    num_draft = jnp.asarray(payload.num_draft_tokens, jnp.int32)
-    width = payload.draft_token_ids.shape[1]
+    present = jnp.asarray(present)
+
+    def chosen(new, old):
+        return jnp.where(present, new, old)
+
+    num_draft = chosen(schedule["num_draft_tokens"], state.batch.num_draft_tokens)
+    drafts = schedule["draft_token_ids"]
     token_ids = state.batch.token_ids
-    if width:
-        offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
-        columns = jnp.where(offsets < num_draft[:, None], state.num_tokens[:, None] + offsets, max_model_len)
+    if drafts.shape[1]:
+        offsets = jnp.arange(drafts.shape[1], dtype=jnp.int32)[None, :]
+        columns = jnp.where(present & (offsets < num_draft[:, None]), state.num_tokens[:, None] + offsets,
+                            max_model_len)
         rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], columns.shape)
-        token_ids = token_ids.at[rows, columns].set(payload.draft_token_ids, mode="drop")
-    state = _replace_batch(state, token_ids=token_ids,
-                           num_scheduled_tokens=jnp.asarray(payload.num_scheduled_tokens, jnp.int32))
-    return dataclasses.replace(state, num_draft_tokens=num_draft)
+        token_ids = token_ids.at[rows, columns].set(drafts, mode="drop")
+    fields = dict(token_ids=token_ids, num_draft_tokens=num_draft,
+                  num_scheduled_tokens=chosen(schedule["num_scheduled_tokens"], state.batch.num_scheduled_tokens))
+    if state.batch.grammar_index is not None:
+        fields["grammar_index"] = chosen(schedule["grammar_index"], state.batch.grammar_index)
+    return _replace_batch(state, **fields)
 
 
-def apply_updates_body(state: ServingState, updates: StepUpdates) -> ServingState:
-    """finish, then add, then append, then schedule."""
-    state = finish_body(state, updates.finish)
+def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
+    """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule."""
+    state = finish_body(state, updates.finish_rows)
     state = add_body(state, updates.add)
-    state = append_body(state, updates.append)
-    return schedule_body(state, updates.schedule)
+    state = resume_body(state, updates.resume)
+    state = segments_body(state, updates)
+    if state.batch.output_bin_counts is not None:
+        state = admit_sampling_body(state, updates)
+    if state.batch.lora_slots is not None:
+        slots = jnp.where(updates.has_lora_slots == 1, updates.lora_slots, state.batch.lora_slots)
+        state = _replace_batch(state, lora_slots=slots)
+    return schedule_body(state, updates.schedule, updates.has_schedule == 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfig) -> ServingState:
+    """`apply_updates_body` of one packed buffer (`jaxprep.serving.packing.pack_step`); one
+    executable per buffer length of the ladder."""
+    return apply_updates_body(state, unpack_updates(packed, config))
 
 
 def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
-                   num_sampled: jax.Array) -> ServingState:
+                        num_sampled: jax.Array, vocab_bound: int | None = None) -> ServingState:
     """Post-update of one step (vLLM V2 ``_post_update_kernel``): advances the device counters.
 
     Per batch row b of state row s = idx_mapping[b] (pad -1 is skipped):
@@ -123,40 +240,52 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
       n          = 0 if discarded else num_sampled[b] (accepted drafts + 1);
       C         += S if discarded else S - (D + 1 - n)   (rejected drafts are not computed);
       token_ids[s, num_tokens : num_tokens + n] = sampled_token_ids[b, :n]; num_tokens += n;
-      S, D      -> 0.
+      S, D      -> 0; num_accepted_tokens -> n (hybrid models, where n > 0).
     # C 4, S 1, D 0, num_tokens 5, sampled [[77]], n 1 -> token_ids[s, 5] = 77, C 5, num_tokens 6
+
+    Inputs it cannot take set a bit of ``state.errors`` (`ERROR_BITS`) and stay in bounds: a token
+    outside [0, ``vocab_bound``) is written as 0, ``n`` is clamped to [0, D + 1], an ``idx_mapping``
+    entry outside [-1, max_num_reqs) is skipped.
     """
     num_rows, max_model_len = state.batch.token_ids.shape
+    idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
+    sampled_token_ids = jnp.asarray(sampled_token_ids, jnp.int32)
     rows = row_index(idx_mapping, num_rows)
-
-    def gather(array):
-        return jnp.take(array, rows, mode="fill", fill_value=0)
-
-    scheduled, computed = gather(state.batch.num_scheduled_tokens), gather(state.batch.num_computed_tokens)
-    num_tokens, num_draft = gather(state.num_tokens), gather(state.num_draft_tokens)
+    bad_row = jnp.any((idx_mapping < -1) | (idx_mapping >= num_rows))
+    scheduled = _gather(state.batch.num_scheduled_tokens, rows)
+    computed = _gather(state.batch.num_computed_tokens, rows)
+    num_tokens, num_draft = _gather(state.num_tokens, rows), _gather(state.num_draft_tokens, rows)
     discarded = computed + scheduled < num_tokens
-    num_sampled = jnp.where(discarded, 0, jnp.asarray(num_sampled, jnp.int32))
+    requested = jnp.asarray(num_sampled, jnp.int32)
+    width = sampled_token_ids.shape[1]
+    bound = jnp.minimum(num_draft + 1, width)
+    bad_count = jnp.any((rows < num_rows) & ~discarded & ((requested < 0) | (requested > bound)))
+    num_sampled = jnp.where(discarded | (rows >= num_rows), 0, jnp.clip(requested, 0, bound))
     advance = jnp.where(discarded, scheduled, scheduled - (num_draft + 1 - num_sampled))
-    offsets = jnp.arange(sampled_token_ids.shape[1], dtype=jnp.int32)[None, :]
-    columns = jnp.where(offsets < num_sampled[:, None], num_tokens[:, None] + offsets, max_model_len)
+    offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
+    kept = offsets < num_sampled[:, None]
+    limit = jnp.iinfo(jnp.int32).max if vocab_bound is None else vocab_bound
+    bad_token = kept & ((sampled_token_ids < 0) | (sampled_token_ids >= limit))
+    sampled_token_ids = jnp.where(bad_token, 0, sampled_token_ids)
+    columns = jnp.where(kept, num_tokens[:, None] + offsets, max_model_len)
     token_ids = state.batch.token_ids.at[rows[:, None], columns].set(sampled_token_ids, mode="drop")
     state = _replace_batch(state, token_ids=token_ids,
                            num_computed_tokens=state.batch.num_computed_tokens.at[rows].add(advance, mode="drop"),
-                           num_scheduled_tokens=_set(state.batch.num_scheduled_tokens, rows, 0))
+                           num_scheduled_tokens=_set(state.batch.num_scheduled_tokens, rows, 0),
+                           num_draft_tokens=_set(state.batch.num_draft_tokens, rows, 0))
+    if state.batch.num_accepted_tokens is not None:
+        accepted = jnp.where(num_sampled > 0, rows, num_rows)
+        state = _replace_batch(state, num_accepted_tokens=_set(state.batch.num_accepted_tokens, accepted, num_sampled))
     if state.batch.output_bin_counts is not None:  # FeatureConfig.sampling: every appended token counts
         state = dataclasses.replace(state, batch=count_sampled(state.batch, rows, sampled_token_ids, num_sampled))
+    errors = (jnp.where(jnp.any(bad_token), ERROR_BITS["sampled_token_id"], 0)
+              | jnp.where(bad_count, ERROR_BITS["num_sampled"], 0) | jnp.where(bad_row, ERROR_BITS["idx_mapping"], 0))
     return dataclasses.replace(state, num_tokens=state.num_tokens.at[rows].add(num_sampled, mode="drop"),
-                               num_draft_tokens=_set(state.num_draft_tokens, rows, 0))
+                               errors=state.errors | errors)
 
 
-def _donating(fn):
-    """``fn`` jitted with its state argument donated."""
-    return functools.wraps(fn)(jax.jit(fn, donate_argnums=0))
-
-
-finish = _donating(finish_body)
-add = _donating(add_body)
-append = _donating(append_body)
-schedule = _donating(schedule_body)
-apply_updates = _donating(apply_updates_body)
-record_sampled = _donating(record_sampled_body)
+@functools.partial(jax.jit, static_argnames=("vocab_bound",), donate_argnames=("state",))
+def record_sampled(state: ServingState, idx_mapping, sampled_token_ids, num_sampled, *,
+                   vocab_bound: int | None = None) -> ServingState:
+    """`record_sampled_body`, jitted, the state donated."""
+    return record_sampled_body(state, idx_mapping, sampled_token_ids, num_sampled, vocab_bound)

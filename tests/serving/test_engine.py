@@ -185,18 +185,19 @@ def test_the_comparison_of_outputs_sees_a_changed_request():
 
 BAD_PAYLOADS = {  # built by hand: a count of 2.7 tokens was truncated to 2, row 2**32 + 1 wrapped to 1
     "Schedule 2.7 tokens": (lambda c: StepUpdates.build(c, num_scheduled_tokens=[2.7]),
-                            "Schedule.num_scheduled_tokens[0] = 2.7 is not an integer"),
+                            "Schedule.num_scheduled_tokens must hold integers, got dtype float64"),
     "Schedule NaN drafts": (lambda c: Schedule.build(c, num_draft_tokens=[float("nan")]),
-                            "Schedule.num_draft_tokens[0] = nan is not an integer"),
+                            "Schedule.num_draft_tokens must hold integers, got dtype float64"),
     "Schedule bool counts": (lambda c: Schedule.build(c, num_scheduled_tokens=[True, False]),
-                             "Schedule.num_scheduled_tokens holds bools"),
+                             "Schedule.num_scheduled_tokens must hold integers, got dtype bool"),
     "finish row 2**32 + 1": (lambda c: FinishRequests.build(c, [2**32 + 1]),
                              "FinishRequests.rows[0] = 4294967297 is outside int32"),
     "decode_steps 1.5": (lambda c: StepUpdates.build(c, decode_steps=1.5),
                          "StepUpdates.decode_steps = 1.5 must be an integer"),
     "add stop_len 8.5": (lambda c: AddRequests.build(c, [dict(row=0, token_ids=[2], stop_len=8.5, block_ids=[1])]),
-                         "AddRequests entry 0: stop_len = 8.5 must be an integer"),
-    "append row 0.5": (lambda c: AppendBlocks.build(c, {0.5: [3]}), "AppendBlocks (row, block id)[0] = 0.5"),
+                         "AddRequests entry 0 (row 0): stop_len = 8.5 is not an integer"),
+    "append row 0.5": (lambda c: AppendBlocks.build(c, {0.5: [3]}),
+                       "AppendBlocks row 0.5: row = 0.5 is not an integer"),
 }
 
 
@@ -214,9 +215,9 @@ def test_a_hand_built_schedule_with_float_arrays_is_rejected_with_state_unchange
     state, mirror = batch.state, batch.rows.copy()
     counts = np.zeros(CONFIG.max_num_reqs)
     counts[0] = 2.7
-    schedule = Schedule(num_scheduled_tokens=counts, num_draft_tokens=np.zeros(CONFIG.max_num_reqs, np.int32),
-                        draft_token_ids=np.zeros((CONFIG.max_num_reqs, 0), np.int32))
-    with pytest.raises(InvalidUpdateError, match=re.escape("Schedule.num_scheduled_tokens[0] = 2.7 is not an integer")):
+    schedule = dataclasses.replace(Schedule.build(CONFIG), num_scheduled_tokens=counts)
+    with pytest.raises(InvalidUpdateError,
+                       match=re.escape("StepUpdates.schedule.num_scheduled_tokens[0] = 2.7 is not an integer")):
         batch.schedule(schedule)
     assert batch.state is state and not state.num_tokens.is_deleted()
     np.testing.assert_array_equal(batch.rows.num_scheduled_tokens, mirror.num_scheduled_tokens)
