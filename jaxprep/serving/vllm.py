@@ -87,9 +87,15 @@ class VllmAdapter:
     # --- one step --------------------------------------------------------------------------------
 
     def step(self, scheduler_output) -> AdapterStep:
-        """Applies ``scheduler_output`` as one checked `StepUpdates` and prepares the step."""
-        updates = self.updates(scheduler_output)
-        self.batch.apply_updates(updates)
+        """Applies ``scheduler_output`` as one checked `StepUpdates` and prepares the step. On a bad output
+        (``ValueError``, `InvalidUpdateError` naming the field) the adapter and its batch are unchanged."""
+        kept = (dict(self.rows), dict(self.admitted), list(self._free),
+                None if self._lora_slots is None else self._lora_slots.copy())
+        try:
+            self.batch.apply_updates(self.updates(scheduler_output))
+        except Exception:
+            self.rows, self.admitted, self._free, self._lora_slots = kept
+            raise
         total = int(scheduler_output.total_num_scheduled_tokens)
         num_tokens_padded = self.config.prep.bucket_for(total)
         req_ids = sorted(scheduler_output.num_scheduled_tokens, key=self.rows.__getitem__)
