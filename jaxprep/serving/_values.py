@@ -41,7 +41,7 @@ def integer_array(where: str, values, error: type[Exception] = ValueError) -> np
     if array.dtype.kind == "b":
         raise error(f"{where} holds bools ({array.ravel()[:4].tolist()}...): give integer counts")
     if array.dtype.kind not in "iuf":  # Python ints past int64, strings, None, ...: one by one
-        array = np.asarray([integer(f"{where}[{i}]", v, error=error) for i, v in enumerate(array.ravel())],
+        array = np.asarray([integer(f"{where}[{i}]", v, error=error) for i, v in enumerate(array.ravel().tolist())],
                            dtype=object).reshape(array.shape)
     flat = array.ravel()
     if array.dtype.kind == "f":
