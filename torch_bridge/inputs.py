@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxprep._checks import type_name
 from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, StepInputs, step_fields
 from jaxprep.packing import INT32, INT64
+from torch_bridge._checks import as_jax, check_consistent
 from torch_bridge._torch import torch
 from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
 from torch_bridge.transfer import Bridged, PackSpec, check_live, convert_leaf, with_fields
@@ -118,6 +119,8 @@ def step_arrays(step_inputs) -> dict[str, jax.Array]:
     arrays = {TORCH_NAMES.get(name, name): value for name, value in step_fields(step_inputs).items()}
     if arrays["errors"] is None:  # a step-like object built without jaxprep's error word
         arrays["errors"] = jnp.zeros((), jnp.int32)
+    check_consistent("torch_bridge", step_inputs, arrays)
+    arrays = {name: as_jax(name, value) for name, value in arrays.items()}  # a prepare_to_host step: NumPy
     check_live(arrays)
     return arrays
 
@@ -129,6 +132,7 @@ def bridge_inputs(step_inputs, pack_spec: PackSpec) -> tuple[dict[str, jax.Array
     features = feature_fields(step_inputs, slot_kind=pack_spec.slot_kind)
     if not features.spec:
         return arrays, pack_spec, features
+    features = dataclasses.replace(features, arrays={name: as_jax(name, v) for name, v in features.arrays.items()})
     check_live(features.arrays)
     return {**arrays, **features.arrays}, with_fields(pack_spec, features.spec), features
 

@@ -6,6 +6,7 @@ The tensors share memory with the step's JAX arrays (see `torch_bridge.inputs`, 
 
 from __future__ import annotations
 
+from torch_bridge._checks import check_device
 from torch_bridge._torch import device_type
 from torch_bridge.inputs import TorchStepInputs, assemble, bridge_inputs, core_pack_spec, expect_step
 from torch_bridge.npu import to_npu
@@ -28,6 +29,7 @@ def to_torch(step_inputs, device=None, *, strategy: str = DEFAULT_STRATEGY, attn
     override the step's own attributes of those names, if it has any.
     """
     expect_step("to_torch", step_inputs)
+    check_device("to_torch", device)
     if device_type(device) == "npu":
         return to_npu(step_inputs, device, attn_state=attn_state, attn_mask=attn_mask)
     if strategy not in STRATEGIES:

@@ -40,7 +40,23 @@ def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None =
 
 def main(argv: list[str] | None = None) -> int:
     module, args = parse_args(argv)
-    return module.run(args)
+    try:
+        return module.run(args)
+    except MemoryError as error:  # sizes the flags allowed but this host cannot hold: one line, exit 2
+        _out_of_memory(args, error)
+    except Exception as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        _out_of_memory(args, error)
+
+
+def _out_of_memory(args, error: BaseException):
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    message = f"out of memory with these sizes ({first}): lower --max-model-len, --num-blocks or --max-num-reqs"
+    if getattr(args, "error", None) is not None:
+        args.error(message)
+    sys.stderr.write(f"jaxprep {args.command}: error: {message}\n")
+    sys.exit(2)
 
 
 def parse_args(argv: list[str] | None = None):

@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxprep.cli._args import UsageError
+from jaxprep.cli._args import UsageError, int_in
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FIELD_FLAGS = {"seed": "--sampling-seed"}
+"""`SamplingParams` fields whose flag is not ``--`` + the field's name."""
 
 FLAGS = (  # flag, type, default, help
     ("--temperature", float, 0.0, "sampling temperature; 0 is greedy (default 0)"),
@@ -16,7 +20,8 @@ FLAGS = (  # flag, type, default, help
     ("--top-p", float, 1.0, "keep the smallest set of tokens with this much probability (default 1)"),
     ("--min-p", float, 0.0, "drop tokens below min-p times the likeliest (default 0)"),
     ("--repetition-penalty", float, 1.0, "vLLM's repetition penalty; 1 is none (default 1)"),
-    ("--sampling-seed", int, None, "seed of request 0's sampling; request i uses seed + i (default: drawn)"),
+    ("--sampling-seed", int_in(INT64_MIN, INT64_MAX), None,
+     "seed of request 0's sampling; request i uses seed + i (default: drawn)"),
 )
 
 
@@ -35,12 +40,15 @@ def sampling_params(args: argparse.Namespace, request_index: int = 0):
     if all(values[name] == defaults[name] for name in values):
         return None
     seed = None if args.sampling_seed is None else args.sampling_seed + request_index
+    if seed is not None and seed > INT64_MAX:
+        raise UsageError(f"--sampling-seed {args.sampling_seed}: request {request_index} would get seed {seed}; "
+                         f"must be <= {INT64_MAX} - {request_index}")
     try:
         return SamplingParams(**values, seed=seed)
     except ValueError as error:  # "SamplingParams.top_p=1.5 must be in (0, 1]" -> "--top-p 1.5: must be in (0, 1]"
         field, rest = str(error).removeprefix("SamplingParams.").split("=", 1)
         value, bound = rest.split(" ", 1)
-        raise UsageError(f"--{field.replace('_', '-')} {value}: {bound}") from None
+        raise UsageError(f"{FIELD_FLAGS.get(field, '--' + field.replace('_', '-'))} {value}: {bound}") from None
 
 
 def with_sampling(config, vocab_size: int):

@@ -15,6 +15,7 @@ import json
 import os
 
 from jaxprep.cli._args import INT32_MAX, int_in, require
+from jaxprep.cli._checkpoint import load_checkpoint
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
@@ -61,18 +62,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.num_blocks is not None:
         require(args.num_blocks * args.block_size <= INT32_MAX, f"--num-blocks {args.num_blocks}: times "
                 f"--block-size {args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
-    sampling_params(args)  # a bad value ends here, naming its flag
+    sampling_params(args, len(args.prompts) - 1)  # a bad value ends here, naming its flag (the last seed too)
     args.tokenizer = _tokenizer(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxprep.models import CheckpointError, UnsupportedConfigError, load_model
-
     tokenizer = args.tokenizer
-    try:
-        model, params = load_model(args.model)
-    except (UnsupportedConfigError, CheckpointError, FileNotFoundError) as error:
-        args.error(f"--model {args.model}: {error}")
+    model, params = load_checkpoint(args)
     prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
     _check_token_ids(args, prompts, model.vocab_size)
     eos_ids = () if args.ignore_eos else model.eos_token_ids

@@ -149,7 +149,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     visible = jax.device_count()
     require(args.devices <= visible, f"--devices {args.devices}: must be <= {visible}, the "
             f"{jax.default_backend()} devices JAX sees")
-    sampled = sampling_params(args) is not None
+    sampled = sampling_params(args, args.requests - 1) is not None  # the last request's seed fits too
     require(not (sampled and args.check), "--check: compares greedy tokens; drop it with --temperature and friends")
     if args.compile_cache:
         check_folder("--compile-cache", args.compile_cache)
@@ -261,12 +261,9 @@ def _model(args, tiny_config):
         model = tiny_config(vocab_size=args.vocab_size, num_layers=args.layers, d_model=args.d_model,
                             num_heads=args.heads, d_ff=2 * args.d_model)
         return model, None, 1
-    from jaxprep.models import CheckpointError, UnsupportedConfigError, load_model
+    from jaxprep.cli._checkpoint import load_checkpoint
 
-    try:
-        model, params = load_model(args.model)
-    except (UnsupportedConfigError, CheckpointError, FileNotFoundError) as error:
-        args.error(f"argument --model: {error}")
+    model, params = load_checkpoint(args)
     return model, params, model.eos_token_ids[0] if model.eos_token_ids else -1
 
 

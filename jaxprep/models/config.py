@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
 
 from jaxprep.models import llama
-from jaxprep.models.errors import UnsupportedConfigError
+from jaxprep.models.errors import CheckpointError, UnsupportedConfigError
 from jaxprep.models.rope import RopeConfig, parse_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -73,6 +74,7 @@ def read_config(directory: str) -> DecoderConfig:
     if os.path.exists(generation):
         eos = _read_json(generation).get("eos_token_id")
         if eos is not None:
+            _eos_ids({"eos_token_id": eos}, "generation_config.json")  # its errors name its own file
             raw = dict(raw, eos_token_id=eos)
     return parse_config(raw)
 
@@ -86,25 +88,26 @@ def parse_config(raw: dict) -> DecoderConfig:
     _check_unsupported(raw)
     heads = _int(raw, "num_attention_heads")
     hidden = _int(raw, "hidden_size")
-    default_head_dim = 128 if model_type == "qwen3" else hidden // heads  # the transformers class defaults
+    # the transformers class defaults (heads 0 is reported by _check_shapes, not divided by)
+    default_head_dim = 128 if model_type == "qwen3" else hidden // heads if heads > 0 else 0
     config = DecoderConfig(
         model_type=model_type, vocab_size=_int(raw, "vocab_size"), hidden_size=hidden,
         intermediate_size=_int(raw, "intermediate_size"), num_layers=_int(raw, "num_hidden_layers"),
         num_heads=heads, num_kv_heads=_int(raw, "num_key_value_heads", heads),
-        head_dim=_int(raw, "head_dim", default_head_dim), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        head_dim=_int(raw, "head_dim", default_head_dim), rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6),
         rope=parse_rope(raw), max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_ids=_eos_ids(raw),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings"), eos_token_ids=_eos_ids(raw),
         **_family_switches(model_type, raw))
     _check_shapes(config)
     return config
 
 
 def _family_switches(model_type: str, raw: dict) -> dict[str, bool]:
-    attention_bias = bool(raw.get("attention_bias", False))
+    attention_bias = _bool(raw, "attention_bias")
     if model_type == "qwen2":
         return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False}
     return {"qkv_bias": attention_bias, "o_bias": attention_bias, "qk_norm": model_type == "qwen3",
-            "mlp_bias": model_type == "llama" and bool(raw.get("mlp_bias", False))}
+            "mlp_bias": model_type == "llama" and _bool(raw, "mlp_bias")}
 
 
 def _check_unsupported(raw: dict) -> None:
@@ -148,18 +151,52 @@ def _int(raw: dict, name: str, default: int | None = None) -> int:
     return value
 
 
-def _eos_ids(raw: dict) -> tuple[int, ...]:
+def _positive_float(raw: dict, name: str, default: float) -> float:
+    """A finite number > 0 (an int is fine, a bool or a string is not); None or absent: ``default``."""
+    value = raw.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UnsupportedConfigError(f"config.json: {name}={value!r} must be a positive number")
+    return float(value)
+
+
+def _bool(raw: dict, name: str) -> bool:
+    """true or false (None or absent: false); the string "false" is an error, not True."""
+    value = raw.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise UnsupportedConfigError(f"config.json: {name}={value!r} must be true or false")
+    return bool(value)
+
+
+def _eos_ids(raw: dict, source: str = "config.json") -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     if eos is None:
         return ()
     ids = tuple(eos) if isinstance(eos, list) else (eos,)
-    if not all(isinstance(i, int) and i >= 0 for i in ids):
-        raise UnsupportedConfigError(f"config.json: eos_token_id={eos!r} must be an int >= 0 or a list of them")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise UnsupportedConfigError(f"{source}: eos_token_id={eos!r} must be an int >= 0 or a list of them")
     return ids
 
 
 def _read_json(path: str) -> dict:
+    """The JSON object in ``path``; a file that is missing, a folder, unreadable, not JSON or not an
+    object raises naming the file (``CheckpointError``; FileNotFoundError when missing)."""
+    name = os.path.basename(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: a model directory holds config.json and *.safetensors")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    if os.path.isdir(path):
+        raise CheckpointError(f"{name}: is a folder, not a JSON file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{name}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno}; "
+                              "truncated?)") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{name}: not UTF-8 text") from None
+    except OSError as error:
+        raise CheckpointError(f"{name}: cannot be read ({error.strerror})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{name}: must hold a JSON object {{...}}, got a {type(value).__name__}")
+    return value

@@ -20,6 +20,7 @@ from jaxprep._checks import max_block_id
 from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, NULL_BLOCK_ID, PAD_STATE_ROW
 from jaxprep.config import cdiv
 from jaxprep.features.sampling import FLOAT_PARAMS, check_parameter_bounds
+from jaxprep.serving._values import check_payload_leaves
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.state import check_token_ids, draft_width, num_kv_groups, table_names, table_widths
 from jaxprep.validate import InvalidBatchError
@@ -301,6 +302,7 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
 
 def check_updates(rows: HostRows, updates, config: ServingConfig) -> HostRows:
     """The mirror after ``updates`` (finish, add, resume, append, lora_slots, schedule), on a copy."""
+    check_payload_leaves(updates, InvalidUpdateError)  # 2.7 tokens is an error, never truncated to 2
     rows = rows.copy()
     _finish(rows, updates.finish, config)
     _add(rows, updates.add, config)

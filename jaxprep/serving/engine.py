@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxprep.compilation import compile_all
 from jaxprep.serving import dp_policy, transitions
+from jaxprep.serving._values import integer
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.dispatch_log import DispatchRecord, dispatch_record
@@ -178,10 +179,13 @@ class Engine:
         """Queues ``requests``; request i joins the scheduler at host iteration ``arrival_steps[i]``
         (default: the current one).
 
-        Raises ValueError, with nothing queued, if the two lengths differ, an arrival step is negative,
-        a request id is already live (submitted and not finished) or repeated, or a request can
-        never run (`Scheduler.check_request`: its length, its token ids against vocab_size, its blocks).
+        Raises ValueError, with nothing queued, if the two lengths differ, an arrival step is not an
+        integer >= 0, a request id is already live (submitted and not finished) or repeated, or a
+        request is malformed or can never run (`Scheduler.check_request`: its fields' types and ranges,
+        its length, its token ids against vocab_size, its blocks).
         """
+        if isinstance(requests, Request):
+            raise ValueError("Engine.submit takes a list of requests, got one Request: submit([request])")
         requests = list(requests)
         steps = [self.iteration] * len(requests) if arrival_steps is None else list(arrival_steps)
         if len(steps) != len(requests):
@@ -189,15 +193,14 @@ class Engine:
                              "give one arrival step per request")
         seen = set(self._live_ids)
         for i, (step, request) in enumerate(zip(steps, requests)):
-            if int(step) < 0:
-                raise ValueError(f"Engine.submit: arrival_steps[{i}] = {step} must be >= 0")
+            steps[i] = integer(f"Engine.submit: arrival_steps[{i}]", step, minimum=0)
+            self.scheduler.check_request(request)  # types first: an unhashable id fails here, named
             if request.request_id in seen:
                 raise ValueError(f"Engine.submit: requests[{i}] has request_id {request.request_id!r}, "
                                  "which is already submitted and not finished")
             seen.add(request.request_id)
-            self.scheduler.check_request(request)
         self._live_ids = seen
-        queued = [(int(s), next(self._order), r) for s, r in zip(steps, requests)]
+        queued = [(s, next(self._order), r) for s, r in zip(steps, requests)]
         self._arrivals = sorted(self._arrivals + queued, key=lambda item: item[:2])
 
     def run(self, max_dispatches: int | None = None, on_step=None) -> list[Request]:

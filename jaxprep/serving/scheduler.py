@@ -25,6 +25,7 @@ import numpy as np
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep.config import cdiv
 from jaxprep.features.sampling_params import SamplingParams
+from jaxprep.serving._values import check_request_fields
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.state import check_token_ids
 from jaxprep.serving.step import AppendedTokens
@@ -143,7 +144,9 @@ class Scheduler:
 
     def check_request(self, request: Request) -> None:
         """Raises ValueError naming ``request`` if it can never run: a prompt outside [1, max_model_len),
-        max_tokens < 1, a token id outside [0, vocab_size), or more blocks than the cache holds."""
+        max_tokens < 1, a token id outside [0, vocab_size), or more blocks than the cache holds; or
+        a field of the wrong type or state (`check_request_fields`: max_tokens 2.5, an unhashable id)."""
+        check_request_fields(request, Request, SamplingParams)
         prep = self.config.prep
         length = len(request.prompt_token_ids)
         if not 0 < length < prep.max_model_len or request.max_tokens < 1:

@@ -21,6 +21,7 @@ import numpy as np
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID
 from jaxprep.config import block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
+from jaxprep.serving._values import integer, integer_array
 from jaxprep.serving.config import ServingConfig
 from jaxprep.state import BatchState
 
@@ -85,7 +86,7 @@ class FinishRequests:
 
     @classmethod
     def build(cls, config: ServingConfig, rows=()) -> FinishRequests:
-        rows = np.asarray([] if rows is None else list(rows), np.int64).ravel()
+        rows = integer_array("FinishRequests.rows", [] if rows is None else list(rows)).ravel()  # 2.7: an error
         return cls(rows=rows[rows != PAD_ROW])
 
 
@@ -243,7 +244,8 @@ class StepUpdates:
                    resume=ResumeRequests.build(config, resume), append=AppendBlocks.build(config, append),
                    schedule=Schedule.build(config, num_scheduled_tokens, num_draft_tokens, draft_token_ids,
                                            grammar_index),
-                   lora_slots=lora_slots, decode_steps=np.array([decode_steps], np.int32))
+                   lora_slots=lora_slots,
+                   decode_steps=np.array([integer("StepUpdates.decode_steps", decode_steps)], np.int32))
 
 
 # --- tables ------------------------------------------------------------------------------------

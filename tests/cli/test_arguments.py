@@ -21,7 +21,9 @@ SAMPLING_BAD = [  # flag, value, the bound the error names
     ("--temperature", "-1", "-1.0: must be finite and >= 0"), ("--top-k", "-2", "-2: must be an int >= -1"),
     ("--top-p", "1.5", "1.5: must be in (0, 1]"), ("--min-p", "2", "2.0: must be in [0, 1]"),
     ("--repetition-penalty", "0", "0.0: must be finite and > 0"),
-    ("--sampling-seed", "x", "invalid int value: 'x'"),
+    ("--sampling-seed", "x", "x: must be an integer"),
+    ("--sampling-seed", str(10**23), f"{10**23}: must be <= 9223372036854775807"),  # was reported as --seed
+    ("--sampling-seed", str(-(2**63) - 1), "must be >= -9223372036854775808"),
 ]
 BAD = [
     (["demo", "--check=yes"], "--check", "ignored explicit argument 'yes'"),
@@ -89,6 +91,10 @@ BAD = [
     (["generate", "--model", ROOT, "--prompt-ids", "1", "--max-model-len", "1"], "--max-model-len", "1: must be >= 2"),
     (["generate", "--model", ROOT, "--prompt-ids", "1", "--decode-steps", "0"], "--decode-steps", "0: must be >= 1"),
     (["generate", "--model", ROOT, "--prompt-ids", "1", "--json=1"], "--json", "ignored explicit argument '1'"),
+    (["generate", "--model", ROOT, "--prompt-ids", "1", "--prompt-ids", "2", "--temperature", "1", "--sampling-seed",
+      str(2**63 - 1)], "--sampling-seed", "request 1 would get seed 9223372036854775808"),
+    (["simulate", "--requests", "3", "--temperature", "1", "--sampling-seed", str(2**63 - 2)], "--sampling-seed",
+     "request 2 would get seed 9223372036854775808"),
     (["walkthrough", "--prompt-lens", "3", "0"], "--prompt-lens", "0: must be >= 1"),
     (["walkthrough", "--prompt-lens", "12"], "--prompt-lens", "12: must be < --max-model-len 12"),
     (["walkthrough", "--max-tokens", "0"], "--max-tokens", "0: must be >= 1"),

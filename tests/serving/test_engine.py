@@ -12,6 +12,7 @@ import pytest
 from jaxprep import PrepConfig
 from jaxprep.serving import (
     AddRequests,
+    AppendBlocks,
     Engine,
     InvalidUpdateError,
     ModelConfig,
@@ -20,6 +21,7 @@ from jaxprep.serving import (
     ServingConfig,
     random_workload,
 )
+from jaxprep.serving.state import FinishRequests, Schedule, StepUpdates
 
 MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)
 CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=4,
@@ -46,6 +48,21 @@ BAD_SUBMISSIONS = {
                     "requests[1] has request_id 3, which is already submitted"),
     "prompt too long": (lambda: [Request(4, [2] * 32, 2)], None,
                         "prompt of 32 tokens must lie in [1, max_model_len=32)"),
+    # types and states: each used to be queued and then fail inside the loop, or raise a raw TypeError
+    "max_tokens 2.5": (lambda: [Request(10, [2, 3], 2.5)], None, "request 10: max_tokens = 2.5 must be an integer"),
+    "max_tokens None": (lambda: [Request(10, [2, 3], None)], None, "request 10: max_tokens = None must be an integer"),
+    "max_tokens True": (lambda: [Request(10, [2, 3], True)], None, "max_tokens = True must be an integer, not a bool"),
+    "max_tokens -3": (lambda: [Request(10, [2, 3], -3)], None, "request 10: max_tokens = -3 must be >= 1"),
+    "unhashable id": (lambda: [Request([1], [2, 3], 2)], None, "request_id [1] must be hashable"),
+    "arrival step 2.5": (lambda: [Request(11, [2, 3], 2)], [2.5], "arrival_steps[0] = 2.5 must be an integer"),
+    "arrival step None": (lambda: [Request(11, [2, 3], 2)], [None], "arrival_steps[0] = None must be an integer"),
+    "prompt as an array": (lambda: [Request(12, np.array([2, 3]), 2)], None,
+                           "request 12: prompt_token_ids must be a list of ints, got ndarray"),
+    "sampling_params a dict": (lambda: [Request(13, [2, 3], 2, sampling_params={"temperature": 0})], None,
+                               "request 13: sampling_params must be None (greedy) or a jaxprep.SamplingParams"),
+    "a request already run": (lambda: [Request(14, [2, 3], 2, output_token_ids=[5])], None,
+                              "request 14: output_token_ids=[5] must be []"),
+    "one request, not a list": (lambda: Request(15, [2, 3], 2), None, "takes a list of requests"),
 }
 
 
@@ -118,3 +135,92 @@ def test_drain_finished_hands_out_every_request_once_and_nothing_grows():
     assert scheduler.finished == [] and not scheduler.waiting and not scheduler.running
     assert len(scheduler._free_rows) == CONFIG.max_num_reqs
     assert scheduler.allocator.num_free == CONFIG.num_blocks - 1
+
+
+def _finished_tokens(engine: Engine) -> dict:
+    return {r.request_id: list(r.output_token_ids) for r in engine.drain_finished()}
+
+
+@pytest.mark.parametrize("bad", ["max tokens 2.5", "unhashable id", "arrival 2.5"])
+def test_a_bad_submission_mid_run_changes_no_other_request(bad):
+    """A workload runs with and without a bad submission in between: the bad one is refused, and
+    every other request finishes with the same tokens (before the checks, max_tokens 2.5 was queued
+    and wedged the engine after its first step)."""
+    def workload():
+        return random_workload(7, num_requests=10, vocab_size=64, prompt_len=(2, 12), max_tokens=(2, 6),
+                               arrival_spread=4)
+
+    clean, disturbed = Engine(CONFIG, MODEL), Engine(CONFIG, MODEL)
+    for engine in (clean, disturbed):
+        engine.submit(workload().requests, workload().arrival_steps)
+        engine.run(max_dispatches=3)
+    request, steps = {"max tokens 2.5": (Request(50, [2, 3, 4], 2.5), None),
+                      "unhashable id": (Request({"id": 50}, [2, 3, 4], 3), None),
+                      "arrival 2.5": (Request(50, [2, 3, 4], 3), [2.5])}[bad]
+    with pytest.raises(ValueError, match="must be"):
+        disturbed.submit([request], steps)
+    for engine in (clean, disturbed):
+        engine.run()
+    expected = _finished_tokens(clean)
+    assert sorted(expected) == list(range(10)) and all(expected.values())
+    assert _finished_tokens(disturbed) == expected
+    assert not disturbed.has_unfinished and disturbed._live_ids == set()
+
+
+def test_the_comparison_of_outputs_sees_a_changed_request():
+    """Negative control of the test above: a workload with one request's max_tokens changed finishes
+    with different tokens, so the comparison can fail."""
+    runs = []
+    for max_tokens in (4, 5):
+        engine = Engine(CONFIG, MODEL)
+        workload = random_workload(7, num_requests=10, vocab_size=64, prompt_len=(2, 12), max_tokens=(2, 6),
+                                   arrival_spread=4)
+        requests = list(workload.requests)
+        requests[3] = dataclasses.replace(requests[3], max_tokens=max_tokens)
+        engine.submit(requests, workload.arrival_steps)
+        engine.run()
+        runs.append(_finished_tokens(engine))
+    assert runs[0] != runs[1]
+
+
+BAD_PAYLOADS = {  # built by hand: a count of 2.7 tokens was truncated to 2, row 2**32 + 1 wrapped to 1
+    "Schedule 2.7 tokens": (lambda c: StepUpdates.build(c, num_scheduled_tokens=[2.7]),
+                            "Schedule.num_scheduled_tokens must hold integers, got dtype float64"),
+    "Schedule NaN drafts": (lambda c: Schedule.build(c, num_draft_tokens=[float("nan")]),
+                            "Schedule.num_draft_tokens must hold integers, got dtype float64"),
+    "Schedule bool counts": (lambda c: Schedule.build(c, num_scheduled_tokens=[True, False]),
+                             "Schedule.num_scheduled_tokens must hold integers, got dtype bool"),
+    "finish row 2**32 + 1": (lambda c: FinishRequests.build(c, [2**32 + 1]),
+                             "FinishRequests.rows[0] = 4294967297 is outside int32"),
+    "decode_steps 1.5": (lambda c: StepUpdates.build(c, decode_steps=1.5),
+                         "StepUpdates.decode_steps = 1.5 must be an integer"),
+    "add stop_len 8.5": (lambda c: AddRequests.build(c, [dict(row=0, token_ids=[2], stop_len=8.5, block_ids=[1])]),
+                         "AddRequests entry 0 (row 0): stop_len = 8.5 is not an integer"),
+    "append row 0.5": (lambda c: AppendBlocks.build(c, {0.5: [3]}),
+                       "AppendBlocks row 0.5: row = 0.5 is not an integer"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_PAYLOADS)
+def test_a_payload_with_a_fractional_count_is_rejected_not_truncated(name):
+    build, message = BAD_PAYLOADS[name]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build(CONFIG)
+
+
+def test_a_hand_built_schedule_with_float_arrays_is_rejected_with_state_unchanged():
+    """The dataclass built directly (no ``build``): `ServingBatch` checks every leaf before its own checks."""
+    batch = ServingBatch(CONFIG)
+    batch.add_requests(AddRequests.build(CONFIG, [dict(row=0, token_ids=[2, 3, 4, 5], stop_len=8, block_ids=[1])]))
+    state, mirror = batch.state, batch.rows.copy()
+    counts = np.zeros(CONFIG.max_num_reqs)
+    counts[0] = 2.7
+    schedule = dataclasses.replace(Schedule.build(CONFIG), num_scheduled_tokens=counts)
+    with pytest.raises(InvalidUpdateError,
+                       match=re.escape("StepUpdates.schedule.num_scheduled_tokens[0] = 2.7 is not an integer")):
+        batch.schedule(schedule)
+    assert batch.state is state and not state.num_tokens.is_deleted()
+    np.testing.assert_array_equal(batch.rows.num_scheduled_tokens, mirror.num_scheduled_tokens)
+    counts[0] = 3.0  # an integral float is taken as the integer it is
+    batch.schedule(dataclasses.replace(schedule, num_scheduled_tokens=counts))
+    assert batch.rows.num_scheduled_tokens[0] == 3
