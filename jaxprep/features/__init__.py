@@ -55,13 +55,20 @@ from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, HYBRID_M
                                      RUNNERS, AttnState, DCPConfig, DrafterConfig, FeatureConfig, HybridConfig,
                                      KVCacheGroupSpec)
 from jaxprep.features.dispatch import with_features
-from jaxprep.features.inputs import check_feature_shapes, check_feature_values, check_group_blocks, required_fields
+from jaxprep.features.inputs import (
+    check_feature_shapes,
+    check_feature_values,
+    check_group_blocks,
+    check_traced_shapes,
+    required_fields,
+)
 from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.sampling_params import SamplingConfig, SamplingParams
 
 __all__ = [
     "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "HYBRID_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "RUNNERS", "AttnState",
     "DCPConfig", "DrafterConfig", "FeatureConfig", "HybridConfig", "KVCacheGroupSpec", "LoRAConfig",
-    "check_feature_shapes", "check_feature_values", "check_group_blocks", "required_fields", "with_features",
+    "check_feature_shapes", "check_feature_values", "check_group_blocks", "check_traced_shapes", "required_fields",
+    "with_features",
     "SamplingConfig", "SamplingParams",
 ]

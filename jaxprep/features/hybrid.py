@@ -166,8 +166,9 @@ def split_point(rows: HybridRows, is_prefilling, k: int):
     return jnp.minimum(first, num_reqs).astype(jnp.int32), num_reqs
 
 
-def check_mamba_table_shape(table: np.ndarray, config) -> None:
-    """``(max_num_reqs, W)`` int32 with ``W`` at least `HybridConfig.table_width` (1 when hybrid is off)."""
+def check_mamba_table_shape(table, config) -> None:
+    """``(max_num_reqs, W)`` int32 with ``W`` at least `HybridConfig.table_width` (1 when hybrid is off);
+    ``table``: a host array or, at trace time, a tracer."""
     hybrid = config.features.hybrid
     width = hybrid.table_width(config.max_model_len) if hybrid is not None else 1
     if table.ndim != 2 or table.shape[0] != config.max_num_reqs or table.shape[1] < width:
