@@ -48,7 +48,8 @@ differ (the batch order, LoRA's prompt mapping and graph key, the logits indirec
 
 `with_features` (`dispatch`) adds the outputs of the features that are on to a prepared step,
 inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
-`check_group_blocks` (`inputs`) are the host checks `jaxprep.validate` calls.
+`check_group_blocks` (`inputs`) are the host checks `jaxprep.validate` calls, `check_traced_shapes`
+their trace-time twin, and `flags` the same bounds as bits of the step's error word.
 """
 
 from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, HYBRID_MODES, MROPE_NUM_DIMS, REORDER_MODES,

@@ -101,8 +101,9 @@ def feature_messages(config) -> dict[int, str]:
         REPETITION_PENALTY_OUT_OF_RANGE: "repetition_penalty is not finite and > 0",
         FREQUENCY_PENALTY_NOT_FINITE: "frequency_penalty is not finite",
         PRESENCE_PENALTY_NOT_FINITE: "presence_penalty is not finite",
-        MAMBA_STATE_BLOCK_INVALID: f"mamba_block_table: a state block a scheduled row reads is negative, or its "
-                                   f"current one is the null block {NULL_BLOCK_ID}",
+        MAMBA_STATE_BLOCK_INVALID: f"mamba_block_table: a state block a scheduled row reads is outside "
+                                   f"[0, max_block_id={config.max_block_id}], or its current one is the null block "
+                                   f"{NULL_BLOCK_ID}",
         NUM_ACCEPTED_TOKENS_OUT_OF_RANGE: f"num_accepted_tokens of a scheduled row is outside "
                                           f"[1, 1 + num_speculative_tokens={1 + k}]",
         MAMBA_CHECKPOINT_OUT_OF_RANGE: "mamba_checkpoint_offsets of a scheduled row is outside "
@@ -208,7 +209,8 @@ def _hybrid_flags(state, config, in_batch) -> list:
     columns = jnp.clip(first[:, None] + jnp.arange(hybrid.num_state_columns, dtype=jnp.int32)[None, :],
                        0, table.shape[1] - 1)
     read = jnp.take_along_axis(table, columns, axis=1, mode="promise_in_bounds")
-    flags = [(MAMBA_STATE_BLOCK_INVALID, in_batch & (jnp.any(read < 0, axis=1) | (read[:, 0] == NULL_BLOCK_ID)))]
+    outside = jnp.any((read < 0) | (read > config.max_block_id), axis=1)
+    flags = [(MAMBA_STATE_BLOCK_INVALID, in_batch & (outside | (read[:, 0] == NULL_BLOCK_ID)))]
     if k > 0:
         accepted = state.num_accepted_tokens
         flags.append((NUM_ACCEPTED_TOKENS_OUT_OF_RANGE, in_batch & ((accepted < 1) | (accepted > 1 + k))))

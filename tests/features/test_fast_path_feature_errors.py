@@ -66,13 +66,13 @@ def test_bad_input_is_named_flagged_and_stays_in_bounds(kind, runner):
     state = BatchState.from_numpy(**corrupt(kind))
     before = host_copy(state)
     with pytest.raises(InvalidBatchError, match=bad.named):
-        prepare_inputs(state, cfg, bad.bucket, check=True)
-    step = prepare_padded(state, cfg, bad.bucket)
+        prepare_inputs(state, cfg, 16, check=True)
+    step = prepare_padded(state, cfg, 16)
     errors = int(step.errors)
     assert errors & bad.bit, (kind, errors)
-    assert describe_errors(errors, cfg, bad.bucket)
+    assert describe_errors(errors, cfg, 16)
     assert_outputs_in_range(step, cfg)
-    error, _ = checked_body()(state, cfg, bad.bucket)
+    error, _ = checked_body()(state, cfg, 16)
     assert error.get() is None, error.get()
     assert_unchanged(state, before)
 
@@ -98,7 +98,7 @@ def _short_sampling_rows(arrays):
 
 
 TRACE_TIME = {
-    "group table narrower than the config": (_narrow_group_table, r"extra_block_tables\[0\].*shape \(5, 2\).*W >= 3"),
+    "group table narrower than the config": (_narrow_group_table, r"extra_block_tables\[0\].*shape \(5, 2\).*W >= 5"),
     "M-RoPE table of shape [R, 2, M]": (_mrope_two_rows, r"mrope_positions has shape \(5, 2, 40\).*\(5, 3, 40\)"),
     "missing num_draft_tokens": (_no_drafts, r"num_draft_tokens is missing: FeatureConfig.num_speculative_tokens"),
     "missing lora_slots": (_no_lora_slots, r"lora_slots is missing: FeatureConfig.lora"),
