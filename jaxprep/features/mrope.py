@@ -99,9 +99,10 @@ def check_prompt_positions(table: np.ndarray, prompt, computed, scheduled, delta
     missing = read & (table < 0).any(axis=1)
     if missing.any():
         row, column = (int(i[0]) for i in np.nonzero(missing))
-        raise InvalidBatchError(f"mrope_positions[{row}, :, {column}] is missing ({MROPE_MISSING_POSITION}) or "
-                                f"negative, but row {row} schedules prompt position {column}: fill its prompt "
-                                f"positions (text-only: arange)")
+        value = int(table[row, :, column].min())
+        what = f"missing ({value})" if value == MROPE_MISSING_POSITION else f"negative ({value})"
+        raise InvalidBatchError(f"mrope_positions[{row}, :, {column}] is {what}, but row {row} schedules prompt "
+                                f"position {column}: fill its prompt positions (text-only: arange)")
     if delta is None:
         return
     first_completion = np.maximum(computed, prompt)  # the first scheduled position past the prompt

@@ -157,7 +157,7 @@ def corrupt_one_field(arrays: dict, draw) -> str:
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_one_corrupted_field_is_flagged_as_validate_sees_it_and_stays_in_bounds(runner, data):
     cfg = config(runner)

@@ -176,6 +176,8 @@ BAD_KINDS = {
     # hybrid models and structured outputs
     "negative state block": BadKind(_set("mamba_block_table", (1, 2), -7), bits.MAMBA_STATE_BLOCK_INVALID,
                                     r"mamba_block_table.*row 1"),
+    "state block past max_block_id": BadKind(_set("mamba_block_table", (1, 0), NUM_BLOCKS),
+                                             bits.MAMBA_STATE_BLOCK_INVALID, r"mamba_block_table.*max_block_id=63"),
     "null state block": BadKind(_set("mamba_block_table", (3, 0), 0), bits.MAMBA_STATE_BLOCK_INVALID,
                                 r"mamba_block_table.*row 3.*null block"),
     "accepted tokens 0": BadKind(_set("num_accepted_tokens", 0, 0), bits.NUM_ACCEPTED_TOKENS_OUT_OF_RANGE,
