@@ -119,7 +119,7 @@ def _check_total(total: int, config: PrepConfig, num_tokens_padded: int | None) 
 
 # --- the unchecked path: trace-time checks and the device error word ------------------------------
 
-# the core bits are written in jaxprep.features.flags beside the feature bits (5..25); bits 26..30 are free
+# the core bits are written in jaxprep.features.flags beside the feature bits (5..26); bits 27..30 are free
 
 
 def error_messages(config, num_tokens_padded: int) -> dict[int, str]:

@@ -49,6 +49,7 @@ MAMBA_STATE_BLOCK_INVALID = 1 << 22
 NUM_ACCEPTED_TOKENS_OUT_OF_RANGE = 1 << 23
 MAMBA_CHECKPOINT_OUT_OF_RANGE = 1 << 24
 GRAMMAR_INDEX_INVALID = 1 << 25
+ROW_MASK_TOO_NARROW = 1 << 26
 
 
 def token_flags(blocks: Int32[Array, " num_tokens_padded"], is_real_token: Bool[Array, " num_tokens_padded"],
@@ -108,6 +109,8 @@ def feature_messages(config) -> dict[int, str]:
                                           f"[1, 1 + num_speculative_tokens={1 + k}]",
         MAMBA_CHECKPOINT_OUT_OF_RANGE: "mamba_checkpoint_offsets of a scheduled row is outside "
                                        "[0, num_scheduled_tokens)",
+        ROW_MASK_TOO_NARROW: f"num_computed_tokens + num_scheduled_tokens of a scheduled row exceeds the row "
+                             f"mask's FeatureConfig.mask_kv_len={config.features.mask_columns(config)} columns",
         GRAMMAR_INDEX_INVALID: f"grammar_index is outside [{NO_GRAMMAR}, max_num_reqs={rows}), or the scheduled "
                                f"rows do not number their bitmask blocks 0..G-1 once each",
     }
@@ -140,6 +143,10 @@ def feature_row_flags(state, config) -> list[tuple[int, Bool[Array, " max_num_re
         flags += _hybrid_flags(state, config, in_batch)
     if features.structured_outputs:
         flags.append((GRAMMAR_INDEX_INVALID, _bad_grammar_index(state.grammar_index, in_batch)))
+    if features.attn_mask in ("rows_bool", "rows_additive"):
+        # S > columns - C: no int32 wrap for C >= 0 (a negative C is flagged by the core bits)
+        flags.append((ROW_MASK_TOO_NARROW, in_batch & (scheduled > features.mask_columns(config)
+                                                       - state.num_computed_tokens)))
     return flags
 
 
