@@ -15,6 +15,7 @@ known (`kv_groups`, `mrope`): the token gets its padding values there.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -189,19 +190,38 @@ def _unloaded_adapters(lora_ids, lora_slots, in_batch):
     return in_batch & ((lora_ids < NO_LORA_ID) | ((lora_ids > NO_LORA_ID) & (matches != 1)))
 
 
-def _sampling_flags(state, vocab_size: int) -> list:
-    """The bounds of `sampling.check_parameter_bounds`, on every row (NaN fails every comparison)."""
-    def finite(x):
-        return jnp.abs(x) < jnp.inf
+FLOAT32_ONE_BITS = int(np.float32(1).view(np.int32))
+FLOAT32_INF_BITS = int(np.float32(np.inf).view(np.int32))
+FLOAT32_MINUS_ZERO_BITS = int(np.float32(-0.0).view(np.int32))
 
+
+def _sampling_flags(state, vocab_size: int) -> list:
+    """The bounds of `sampling.check_parameter_bounds`, on every row, compared on the float32 bit
+    patterns: exact on every backend, subnormals included (XLA:CPU and GPUs may flush them to 0 in
+    float compares, NumPy does not). For x >= +0 the int32 patterns order as the floats do; NaN
+    patterns lie above the infinity's; -0.0 is the one negative pattern equal to 0.
+
+    # top_p 1e-45 (bits 1) -> > 0: kept; min_p -1e-45 (bits -2**31 + 1) -> below 0: flagged
+    """
+    def bits(name):
+        return jax.lax.bitcast_convert_type(getattr(state, name), jnp.int32)
+
+    def non_negative_finite(b):  # [+0, inf) or -0.0
+        return ((b >= 0) & (b < FLOAT32_INF_BITS)) | (b == FLOAT32_MINUS_ZERO_BITS)
+
+    def finite(b):
+        return (b & INT32_MAX) < FLOAT32_INF_BITS
+
+    top_p, min_p = bits("top_p"), bits("min_p")
     return [
-        (TEMPERATURE_OUT_OF_RANGE, ~(finite(state.temperature) & (state.temperature >= 0))),
+        (TEMPERATURE_OUT_OF_RANGE, ~non_negative_finite(bits("temperature"))),
         (TOP_K_OUT_OF_RANGE, (state.top_k < 1) | (state.top_k > vocab_size)),
-        (TOP_P_OUT_OF_RANGE, ~((state.top_p > 0) & (state.top_p <= 1))),
-        (MIN_P_OUT_OF_RANGE, ~((state.min_p >= 0) & (state.min_p <= 1))),
-        (REPETITION_PENALTY_OUT_OF_RANGE, ~(finite(state.repetition_penalty) & (state.repetition_penalty > 0))),
-        (FREQUENCY_PENALTY_NOT_FINITE, ~finite(state.frequency_penalty)),
-        (PRESENCE_PENALTY_NOT_FINITE, ~finite(state.presence_penalty)),
+        (TOP_P_OUT_OF_RANGE, ~((top_p > 0) & (top_p <= FLOAT32_ONE_BITS))),
+        (MIN_P_OUT_OF_RANGE, ~((min_p == FLOAT32_MINUS_ZERO_BITS) | ((min_p >= 0) & (min_p <= FLOAT32_ONE_BITS)))),
+        (REPETITION_PENALTY_OUT_OF_RANGE, ~((bits("repetition_penalty") > 0)
+                                            & (bits("repetition_penalty") < FLOAT32_INF_BITS))),
+        (FREQUENCY_PENALTY_NOT_FINITE, ~finite(bits("frequency_penalty"))),
+        (PRESENCE_PENALTY_NOT_FINITE, ~finite(bits("presence_penalty"))),
     ]
 
 

@@ -167,6 +167,8 @@ BAD_KINDS = {
     "top_p inf": BadKind(_set("top_p", 1, np.inf), bits.TOP_P_OUT_OF_RANGE, r"top_p at row 1 is inf.*\(0, 1\]"),
     "top_p 0": BadKind(_set("top_p", 1, 0.0), bits.TOP_P_OUT_OF_RANGE, r"top_p at row 1 is 0.0"),
     "min_p 2": BadKind(_set("min_p", 0, 2.0), bits.MIN_P_OUT_OF_RANGE, r"min_p at row 0 is 2.0.*\[0, 1\]"),
+    "min_p a negative subnormal": BadKind(_set("min_p", 0, -1e-45), bits.MIN_P_OUT_OF_RANGE,
+                                         r"min_p at row 0 is -1\.4\d*e-45"),
     "repetition_penalty 0": BadKind(_set("repetition_penalty", 3, 0.0), bits.REPETITION_PENALTY_OUT_OF_RANGE,
                                     r"repetition_penalty at row 3"),
     "NaN frequency_penalty": BadKind(_set("frequency_penalty", 0, np.nan), bits.FREQUENCY_PENALTY_NOT_FINITE,
