@@ -1,8 +1,8 @@
-"""The feature inputs' bits of the error word (`StepInputs.errors`), computed inside the step.
+"""The bits of the error word (`StepInputs.errors`), core and feature inputs, computed inside the step.
 
 `jaxprep.validate` checks a state on the host and names the field, the row and the bound; a
 serving loop that skips it still gets every bound here, one bit per bound, at the cost of a few
-elementwise ops over the state rows and one reduction for all of them (`jaxprep.validate.row_flags`).
+elementwise ops over the state rows and one reduction for all of them (`jaxprep.validate.flag_rows`).
 Each bound mirrors a host check of the feature's own module (``spec_decode.check_drafts``,
 ``lora.check_lora_inputs``, ...), on the same rows, so a state that passes `jaxprep.validate` sets
 no bit.
