@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_features.py [--reqs 64] [--tokens 2048] [--iters 100] [--rounds 5]
         [--only NAME ...] [--default-runtime]
+    PYTHONPATH=. python benchmarks/bench_features.py --checks-cost   # the fast-path checks, on and off
 
 Runs on one CPU thread (``PJRT_NPROC=1``) with synchronous dispatch, the way the CLI does, unless
 ``--default-runtime``. Every configuration is compiled first (compile time reported apart), then
@@ -16,6 +17,7 @@ ratio to the vLLM V1 baseline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -48,6 +50,7 @@ from jaxprep.features import DrafterConfig, HybridConfig  # noqa: E402
 from jaxprep.features.drafter import draft_decode_start, draft_prefill  # noqa: E402
 from jaxprep.features.grammar import apply_grammar_bitmask, grammar_invalid_drafts  # noqa: E402
 from jaxprep.features.sampling import empty_sampling_rows  # noqa: E402
+from jaxprep.prepare import prepare_body  # noqa: E402
 
 K = 3  # draft tokens per decode when spec decode is on
 LORA = LoRAConfig(max_loras=8, vocab_size=32000)  # requests cycle through 6 loaded adapters and none
@@ -224,6 +227,55 @@ def post_step_calls(base: PrepConfig, num_reqs: int, num_tokens: int) -> dict:
     }
 
 
+EVERY_INPUT = dataclasses.replace(EVERY, runner="v2", lora=LORA, sampling=SAMPLING, structured_outputs=True,
+                                  hybrid=HybridConfig(chunk_size=256, num_speculative_blocks=K, checkpoints=True))
+"""Every feature that reads a `BatchState` input: all of them carry bits of the error word."""
+UNCHECKED = ("jaxprep.prepare.flag_rows", "jaxprep.prepare.safe_block_table", "jaxprep.prepare.token_flags",
+             "jaxprep.features.dispatch.safe_block_table", "jaxprep.features.dispatch.token_flags")
+
+
+def unchecked_step(state, config, num_tokens: int):
+    """The same step with the fast-path checks traced out (no error word, no dropped rows, no clamped
+    tables): jaxprep's own check functions replaced by identities while one fresh jit traces, for this
+    benchmark only. The M-RoPE bit (one reduction inside its own output) stays."""
+    from unittest import mock
+
+    identities = {
+        "flag_rows": lambda state, config, num_tokens_padded: (state, jax.numpy.int32(0)),
+        "safe_block_table": lambda table, *args: (table, jax.numpy.int32(0)),
+        "token_flags": lambda *args: jax.numpy.int32(0),
+    }
+    with contextlib.ExitStack() as stack:
+        for target in UNCHECKED:
+            stack.enter_context(mock.patch(target, identities[target.rsplit(".", 1)[1]]))
+        step = jax.jit(prepare_body, static_argnames=("config", "num_tokens_padded"))
+        jax.block_until_ready(step(state, config, num_tokens))  # traced and compiled under the patch
+    return lambda: jax.block_until_ready(step(state, config, num_tokens))
+
+
+def checks_cost(base: PrepConfig, args) -> None:
+    """The fast-path checks' cost: each step with and without them, timed in the same rounds."""
+    calls = {}
+    for name, features in (("plain", FeatureConfig()), ("every input feature (v2)", EVERY_INPUT)):
+        config = dataclasses.replace(base, features=features)
+        state = BatchState.from_numpy(**batch(config, args.reqs, args.tokens, np.random.default_rng(0)))
+        validate(state, config)
+        checked = setup_step(state, config, args.tokens)[1]
+        unchecked = unchecked_step(state, config, args.tokens)
+        assert int(checked().errors) == 0
+        calls[f"{name}, checked"], calls[f"{name}, unchecked"] = checked, unchecked
+    medians = interleaved_us(calls, args.iters, args.rounds)
+    print(f"# fast-path checks: {args.reqs} requests, {args.tokens} tokens, max_model_len {args.max_model_len}, "
+          f"best of {args.rounds} medians of {args.iters} calls")
+    print(f"# {machine_line()}; {load_line()}")
+    print(f"# {RUNTIME}")
+    print(f"{'step':40s} {'median us':>10s} {'extra us':>9s} {'ratio':>6s}")
+    for name in ("plain", "every input feature (v2)"):
+        on, off = medians[f"{name}, checked"], medians[f"{name}, unchecked"]
+        print(f"{name + ', unchecked':40s} {off:10.1f}")
+        print(f"{name + ', checked':40s} {on:10.1f} {on - off:+9.1f} {on / off:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reqs", type=int, default=64)
@@ -233,10 +285,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds over all features; each keeps its best median")
     parser.add_argument("--only", nargs="+", metavar="NAME", default=None,
                         help="measure only these configurations (and plain), by their names in the table")
+    parser.add_argument("--checks-cost", action="store_true",
+                        help="only the cost of the fast-path checks (error word, dropped rows, clamped tables)")
     add_runtime_argument(parser)
     args = parser.parse_args()
     base = PrepConfig(max_num_reqs=args.reqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.tokens, block_size=BLOCK_SIZE)
+    if args.checks_cost:
+        checks_cost(base, args)
+        return
     compile_s, calls = {}, {}
     chosen = {name: f for name, f in FEATURES.items() if args.only is None or name in ("plain", *args.only)}
     for name, features in chosen.items():

@@ -22,6 +22,7 @@ from jaxprep._ragged import stack, take_rows, token_blocks
 from jaxprep._typing import Array, Int32
 from jaxprep.config import PrepConfig
 from jaxprep.features import with_features
+from jaxprep.features.flags import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, safe_block_table, token_flags
 from jaxprep.features.masks import compressed_causal_mask
 from jaxprep.features.reorder import reordered_rows
 from jaxprep.kernels import prepare_pallas
@@ -35,7 +36,7 @@ from jaxprep.metadata import (
 )
 from jaxprep.packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.state import BatchState
-from jaxprep.validate import check_static, error_word, raise_for_errors, validate
+from jaxprep.validate import check_row_count, check_static, flag_rows, raise_for_errors, validate
 
 
 def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int | None = None, *,
@@ -56,6 +57,7 @@ def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int
     expect_state_and_config("prepare_inputs", state, config)
     expect_bucket("prepare_inputs", num_tokens_padded)
     if num_tokens_padded is None:
+        check_row_count(state, config)  # before the total: 5 rows of a 3-row config are a row-count error
         total = int(np.asarray(state.num_scheduled_tokens, dtype=np.int64).sum())
         if check:
             validate(state, config)
@@ -77,8 +79,10 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     ``num_tokens_padded`` is not a rung of ``config.token_buckets``.
     """
     check_static(state, config, num_tokens_padded)
+    state, row_errors = flag_rows(state, config, num_tokens_padded)  # flagged rows leave the batch
     if prepare_pallas.uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
-        return prepare_pallas.plain_step(state, config, num_tokens_padded)
+        step = prepare_pallas.plain_step(state, config, num_tokens_padded)
+        return dataclasses.replace(step, errors=step.errors | row_errors)
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features
     order = reordered_rows(state, num_reqs_padded, features) if features.batch_order else None
@@ -98,12 +102,15 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     blocks = token_blocks(state.block_table, layout.token_rows, positions,
                           config.block_size * config.features.dcp_world_size)
     seq_lens = layout.computed + layout.scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
+    block_table, table_errors = safe_block_table(take_rows(state.block_table, layout.rows, fill_value=NULL_BLOCK_ID),
+                                                 seq_lens, config.block_size * features.dcp_world_size,
+                                                 config.max_block_id, BLOCK_ID_OUT_OF_RANGE)
     maxima = _maxima(state)
     attn_metadata = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         slot_mapping=slot_mapping,
-        block_table=take_rows(state.block_table, layout.rows, fill_value=NULL_BLOCK_ID),
+        block_table=block_table,
         num_actual_tokens=layout.num_actual_tokens,
         num_reqs=layout.num_reqs,
         max_query_len=maxima[0],
@@ -115,7 +122,8 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
         logits_indices=jnp.where(layout.is_real_req, layout.ends - 1, PAD_LOGITS_INDEX),
         idx_mapping=jnp.where(layout.is_real_req, layout.rows, PAD_STATE_ROW),
         attn_metadata=attn_metadata,
-        errors=error_word(state, config, num_tokens_padded, blocks, is_real_token),
+        errors=row_errors | table_errors | token_flags(blocks, is_real_token, config.max_block_id,
+                                                                        BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK),
         num_tokens_padded=num_tokens_padded,
     )
     if not features.any_on:

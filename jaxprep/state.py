@@ -86,6 +86,9 @@ class BatchState:
     prompt_bin_mask: Int32[Array, "max_num_reqs num_bin_words"] | None = None  # bit t%32 of word t//32: t in prompt
     output_bin_counts: Int32[Array, "max_num_reqs vocab_size"] | None = None  # times each token was output
 
+    def __post_init__(self):
+        check_leaves(self)
+
     @classmethod
     def empty(cls, config: PrepConfig) -> BatchState:
         """All-zero tables: no tokens, null blocks, nothing computed or scheduled.
@@ -153,6 +156,43 @@ OPTIONAL_FIELDS = (*_OPTIONAL_NDIM, *_FLOAT_FIELDS, "extra_block_tables", "is_to
 """`BatchState` fields that only optional features read."""
 NOT_PER_ROW = frozenset({"lora_slots"})
 """Optional fields not indexed by state row (``lora_slots`` has ``max_loras`` entries)."""
+
+
+_BOOL_FIELDS = ("is_token_ids", "seeds_set")
+_NDIM = {"token_ids": 2, "block_table": 2, "num_computed_tokens": 1, "num_scheduled_tokens": 1, **_OPTIONAL_NDIM,
+         "is_token_ids": 2, "seeds_set": 1, **dict.fromkeys(_FLOAT_FIELDS, 1), "extra_block_tables": 2}
+
+
+def _is_concrete_array(value) -> bool:
+    """A host array or a device array with its values (not a tracer, a ShapeDtypeStruct or another leaf
+    JAX puts in a pytree it rebuilds)."""
+    return isinstance(value, np.ndarray) or (isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer))
+
+
+def check_leaves(state: BatchState) -> None:
+    """The dtype and rank of every field that holds an array, and one row count for the per-row fields.
+
+    Runs whichever constructor built ``state`` (`from_numpy` converts first; a direct ``BatchState(...)``
+    gets no conversion, so a float, bool or int64 table is rejected here instead of being cast or
+    wrapped inside the step). Leaves that are not concrete arrays are skipped: JAX rebuilds the pytree
+    with tracers and other leaves while tracing.
+    """
+    rows = state.token_ids.shape[0] if _is_concrete_array(state.token_ids) and state.token_ids.ndim else None
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        arrays = value if isinstance(value, tuple) else (value,)
+        for i, array in enumerate(arrays):
+            if not _is_concrete_array(array):
+                continue
+            name = f"{f.name}[{i}]" if isinstance(value, tuple) else f.name
+            expected = np.dtype(bool if f.name in _BOOL_FIELDS else np.float32 if f.name in _FLOAT_FIELDS else INT32)
+            if array.dtype != expected:
+                raise TypeError(f"BatchState.{name} has dtype {array.dtype}, expected {expected} (build the state "
+                                f"with BatchState.from_numpy, which converts integer tables whose values fit int32)")
+            if array.ndim != _NDIM[f.name]:
+                raise ValueError(f"BatchState.{name} must be {_NDIM[f.name]}-D, got shape {tuple(array.shape)}")
+            if rows is not None and f.name not in NOT_PER_ROW and array.shape[0] != rows:
+                raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
 
 
 def _feature_inputs_as_host(feature_inputs: dict) -> dict:

@@ -8,17 +8,23 @@ A serving loop calls `prepare_padded` without `jaxprep.validate` (a host read of
 per step would stall it). Two things still guard it:
 
 - what is static is checked when the step is traced, so it costs nothing per call: the state's
-  shapes must match the config, and ``num_tokens_padded`` must be a rung of the bucket ladder
-  (an off-ladder size would compile a new executable in the middle of a serving loop);
+  shapes (and those of every feature input that is on) must match the config, and
+  ``num_tokens_padded`` must be a rung of the bucket ladder (an off-ladder size would compile a
+  new executable in the middle of a serving loop);
 - what is dynamic is folded into ``StepInputs.errors``, a 0-d int32 of bit flags computed
-  inside the step. The loop reads it whenever it likes (one small transfer, no sync in the
-  step), and `raise_for_errors` turns a nonzero word into `InvalidBatchError` naming the bound.
+  inside the step, one per bound (docs/guides/errors.md has the table). The loop reads it
+  whenever it likes (one small transfer, no sync in the step), and `raise_for_errors` turns a
+  nonzero word into `InvalidBatchError` naming the bound.
 
-Whatever the input, every read of the step stays inside its array, and a token whose block id
-is bad gets ``PAD_SLOT_ID``, so a consumer writes no KV for it.
+Whatever the input, every read of the step stays inside its array, and the step is safe to run
+before ``errors`` is read: a flagged row leaves the batch (`flag_rows`), a token whose block id
+is bad gets ``PAD_SLOT_ID`` (it writes no KV), and block ids outside the cache are nulled in the
+block tables handed to the kernel (`safe_block_table`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +32,18 @@ import numpy as np
 from jaxprep import features
 from jaxprep._checks import InvalidBatchError, check_blocks, check_row_bound, expect_bucket, expect_state_and_config
 from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep._typing import Array, Bool, Int32
+from jaxprep._ragged import stack
 from jaxprep.config import PrepConfig
+from jaxprep.features.flags import (
+    BLOCK_ID_OUT_OF_RANGE,
+    NEGATIVE_COUNT,
+    NULL_BLOCK,
+    OVER_BUCKET,
+    PAST_MAX_MODEL_LEN,
+    feature_messages,
+    feature_row_flags,
+    feature_state_flags,
+)
 from jaxprep.state import OPTIONAL_FIELDS
 
 CORE_FIELDS = ("token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens")
@@ -38,12 +54,16 @@ def validate(state, config: PrepConfig, *, num_tokens_padded: int | None = None)
 
     Checks shapes and dtypes; non-negative counts; a scheduled total in
     ``[1, max_num_batched_tokens]`` (and ``<= num_tokens_padded`` if given);
-    ``num_computed + num_scheduled <= max_model_len``; every scheduled token's block allocated
+    ``num_computed + num_scheduled <= max_model_len``; ``num_tokens_padded`` (if given) a rung of
+    ``config.token_buckets``; as many rows as ``config.max_num_reqs``; every scheduled token's block allocated
     (not the null block 0); every block id a request uses in ``[1, config.max_block_id]``; and the
     inputs of every feature ``config.features`` turns on (`jaxprep.features.inputs`).
     """
     expect_state_and_config("validate", state, config)
     expect_bucket("validate", num_tokens_padded)
+    if num_tokens_padded is not None:
+        check_bucket(config, num_tokens_padded)
+    check_row_count(state, config)
     fields = state.to_numpy()
     host = {name: fields[name] for name in CORE_FIELDS}
     optional = {name: fields[name] for name in OPTIONAL_FIELDS if name in fields}
@@ -99,30 +119,44 @@ def _check_total(total: int, config: PrepConfig, num_tokens_padded: int | None) 
 
 # --- the unchecked path: trace-time checks and the device error word ------------------------------
 
-NEGATIVE_COUNT = 1 << 0
-PAST_MAX_MODEL_LEN = 1 << 1
-BLOCK_ID_OUT_OF_RANGE = 1 << 2
-NULL_BLOCK = 1 << 3
-OVER_BUCKET = 1 << 4
+# the core bits are written in jaxprep.features.flags beside the feature bits (5..26); bits 27..30 are free
 
 
 def error_messages(config, num_tokens_padded: int) -> dict[int, str]:
-    """What each flag of the error word means, with the bound it names."""
+    """What each flag of the error word means, with the bound it names (docs/guides/errors.md)."""
     return {
         NEGATIVE_COUNT: "num_computed_tokens or num_scheduled_tokens is negative (counts are >= 0)",
         PAST_MAX_MODEL_LEN: f"num_computed_tokens + num_scheduled_tokens exceeds max_model_len={config.max_model_len}",
         BLOCK_ID_OUT_OF_RANGE: (f"block_table holds a block id outside [{NULL_BLOCK_ID}, "
-                                f"max_block_id={config.max_block_id}] for a scheduled token"),
+                                f"max_block_id={config.max_block_id}] in a column a request uses"),
         NULL_BLOCK: f"a scheduled token's block is the null block {NULL_BLOCK_ID} (allocate its blocks first)",
         OVER_BUCKET: f"sum(num_scheduled_tokens) exceeds num_tokens_padded={num_tokens_padded}",
+        **feature_messages(config),
     }
 
 
-def check_static(state, config, num_tokens_padded: int) -> None:
-    """Trace-time checks (free per call): state shapes against the config, the bucket on the ladder."""
+def check_bucket(config, num_tokens_padded: int) -> None:
+    """``num_tokens_padded`` must be a rung of the bucket ladder (which ends at the token budget)."""
     if num_tokens_padded not in config.token_buckets:
-        raise ValueError(f"num_tokens_padded={num_tokens_padded} is not a rung of PrepConfig.token_buckets "
-                         f"{config.token_buckets}: use config.bucket_for(total)")
+        raise InvalidBatchError(f"num_tokens_padded={num_tokens_padded} is not a rung of PrepConfig.token_buckets "
+                                f"{config.token_buckets} (max_num_batched_tokens={config.max_num_batched_tokens}): "
+                                f"use config.bucket_for(total)")
+
+
+def check_row_count(state, config) -> None:
+    """The state's rows (its ``num_scheduled_tokens`` entries) must be ``config.max_num_reqs``."""
+    rows = tuple(state.num_scheduled_tokens.shape)
+    if rows != (config.max_num_reqs,):
+        raise InvalidBatchError(f"row-count mismatch: BatchState has {rows[0] if len(rows) == 1 else rows} rows "
+                                f"(num_scheduled_tokens has shape {rows}), config expects "
+                                f"max_num_reqs={config.max_num_reqs}")
+
+
+def check_static(state, config, num_tokens_padded: int) -> None:
+    """Trace-time checks (free per call): the bucket on the ladder, state shapes against the config,
+    every input a feature that is on needs present with its shape and dtype."""
+    check_bucket(config, num_tokens_padded)
+    check_row_count(state, config)
     rows = config.max_num_reqs
     expected = {"token_ids": (rows, config.max_model_len), "num_computed_tokens": (rows,),
                 "num_scheduled_tokens": (rows,)}
@@ -134,29 +168,35 @@ def check_static(state, config, num_tokens_padded: int) -> None:
     if len(table) != 2 or table[0] != rows or table[1] < config.min_blocks_per_req:
         raise InvalidBatchError(f"BatchState.block_table has shape {table}, config expects ({rows}, W) with "
                                 f"W >= cdiv(max_model_len, block_size) = {config.min_blocks_per_req}")
+    features.check_traced_shapes(state, config)
 
 
-def error_word(state, config, num_tokens_padded: int, blocks: Int32[Array, " num_tokens_padded"],
-               is_real_token: Bool[Array, " num_tokens_padded"]) -> Int32[Array, ""]:
-    """The step's error flags (0: none). ``blocks``: each token's block id in the step's block table.
+def flag_rows(state, config, num_tokens_padded: int):
+    """``(state without its flagged rows' work, the row-level part of the error word)``.
 
-    # computed [3, -1], scheduled [2, 1] -> NEGATIVE_COUNT;  computed [10], scheduled [7], M 16 -> PAST_MAX_MODEL_LEN
+    Every row-level bound (the core counts, the bucket, the feature inputs of
+    `jaxprep.features.flags`) gives a mask over the state rows; one reduction of their stack gives
+    the bits, another the rows to drop. A dropped row schedules nothing, so it leaves the batch and
+    every output of the step stays in range. Over the bucket every row is dropped: the step is empty.
+    # computed [3, -1], scheduled [2, 1] -> NEGATIVE_COUNT, scheduled [2, 0]
     """
     computed, scheduled = state.num_computed_tokens, state.num_scheduled_tokens
     # the total of counts clipped to [0, T + 1] exceeds T exactly when the true total does (no int32 wrap)
-    clipped_total = jnp.sum(jnp.clip(scheduled, 0, num_tokens_padded + 1))
+    over_bucket = jnp.sum(jnp.clip(scheduled, 0, num_tokens_padded + 1)) > num_tokens_padded
     flags = [
-        (NEGATIVE_COUNT, jnp.any((computed < 0) | (scheduled < 0))),
+        (NEGATIVE_COUNT, (computed < 0) | (scheduled < 0)),
         # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
-        (PAST_MAX_MODEL_LEN, jnp.any(scheduled > config.max_model_len - computed)),
-        (BLOCK_ID_OUT_OF_RANGE, jnp.any(is_real_token & ((blocks < NULL_BLOCK_ID) | (blocks > config.max_block_id)))),
-        (NULL_BLOCK, jnp.any(is_real_token & (blocks == NULL_BLOCK_ID))),
-        (OVER_BUCKET, clipped_total > num_tokens_padded),
+        (PAST_MAX_MODEL_LEN, scheduled > config.max_model_len - computed),
+        (OVER_BUCKET, jnp.broadcast_to(over_bucket, scheduled.shape)),
+        *feature_row_flags(state, config),
     ]
-    word = jnp.int32(0)
-    for bit, flag in flags:
+    bad = stack([mask for _, mask in flags])  # [num_flags, max_num_reqs]
+    bits = np.array([bit for bit, _ in flags], np.int32)
+    word = jnp.sum(jnp.where(jnp.any(bad, axis=1), bits, 0), dtype=jnp.int32)  # distinct bits: sum == or
+    for bit, flag in feature_state_flags(state, config):
         word = word | jnp.where(flag, jnp.int32(bit), jnp.int32(0))
-    return word
+    kept = dataclasses.replace(state, num_scheduled_tokens=jnp.where(jnp.any(bad, axis=0), 0, scheduled))
+    return kept, word
 
 
 def describe_errors(word, config, num_tokens_padded: int) -> list[str]:

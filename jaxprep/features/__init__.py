@@ -48,20 +48,28 @@ differ (the batch order, LoRA's prompt mapping and graph key, the logits indirec
 
 `with_features` (`dispatch`) adds the outputs of the features that are on to a prepared step,
 inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
-`check_group_blocks` (`inputs`) are the host checks `jaxprep.validate` calls.
+`check_group_blocks` (`inputs`) are the host checks `jaxprep.validate` calls, `check_traced_shapes`
+their trace-time twin, and `flags` the same bounds as bits of the step's error word.
 """
 
 from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, HYBRID_MODES, MROPE_NUM_DIMS, REORDER_MODES,
                                      RUNNERS, AttnState, DCPConfig, DrafterConfig, FeatureConfig, HybridConfig,
                                      KVCacheGroupSpec)
 from jaxprep.features.dispatch import with_features
-from jaxprep.features.inputs import check_feature_shapes, check_feature_values, check_group_blocks, required_fields
+from jaxprep.features.inputs import (
+    check_feature_shapes,
+    check_feature_values,
+    check_group_blocks,
+    check_traced_shapes,
+    required_fields,
+)
 from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.sampling_params import SamplingConfig, SamplingParams
 
 __all__ = [
     "ATTN_MASK_DTYPES", "ATTN_MASK_MODES", "HYBRID_MODES", "MROPE_NUM_DIMS", "REORDER_MODES", "RUNNERS", "AttnState",
     "DCPConfig", "DrafterConfig", "FeatureConfig", "HybridConfig", "KVCacheGroupSpec", "LoRAConfig",
-    "check_feature_shapes", "check_feature_values", "check_group_blocks", "required_fields", "with_features",
+    "check_feature_shapes", "check_feature_values", "check_group_blocks", "check_traced_shapes", "required_fields",
+    "with_features",
     "SamplingConfig", "SamplingParams",
 ]

@@ -45,17 +45,20 @@ def write_prev_tokens(input_ids: Int32[Array, " num_tokens_padded"], rows: Int32
     num_tokens_padded = input_ids.shape[0]
     prev = jnp.where(is_real_req, take_rows(prev_batch_rows, rows, fill_value=NO_PREV_ROW), NO_PREV_ROW)
     has_prev = prev >= 0
-    prev_row = jnp.maximum(prev, 0)
+    prev_row = jnp.clip(prev, 0, prev_sampled_token_ids.shape[0] - 1)  # in range on every backend, bad input too
     sampled_dest = query_start_loc[1:] - 1 - drafts
-    # never scatter to -1 (it wraps): rows without a previous token aim past the end and are dropped
-    dest = jnp.where(has_prev, sampled_dest, num_tokens_padded)
-    input_ids = input_ids.at[dest].set(prev_sampled_token_ids[prev_row], mode="drop")
+    # rows without a previous token write a spare entry past the end (never -1, which wraps); the clip
+    # keeps every write inside [0, T_pad] on every backend, bad input included
+    dest = jnp.clip(jnp.where(has_prev, sampled_dest, num_tokens_padded), 0, num_tokens_padded)
+    with_spare = jnp.pad(input_ids, (0, 1)).at[dest].set(prev_sampled_token_ids[prev_row], mode="promise_in_bounds")
     if prev_draft_token_ids is not None:
         # D [2], sampled_dest [4] -> draft_dest [[5, 6, 7..]], kept where j < D
         j = jnp.arange(prev_draft_token_ids.shape[1], dtype=jnp.int32)
         keep = has_prev[:, None] & (j[None, :] < drafts[:, None])
-        draft_dest = jnp.where(keep, sampled_dest[:, None] + 1 + j[None, :], num_tokens_padded)
-        input_ids = input_ids.at[draft_dest].set(prev_draft_token_ids[prev_row], mode="drop")
+        draft_dest = jnp.clip(jnp.where(keep, sampled_dest[:, None] + 1 + j[None, :], num_tokens_padded),
+                              0, num_tokens_padded)
+        with_spare = with_spare.at[draft_dest].set(prev_draft_token_ids[prev_row], mode="promise_in_bounds")
+    input_ids = with_spare[:num_tokens_padded]
     return input_ids
 
 

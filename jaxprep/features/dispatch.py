@@ -14,12 +14,20 @@ import jax.numpy as jnp
 
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._layout import Layout
-from jaxprep._ragged import slot_mapping, take_rows
+from jaxprep._ragged import slot_mapping, take_rows, token_blocks
+from jaxprep._typing import Array, Int32
 from jaxprep.features.async_tokens import clamp_placeholders, write_prev_tokens
 from jaxprep.features.attn_state import attn_state
 from jaxprep.features.dcp import dcp_local_seq_lens, dcp_slot_mapping
 from jaxprep.features.discard import discard_request_mask
 from jaxprep.features.drafter import drafter_target_inputs
+from jaxprep.features.flags import (
+    BLOCK_ID_OUT_OF_RANGE,
+    KV_GROUP_BLOCK_OUT_OF_RANGE,
+    KV_GROUP_NULL_BLOCK,
+    safe_block_table,
+    token_flags,
+)
 from jaxprep.features.grammar import grammar_metadata
 from jaxprep.features.hybrid import HybridRows, hybrid_metadata
 from jaxprep.features.kv_groups import KVGroupMetadata, group_block_table
@@ -42,6 +50,7 @@ def with_features(step, state, config, layout: Layout):
     else:
         drafts = jnp.zeros_like(layout.scheduled)
     updates = _attention_outputs(step, state, config, layout, drafts)
+    errors = updates.pop("errors", step.errors)  # the KV groups' block bits join the core word
     input_ids = step.input_ids
     if features.async_tokens:  # the drafts are read before placeholders are clamped, as in vLLM V1
         unclamped = write_prev_tokens(input_ids, layout.rows, step.attn_metadata.query_start_loc,
@@ -62,9 +71,10 @@ def with_features(step, state, config, layout: Layout):
         updates["discard_request_mask"] = discard_request_mask(layout.computed, layout.scheduled, prompt,
                                                                layout.is_real_req)
     if features.mrope:
-        updates["mrope_positions"] = mrope_positions(state.mrope_positions, state.mrope_position_delta,
-                                                     state.prefill_len, layout.token_rows, step.positions,
-                                                     layout.is_real_token)
+        updates["mrope_positions"], mrope_errors = mrope_positions(
+            state.mrope_positions, state.mrope_position_delta, state.prefill_len, layout.token_rows, step.positions,
+            layout.is_real_token)
+        errors = errors | mrope_errors
     logits = None  # V2's logits rows: an output, and what structured outputs and the sampling rows read
     if features.logits_indirection_on or features.structured_outputs or features.sampling is not None:
         logits = logits_indirection(step.idx_mapping, drafts, layout.is_real_req, step.attn_metadata.query_start_loc,
@@ -72,7 +82,7 @@ def with_features(step, state, config, layout: Layout):
     updates.update(_mrv2_outputs(state, features, layout, drafts, step.attn_metadata.query_start_loc, logits,
                                  step.idx_mapping))
     updates.update(_runner_outputs(step, state, config, layout, drafts, logits))
-    step = dataclasses.replace(step, input_ids=input_ids, **updates)
+    step = dataclasses.replace(step, input_ids=input_ids, errors=errors, **updates)
     if features.num_ubatches > 1:  # last: it splits the finished step
         step = dataclasses.replace(step, ubatches=split_step(step, features.num_ubatches))
     return step
@@ -121,7 +131,7 @@ def _attention_outputs(step, state, config, layout: Layout, drafts) -> dict:
                                           config.block_size, features.dcp, config.max_block_id),
             dcp_local_seq_lens=dcp_local_seq_lens(meta.seq_lens, layout.is_real_req, features.dcp))
     if features.kv_groups:
-        out["kv_groups"] = _kv_groups(step, state, config, layout)
+        out["kv_groups"], out["errors"] = _kv_groups(step, state, config, layout)
     if features.attn_state:
         out["attn_state"] = attn_state(layout.computed, layout.scheduled, drafts, layout.is_real_req, features)
     if features.attn_mask:
@@ -133,21 +143,30 @@ def _attention_outputs(step, state, config, layout: Layout, drafts) -> dict:
     return out
 
 
-def _kv_groups(step, state, config, layout: Layout) -> tuple[KVGroupMetadata, ...]:
-    """One `KVGroupMetadata` per group; group 0 reads ``state.block_table``."""
+def _kv_groups(step, state, config, layout: Layout) -> tuple[tuple[KVGroupMetadata, ...], Int32[Array, ""]]:
+    """One `KVGroupMetadata` per group (group 0 reads ``state.block_table``), and the step's error
+    word with the bits of the groups' block ids (`jaxprep.features.flags`)."""
     features = config.features
     tables = (state.block_table, *(state.extra_block_tables or ()))
-    groups = []
+    groups, errors = [], step.errors
     for g, (spec, table) in enumerate(zip(features.kv_groups, tables, strict=True)):
         max_block_id = config.max_block_id if g == 0 else spec.max_block_id  # group 0 is the step's own table
+        tokens_per_column = spec.block_size * features.dcp_world_size
         if features.dcp is not None:
             slots = dcp_slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token,
                                      spec.block_size, features.dcp, max_block_id)
         else:
             slots = slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token, spec.block_size,
                                  max_block_id)
-        gathered = take_rows(table, layout.rows, fill_value=NULL_BLOCK_ID)
+        gathered, table_errors = safe_block_table(
+            take_rows(table, layout.rows, fill_value=NULL_BLOCK_ID), step.attn_metadata.seq_lens, tokens_per_column,
+            max_block_id, BLOCK_ID_OUT_OF_RANGE if g == 0 else KV_GROUP_BLOCK_OUT_OF_RANGE)
+        if g > 0:  # group 0's token bits are the core ones
+            blocks = token_blocks(table, layout.token_rows, step.positions, tokens_per_column)
+            errors = errors | token_flags(blocks, layout.is_real_token, max_block_id, KV_GROUP_BLOCK_OUT_OF_RANGE,
+                                          KV_GROUP_NULL_BLOCK)
         groups.append(KVGroupMetadata(block_table=group_block_table(gathered, layout.computed, spec),
                                       slot_mapping=slots, block_size=spec.block_size,
                                       kernel_block_size=spec.kernel_block_size or spec.block_size))
-    return tuple(groups)
+        errors = errors | table_errors
+    return tuple(groups), errors

@@ -166,8 +166,9 @@ def split_point(rows: HybridRows, is_prefilling, k: int):
     return jnp.minimum(first, num_reqs).astype(jnp.int32), num_reqs
 
 
-def check_mamba_table_shape(table: np.ndarray, config) -> None:
-    """``(max_num_reqs, W)`` int32 with ``W`` at least `HybridConfig.table_width` (1 when hybrid is off)."""
+def check_mamba_table_shape(table, config) -> None:
+    """``(max_num_reqs, W)`` int32 with ``W`` at least `HybridConfig.table_width` (1 when hybrid is off);
+    ``table``: a host array or, at trace time, a tracer."""
     hybrid = config.features.hybrid
     width = hybrid.table_width(config.max_model_len) if hybrid is not None else 1
     if table.ndim != 2 or table.shape[0] != config.max_num_reqs or table.shape[1] < width:
@@ -178,7 +179,8 @@ def check_mamba_table_shape(table: np.ndarray, config) -> None:
 
 
 def check_hybrid_values(host: dict, computed: np.ndarray, scheduled: np.ndarray, config) -> None:
-    """State blocks a scheduled row reads are ids >= 0, the first one allocated; accepted counts in
+    """State blocks a scheduled row reads are ids in ``[0, max_block_id]`` (vLLM's groups share one block
+    pool), the first one allocated; accepted counts in
     ``[1, 1 + K]``; checkpoint offsets inside the query (``0`` or ``0 < k < S``)."""
     hybrid, k = config.features.hybrid, config.features.num_speculative_tokens
     in_batch = scheduled > 0
@@ -190,6 +192,9 @@ def check_hybrid_values(host: dict, computed: np.ndarray, scheduled: np.ndarray,
     read = np.take_along_axis(table, columns, axis=1)
     check_row_bound(in_batch & (read < 0).any(axis=1), "mamba_block_table (a state block a row reads)",
                     read.min(axis=1), f"{NULL_BLOCK_ID} (block ids are non-negative)", relation="is below")
+    check_row_bound(in_batch & (read > config.max_block_id).any(axis=1),
+                    "mamba_block_table (a state block a row reads)", read.max(axis=1),
+                    f"max_block_id={config.max_block_id} (one block pool for every group)")
     check_row_bound(in_batch & (read[:, 0] == NULL_BLOCK_ID), "mamba_block_table (the row's current state block)",
                     read[:, 0], f"the null block {NULL_BLOCK_ID}: allocate its state block first", relation="is")
     if k > 0:

@@ -10,6 +10,8 @@ tokens and the token table (`spec_decode`), M-RoPE prompt positions are filled f
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
@@ -89,6 +91,18 @@ def check_feature_shapes(host: dict, config) -> None:
         hybrid.check_mamba_table_shape(host["mamba_block_table"], config)
 
 
+CORE_FIELDS = ("token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens")
+
+
+def check_traced_shapes(state, config) -> None:
+    """Trace-time twin of `check_feature_shapes` (free per call): reads only shapes and dtypes, so
+    it runs on tracers, and a missing input or a wrong shape raises before anything compiles."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in CORE_FIELDS}
+    check_feature_shapes({name: value for name, value in fields.items() if value is not None}, config)
+    if config.features.sampling is not None:
+        sampling.check_sampling_shapes(fields, config)
+
+
 def check_group_blocks(host: dict, computed, scheduled, config) -> None:
     """The block checks of `jaxprep.validate` on the tables of KV groups 1..G-1 (`kv_groups`)."""
     kv_groups.check_group_blocks(host, computed, scheduled, config)
@@ -108,7 +122,7 @@ def check_feature_values(host: dict, core: dict, config) -> None:
                         f"[0, max_model_len={config.max_model_len}]", relation="is outside")
     if features.mrope:
         mrope.check_prompt_positions(host["mrope_positions"], host["prefill_len"].astype(np.int64), computed,
-                                     scheduled)
+                                     scheduled, host["mrope_position_delta"].astype(np.int64))
     if features.prompt_embeds:
         prompt_embeds.check_pool_start(host["prompt_embeds_start"].astype(np.int64), in_batch, config.max_model_len)
     if features.async_tokens:

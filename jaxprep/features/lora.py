@@ -101,8 +101,9 @@ def lora_metadata(lora_ids, lora_slots, rows, is_real_req, drafts, token_rows, i
                                                                           token_rows.shape[0], features)
     # state row -> batch row, so each token knows its batch row:
     # rows [5, 1, 2, 3], token rows [5,5,5, 1,1, ...] -> token batch rows [0,0,0, 1,1, ...]
-    batch_of_state = jnp.zeros((lora_ids.shape[0],), jnp.int32).at[rows].set(
-        jnp.arange(rows.shape[0], dtype=jnp.int32), mode="drop")  # padded rows (max_num_reqs) are dropped
+    max_num_reqs = lora_ids.shape[0]  # padded rows (max_num_reqs) write a spare entry, cut off after
+    batch_of_state = jnp.zeros((max_num_reqs + 1,), jnp.int32).at[jnp.clip(rows, 0, max_num_reqs)].set(
+        jnp.arange(rows.shape[0], dtype=jnp.int32), mode="promise_in_bounds")[:max_num_reqs]
     num_tokens, num_prompt = query_start_loc[-1], prompt_ends[-1]
     row = jnp.arange(prompt_slots.shape[0], dtype=jnp.int32)
     # sampler_indices [2,2,2,-1,0,2,2], L 7, max_loras 4 -> row + 7 * [2,2,2,4,0,2,2] = [14,15,16,31,4,19,20]

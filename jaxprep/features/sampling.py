@@ -150,15 +150,22 @@ def empty_sampling_rows(rows: int, sampling) -> dict[str, np.ndarray]:
 
 def check_sampling_inputs(host: dict, config) -> None:
     """Host check (`jaxprep.validate`) of the sampling tables: shapes, dtypes and every row's bounds."""
+    check_sampling_shapes(host, config)
+    check_parameter_bounds(host, config.features.sampling.vocab_size, "BatchState")
+
+
+def check_sampling_shapes(host: dict, config) -> None:
+    """Shapes and dtypes of the sampling tables (host arrays or tracers); raises `InvalidBatchError`."""
     vocab = config.features.sampling.vocab_size
     dtypes = {**dict.fromkeys(FLOAT_PARAMS, np.float32), "seeds_set": np.bool_}
     for name, shape in expected_shapes(config.max_num_reqs, vocab).items():
-        if host[name].shape != shape:
+        if host.get(name) is None:
+            raise InvalidBatchError(f"BatchState.{name} is missing: FeatureConfig.sampling needs it")
+        if tuple(host[name].shape) != shape:
             raise InvalidBatchError(f"BatchState.{name} has shape {host[name].shape}, config expects {shape}")
         dtype = np.dtype(dtypes.get(name, np.int32))
         if host[name].dtype != dtype:
             raise InvalidBatchError(f"BatchState.{name} has dtype {host[name].dtype}, expected {dtype}")
-    check_parameter_bounds(host, vocab, "BatchState")
 
 
 def check_parameter_bounds(values: dict, vocab_size: int, where: str, rows=None) -> None:

@@ -140,7 +140,7 @@ def test_a_state_with_more_rows_than_the_config_raises_on_both_paths(check):
     bigger = PrepConfig(max_num_reqs=6, max_model_len=32, max_num_batched_tokens=16, block_size=4, num_blocks=40)
     arrays = {name: np.concatenate([value, value[:2]]) for name, value in valid_arrays().items()}
     assert arrays["num_scheduled_tokens"].shape == (bigger.max_num_reqs,)
-    with pytest.raises(InvalidBatchError, match=r"has shape \(6, .*config expects \(4, "):
+    with pytest.raises(InvalidBatchError, match=r"row-count mismatch: BatchState has 6 rows.*max_num_reqs=4"):
         prepare_inputs(BatchState.from_numpy(**arrays), CONFIG, 16, check=check)
 
 

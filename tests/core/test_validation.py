@@ -41,7 +41,30 @@ def test_rejects_total_above_budget():
 
 
 def test_rejects_total_above_padded_size():
-    _expect_error(_state(), r"sum\(num_scheduled_tokens\)=5 exceeds num_tokens_padded=4", num_tokens_padded=4)
+    config = dataclasses.replace(CONFIG, token_buckets=(4, 8, 10))
+    for check in (lambda: validate(_state(), config, num_tokens_padded=4),
+                  lambda: prepare_inputs(_state(), config, 4, check=True)):
+        with pytest.raises(InvalidBatchError, match=r"sum\(num_scheduled_tokens\)=5 exceeds num_tokens_padded=4"):
+            check()
+
+
+@pytest.mark.parametrize("pad", [4, 9, 16, 1024])
+def test_rejects_a_pad_off_the_ladder_or_above_the_budget_as_prepare_inputs_does(pad):
+    """validate(num_tokens_padded=...) agrees with prepare_inputs: only a rung of (8, 10) is a step's pad."""
+    _expect_error(_state(), rf"num_tokens_padded={pad} is not a rung of PrepConfig.token_buckets \(8, 10\)",
+                  num_tokens_padded=pad)
+    with pytest.raises(InvalidBatchError, match=rf"num_tokens_padded={pad} is not a rung"):
+        prepare_inputs(_state(), CONFIG, pad)
+    validate(_state(), CONFIG, num_tokens_padded=8)  # the control: a rung passes
+
+
+def test_five_rows_for_a_three_row_config_is_a_row_count_mismatch():
+    arrays = {name: np.concatenate([value, value[:2]]) for name, value in example_a_step2().items()}
+    state = BatchState.from_numpy(**arrays)
+    for call in (lambda: validate(state, CONFIG), lambda: prepare_inputs(state, CONFIG),
+                 lambda: prepare_inputs(state, CONFIG, check=True), lambda: prepare_inputs(state, CONFIG, 8)):
+        with pytest.raises(InvalidBatchError, match=r"row-count mismatch: BatchState has 5 rows.*max_num_reqs=3"):
+            call()
 
 
 def test_rejects_negative_counts():
@@ -85,7 +108,9 @@ def test_rejects_shape_mismatch():
     arrays = example_a_step2()
     arrays = {k: v[:2] for k, v in arrays.items()}
     _expect_error(BatchState.from_numpy(**arrays),
-                  r"BatchState.token_ids has shape \(2, 12\), config expects \(3, 12\)")
+                  r"row-count mismatch: BatchState has 2 rows.*max_num_reqs=3")
+    wide = dict(example_a_step2(), token_ids=np.zeros((3, 13), np.int32))
+    _expect_error(BatchState.from_numpy(**wide), r"BatchState.token_ids has shape \(3, 13\), config expects \(3, 12\)")
     narrow = example_a_step2()["block_table"][:, :5]
     _expect_error(_state(block_table=narrow),
                   r"block_table has shape \(3, 5\).*W >= cdiv\(max_model_len, block_size\) = 6")
