@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 PAGES = ("README.md", "docs/index.md", "docs/tests.md", *(f"docs/guides/{name}.md" for name in (
     "getting-started", "padding", "serving", "torch", "vllm-backends", "checkpoints", "features", "scale",
-    "notebooks", "gpu-runbook")))
+    "notebooks", "gpu-runbook", "serving_updates", "vllm", "torch-model", "gpu")))
 """The pages whose blocks run here: the README and the docs pages written with it (a guide added later
 joins the list once its blocks run or say why not)."""
 FENCE = re.compile(r"^```(?P<lang>\S*)\n(?P<code>.*?)^```$", re.S | re.M)
