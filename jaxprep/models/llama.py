@@ -101,8 +101,10 @@ def paged_forward(params: dict, kv_cache: KVCache, inputs: StepInputs, *, model,
                   max_model_len: int) -> tuple[KVCache, jax.Array]:
     """One serving step over the padded batch: writes K/V at ``slot_mapping`` and returns
     ``(kv_cache, logits [R_pad, V])`` of the rows' ``logits_indices``. Scans over the layers."""
+    fns = _layer_fns(model)  # attention: the paged one of jaxprep.attention (docs/guides/attention.md)
     x, kv_cache = scan_paged_layers(_embed(params, inputs.input_ids), kv_cache, inputs, params["layers"],
-                                    block_size=block_size, max_model_len=max_model_len, **_layer_fns(model))
+                                    block_size=block_size, max_model_len=max_model_len, qkv=fns["qkv"],
+                                    finish=fns["finish"])
     return kv_cache, _logits(params, x[inputs.logits_indices], model)
 
 
@@ -114,6 +116,6 @@ def dense_forward(params: dict, token_ids: jax.Array, *, model) -> jax.Array:
 
 
 def _layer_fns(model) -> dict:
-    """The per-layer pieces `scan_paged_layers` and `scan_dense_layers` call."""
+    """The per-layer pieces `scan_dense_layers` calls (`scan_paged_layers`: all but ``attend``)."""
     return {"qkv": lambda layer, x, positions: _qkv(layer, x, positions, model), "attend": _attend,
             "finish": lambda layer, x, attn: _output_and_mlp(layer, x, attn, model)}

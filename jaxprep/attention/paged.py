@@ -1,0 +1,102 @@
+"""Paged attention in plain XLA whose cost follows the pages a request holds (flash-decoding style).
+
+Every query token t reads only its own row's KV blocks, and only the first ``kv_lens[t]`` positions
+of them, in a loop over chunks of ``blocks_per_chunk`` blocks with a running max and sum (online
+softmax, float32 accumulation). The loop's trip count is dynamic: the batch's longest context in
+chunks, so a step's time grows with the real context and its memory is O(tokens x chunk), whatever
+``max_model_len`` is. Shapes are static (one executable per bucket); a padded token (past
+``num_actual_tokens``, slot -1) has ``kv_lens`` 0, reads the null block's slots and outputs zeros.
+
+The metadata read, all integer: ``query_start_loc`` (token -> batch row), ``positions`` and
+``seq_lens`` (how many keys a token sees: ``min(position + 1, seq_lens[row])``, causal within the
+chunk), ``block_table`` (where those keys live), ``num_actual_tokens`` (which tokens are real).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxprep._ragged import token_request_index
+from jaxprep._typing import Array, Int32
+from jaxprep.metadata import StepInputs
+
+HIGHEST = jax.lax.Precision.HIGHEST
+MASKED = -1e30
+"""Score of a masked key: finite, so a token that has seen no key yet keeps a finite running max."""
+
+
+def token_kv_lens(inputs: StepInputs) -> tuple[Int32[Array, " num_tokens_padded"], Int32[Array, " num_tokens_padded"]]:
+    """``(token_row, kv_lens)``: each token's batch row and the number of keys it attends to.
+
+    A real token at ``positions[t]`` of row r sees keys 0..positions[t] that exist: ``min(positions[t] + 1,
+    seq_lens[r])``; a padded token sees none.
+    # query_start_loc [0, 3, 4], positions [5, 6, 7, 2, 0, 0], seq_lens [8, 3], 4 real tokens
+    #   -> token_row [0, 0, 0, 1, 1, 1], kv_lens [6, 7, 8, 3, 0, 0]
+    """
+    meta = inputs.attn_metadata
+    num_tokens = inputs.num_tokens_padded
+    token_row = token_request_index(meta.query_start_loc[1:], num_tokens)
+    is_real = jnp.arange(num_tokens, dtype=jnp.int32) < meta.num_actual_tokens
+    kv_lens = jnp.minimum(inputs.positions + 1, meta.seq_lens[token_row])
+    return token_row, jnp.where(is_real, jnp.maximum(kv_lens, 0), 0)
+
+
+def chunk_slots(block_table: Int32[Array, "num_tokens_padded max_blocks_per_req"], chunk: Int32[Array, ""], *,
+                block_size: int, blocks_per_chunk: int, num_blocks: int) -> Int32[Array, "num_tokens_padded chunk_len"]:
+    """Cache slots of chunk ``chunk`` of every token's row: block_table columns chunk * C .. chunk * C + C - 1,
+    each expanded to its ``block_size`` slots. Columns and block ids are clamped (every read in bounds).
+    # B 2, C 2, a token's row [4, 9, 7, 0, ..], chunk 1 -> blocks [7, 0] -> slots [14, 15, 0, 1]
+    """
+    columns = chunk * blocks_per_chunk + jnp.arange(blocks_per_chunk, dtype=jnp.int32)
+    columns = jnp.minimum(columns, block_table.shape[1] - 1)
+    blocks = jnp.clip(block_table[:, columns], 0, num_blocks - 1)  # [T, C]
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    return (blocks[:, :, None] * block_size + offsets[None, None, :]).reshape(blocks.shape[0], -1)
+
+
+def online_softmax_step(carry, scores: jax.Array, values: jax.Array, valid):
+    """One chunk of the running softmax: carry (max [T, K, G], sum [T, K, G], acc [T, K, G, D]) ->
+    the same, with keys where ``valid`` [T, S] folded in. Masked keys add exactly 0."""
+    running_max, running_sum, acc = carry
+    valid = valid[:, None, None, :]
+    scores = jnp.where(valid, scores, MASKED)
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    probs = jnp.where(valid, jnp.exp(scores - new_max[..., None]), 0.0)
+    correction = jnp.exp(running_max - new_max)
+    acc = acc * correction[..., None] + jnp.einsum("tkgs,tskd->tkgd", probs, values, precision=HIGHEST)
+    return new_max, running_sum * correction + probs.sum(axis=-1), acc
+
+
+def paged_attention(q: jax.Array, k_cache: jax.Array,
+                    v_cache: jax.Array, inputs: StepInputs, *, block_size: int,
+                    blocks_per_chunk: int = 1) -> jax.Array:
+    """Causal grouped-query attention of every token of ``inputs`` over its row's paged context.
+
+    ``k_cache``, ``v_cache``: one layer's cache, slot = block_id * block_size + offset (jaxprep's
+    `KVCache` layout), already holding this step's keys. Query head h reads KV head h // (H / K).
+    Returns [T, H, D] in q's dtype; padded tokens give zeros.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    chunk_len = block_size * blocks_per_chunk
+    token_row, kv_lens = token_kv_lens(inputs)
+    block_table = inputs.attn_metadata.block_table[token_row]  # [T, max_blocks_per_req]
+    groups = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    groups = groups * (head_dim ** -0.5)
+    num_chunks = (jnp.max(kv_lens) + chunk_len - 1) // chunk_len  # the batch's longest context, in chunks
+
+    def chunk_step(chunk, carry):
+        slots = chunk_slots(block_table, chunk, block_size=block_size, blocks_per_chunk=blocks_per_chunk,
+                            num_blocks=k_cache.shape[0] // block_size)
+        keys, values = (cache[slots].astype(jnp.float32) for cache in (k_cache, v_cache))  # [T, S, K, D]
+        scores = jnp.einsum("tkgd,tskd->tkgs", groups, keys, precision=HIGHEST)
+        key_positions = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
+        return online_softmax_step(carry, scores, values, key_positions[None, :] < kv_lens[:, None])
+
+    stats_shape = groups.shape[:-1]
+    init = (jnp.full(stats_shape, MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(groups.shape, jnp.float32))
+    _, running_sum, acc = jax.lax.fori_loop(0, num_chunks, chunk_step, init)
+    out = acc / jnp.where(running_sum > 0, running_sum, 1.0)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
