@@ -25,8 +25,9 @@ ATTENTION_KINDS = ("auto", "xla", "pallas_gpu", "pallas_tpu", "gather_all")
 
 
 def gpu_kernel_fits(block_size: int, head_dim: int) -> bool:
-    """The Triton lowering of the GPU kernel needs dot operands of at least 16 on every side."""
-    return block_size % 16 == 0 and head_dim % 16 == 0
+    """The Triton lowering of the GPU kernel needs dot operands of at least 16 on every side, and
+    power-of-2 block shapes (a page of keys, a head)."""
+    return all(size >= 16 and size & (size - 1) == 0 for size in (block_size, head_dim))
 
 
 def tpu_kernel_fits(num_kv_heads: int, head_dim: int) -> bool:

@@ -48,12 +48,12 @@ def to_tpu_kv_pages(k_cache: jax.Array, v_cache: jax.Array, block_size: int) -> 
 
 def gpu_kernel_table(block_table: jax.Array) -> tuple[jax.Array, int, int]:
     """``(block_tables, k_splits, pages_per_compute_block)``: the GPU kernel wants pages_per_sequence
-    divisible by k_splits, and each split divisible by pages_per_compute_block; columns are padded
-    with the null block 0 (never read: they lie past every length).
-    # width 5 -> pages_per_compute_block 5, k_splits 1, width 5; width 40 -> 8, 5, 40
+    divisible by k_splits, and each split divisible by pages_per_compute_block, a power of 2 (Triton's
+    block shapes); columns are padded with the null block 0 (never read: they lie past every length).
+    # width 5 -> pages_per_compute_block 4, k_splits 2, width 8; width 40 -> 8, 5, 40
     """
     width = block_table.shape[1]
-    per_block = min(GPU_PAGES_PER_COMPUTE_BLOCK, width)
+    per_block = min(GPU_PAGES_PER_COMPUTE_BLOCK, 1 << (width.bit_length() - 1))
     k_splits = min(GPU_K_SPLITS, -(-width // per_block))
     padded = -(-width // (k_splits * per_block)) * k_splits * per_block
     return jnp.pad(block_table, ((0, 0), (0, padded - width))), k_splits, per_block

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxprep.attention import gather_all_attention, paged_attention, token_kv_lens
+from jaxprep.attention.paged import query_tiles
 from support.attention_batches import CONFIG, attention_cases, longer_row, shifted_block, with_metadata
 
 ATOL = 2e-5
@@ -85,3 +86,14 @@ def test_bad_metadata_stays_in_bounds():
     table[0, 0], table[-1, -1] = 10_000, -7
     bad = with_metadata(case.inputs, block_table=jnp.asarray(table))
     assert np.isfinite(np.asarray(xla_attention(case.q, case.k_cache, case.v_cache, bad))).all()
+
+
+def test_query_tiles_worked_example():
+    """query_start_loc [0, 5, 6, 6], 6 real tokens, tile 4: rows get 2, 1, 0 tiles; the rest are empty."""
+    case = next(attention_cases(seed=15, count=1))
+    padded = np.full(case.inputs.attn_metadata.query_start_loc.shape, 6, np.int32)
+    padded[:2] = [0, 5]
+    inputs = with_metadata(case.inputs, query_start_loc=jnp.asarray(padded), num_actual_tokens=jnp.int32(6))
+    tile_row, tile_start, tile_len = (np.asarray(x) for x in query_tiles(inputs, 4))
+    assert tile_row[:3].tolist() == [0, 0, 1] and tile_start[:3].tolist() == [0, 4, 5]
+    assert tile_len.tolist() == [4, 1, 1] + [0] * (len(tile_len) - 3)

@@ -19,6 +19,7 @@ from jaxprep.attention import (
     to_tpu_kv_pages,
     tpu_ragged_paged_attention,
 )
+from jaxprep.attention.pallas import gpu_kernel_table
 from support.attention_batches import CONFIG, attention_cases, longer_row, shifted_block
 
 ATOL = 2e-5
@@ -45,11 +46,11 @@ def gpu_interpret(q, k_cache, v_cache, inputs):
 
 
 def test_gpu_kernel_fed_by_the_step_matches_reference():
-    """Two random mixed steps through the Pallas GPU decode kernel (one kernel sequence per query token);
+    """A random mixed step through the Pallas GPU decode kernel (one kernel sequence per query token);
     negative controls: a shifted block or a row one token longer must change row 0's tokens."""
-    for case in attention_cases(seed=21, count=2):
-        np.testing.assert_allclose(np.asarray(gpu_interpret(case.q, case.k_cache, case.v_cache, case.inputs)),
-                                   case.reference(), atol=ATOL)
+    case = next(attention_cases(seed=21, count=1))
+    np.testing.assert_allclose(np.asarray(gpu_interpret(case.q, case.k_cache, case.v_cache, case.inputs)),
+                               case.reference(), atol=ATOL)
     start, end = (int(x) for x in np.asarray(case.inputs.attn_metadata.query_start_loc)[:2])
     for shifted in (shifted_block(case.inputs), longer_row(case.inputs)):
         out = np.asarray(gpu_interpret(case.q, case.k_cache, case.v_cache, shifted))[start:end]
@@ -71,10 +72,10 @@ def ragged_reference(case, inputs):
 def test_tpu_kernel_contract_matches_reference():
     """The TPU kernel's inputs built from jaxprep's step (query_start_loc, seq_lens, block_table, num_reqs,
     interleaved kv_pages), through the kernel module's reference, equal the oracle on the real tokens;
-    shifted block or length: row 0 differs."""
-    for case in attention_cases(seed=22, count=3):
-        n = int(case.inputs.attn_metadata.num_actual_tokens)
-        np.testing.assert_allclose(ragged_reference(case, case.inputs), case.reference()[:n], atol=ATOL)
+    shifted block or length: row 0 differs. (The reference loops in Python over the requests: eager, slow.)"""
+    case = next(attention_cases(seed=22, count=1))
+    n = int(case.inputs.attn_metadata.num_actual_tokens)
+    np.testing.assert_allclose(ragged_reference(case, case.inputs), case.reference()[:n], atol=ATOL)
     start, end = (int(x) for x in np.asarray(case.inputs.attn_metadata.query_start_loc)[:2])
     for shifted in (shifted_block(case.inputs), longer_row(case.inputs)):
         out = ragged_reference(case, shifted)[start:end]
@@ -103,3 +104,10 @@ def test_auto_picks_the_kernel_only_where_it_runs():
     assert auto_kind(16, 8, 128, backend="cpu") == "xla"
     assert auto_kind(4, 8, 128, backend="gpu") == "xla"  # Triton dots need 16 keys per page
     assert auto_kind(16, 8, 64, backend="tpu") == "xla"  # the TPU kernel wants head_dim % 128 == 0
+
+
+def test_gpu_kernel_table_sizes():
+    """pages_per_compute_block a power of 2 dividing each of k_splits equal splits of the padded width."""
+    for width, expected in [(5, (4, 2, 8)), (40, (8, 5, 40)), (1, (1, 1, 1)), (2048, (8, 16, 2048))]:
+        table, k_splits, per_block = gpu_kernel_table(jnp.zeros((3, width), jnp.int32))
+        assert (per_block, k_splits, table.shape[1]) == expected
