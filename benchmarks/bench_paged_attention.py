@@ -1,11 +1,13 @@
 """One layer's paged attention at Qwen3-0.6B's attention shape: `jaxprep.attention.paged_attention`
 against the former gather-all path, same process, same step.
 
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py [--context 1500] [--max-model-len 1520] [--default-runtime]
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py [--context 1500] [--max-model-len 1520 ...]
+        [--paged-only] [--default-runtime]
 
 q [T, 16, 128], a cache of 8 KV heads of 128, block size 16, one request whose context is
 ``--context`` tokens: a decode step (1 token, bucket 8) and a prefill chunk (the last 256 tokens,
-bucket 256). Compile apart, then the median of 3 runs each; outputs are checked equal first.
+bucket 256), at each ``--max-model-len``. Compile apart, then the median of 3 runs each; outputs are
+checked equal first. ``--paged-only`` skips the gather-all path (slow at large max_model_len).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def median_s(fn, *args) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1500)
-    parser.add_argument("--max-model-len", type=int, default=1520)
+    parser.add_argument("--max-model-len", type=int, nargs="+", default=[1520])
+    parser.add_argument("--paged-only", action="store_true")
     add_runtime_argument(parser)
     args = parser.parse_args()
     print(configure_benchmark_runtime())
@@ -68,16 +71,20 @@ def main() -> None:
     num_slots = (-(-args.context // BLOCK) + 1) * BLOCK
     k_cache, v_cache = (jnp.asarray(rng.standard_normal((num_slots, KV_HEADS, HEAD_DIM)), jnp.float32) for _ in "kv")
     new = jax.jit(lambda *a: paged_attention(*a, block_size=BLOCK))
-    old = jax.jit(lambda *a: gather_all_attention(*a, block_size=BLOCK, max_model_len=args.max_model_len))
-    for name, bucket, tokens in (("decode", 8, 1), ("prefill chunk", 256, 256)):
-        inputs = one_request_step(bucket, tokens, args.context, args.max_model_len)
-        q = jnp.asarray(rng.standard_normal((bucket, HEADS, HEAD_DIM)), jnp.float32)
-        np.testing.assert_allclose(np.asarray(new(q, k_cache, v_cache, inputs))[:tokens],
-                                   np.asarray(old(q, k_cache, v_cache, inputs))[:tokens], atol=1e-4)
-        t_new, t_old = median_s(new, q, k_cache, v_cache, inputs), median_s(old, q, k_cache, v_cache, inputs)
-        print(f"{name} ({tokens} tokens, bucket {bucket}, context {args.context}, max_model_len "
-              f"{args.max_model_len}): paged {t_new * 1e3:.1f} ms, gather-all {t_old * 1e3:.1f} ms, "
-              f"ratio {t_new / t_old:.3f}")
+    for max_model_len in args.max_model_len:
+        old = jax.jit(lambda *a, m=max_model_len: gather_all_attention(*a, block_size=BLOCK, max_model_len=m))
+        for name, bucket, tokens in (("decode", 8, 1), ("prefill chunk", 256, 256)):
+            inputs = one_request_step(bucket, tokens, args.context, max_model_len)
+            q = jnp.asarray(rng.standard_normal((bucket, HEADS, HEAD_DIM)), jnp.float32)
+            line = f"{name} ({tokens} tokens, bucket {bucket}, context {args.context}, max_model_len {max_model_len}): "
+            t_new = median_s(new, q, k_cache, v_cache, inputs)
+            if args.paged_only:
+                print(line + f"paged {t_new * 1e3:.1f} ms")
+                continue
+            np.testing.assert_allclose(np.asarray(new(q, k_cache, v_cache, inputs))[:tokens],
+                                       np.asarray(old(q, k_cache, v_cache, inputs))[:tokens], atol=1e-4)
+            t_old = median_s(old, q, k_cache, v_cache, inputs)
+            print(line + f"paged {t_new * 1e3:.1f} ms, gather-all {t_old * 1e3:.1f} ms, ratio {t_new / t_old:.3f}")
 
 
 if __name__ == "__main__":
