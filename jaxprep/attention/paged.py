@@ -2,10 +2,11 @@
 
 Every query token t reads only its own row's KV blocks, and only the first ``kv_lens[t]`` positions
 of them, in a loop over chunks of ``blocks_per_chunk`` blocks with a running max and sum (online
-softmax, float32 accumulation). The loop's trip count is dynamic: the batch's longest context in
-chunks, so a step's time grows with the real context and its memory is O(tokens x chunk), whatever
-``max_model_len`` is. Shapes are static (one executable per bucket); a padded token (past
-``num_actual_tokens``, slot -1) has ``kv_lens`` 0, reads the null block's slots and outputs zeros.
+softmax, float32 accumulation). A request's tokens go in query tiles (up to `MAX_QUERY_TILE` tokens
+of one request) that share each gathered chunk. The loop's trip count is dynamic: the batch's longest
+context in chunks, so a step's time grows with the real context and its memory is O(tokens x chunk),
+whatever ``max_model_len`` is. Shapes are static (one executable per bucket); a padded token (past
+``num_actual_tokens``, slot -1) has ``kv_lens`` 0, lies in no tile and outputs zeros.
 
 The metadata read, all integer: ``query_start_loc`` (token -> batch row), ``positions`` and
 ``seq_lens`` (how many keys a token sees: ``min(position + 1, seq_lens[row])``, causal within the
@@ -43,16 +44,16 @@ def token_kv_lens(inputs: StepInputs) -> tuple[Int32[Array, " num_tokens_padded"
 
 
 def chunk_slots(block_table: Int32[Array, "num_reqs_padded max_blocks_per_req"],
-                token_row: Int32[Array, " num_tokens_padded"], chunk: Int32[Array, ""], *, block_size: int,
-                blocks_per_chunk: int, num_blocks: int) -> Int32[Array, "num_tokens_padded chunk_len"]:
-    """Cache slots of chunk ``chunk`` of every token's row: block_table columns chunk * C .. chunk * C + C - 1,
-    each expanded to its ``block_size`` slots (only [T, C] of the table is read, whatever its width).
-    Columns and block ids are clamped: every read is in bounds.
-    # B 2, C 2, a token's row [4, 9, 7, 0, ..], chunk 1 -> blocks [7, 0] -> slots [14, 15, 0, 1]
+                tile_row: Int32[Array, " num_tiles"], chunk: Int32[Array, ""], *, block_size: int,
+                blocks_per_chunk: int, num_blocks: int) -> Int32[Array, "num_tiles chunk_len"]:
+    """Cache slots of chunk ``chunk`` of every tile's row: block_table columns chunk * C .. chunk * C + C - 1,
+    each expanded to its ``block_size`` slots (only [num_tiles, C] of the table is read, whatever its
+    width). Columns and block ids are clamped: every read is in bounds.
+    # B 2, C 2, a tile's row [4, 9, 7, 0, ..], chunk 1 -> blocks [7, 0] -> slots [14, 15, 0, 1]
     """
     columns = chunk * blocks_per_chunk + jnp.arange(blocks_per_chunk, dtype=jnp.int32)
     columns = jnp.minimum(columns, block_table.shape[1] - 1)
-    blocks = jnp.clip(block_table[token_row[:, None], columns[None, :]], 0, num_blocks - 1)  # [T, C]
+    blocks = jnp.clip(block_table[tile_row[:, None], columns[None, :]], 0, num_blocks - 1)  # [N, C]
     offsets = jnp.arange(block_size, dtype=jnp.int32)
     return (blocks[:, :, None] * block_size + offsets[None, None, :]).reshape(blocks.shape[0], -1)
 
