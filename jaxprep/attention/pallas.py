@@ -70,9 +70,12 @@ def gpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, in
     rows = jnp.clip(inputs.attn_metadata.block_table[token_row], 0, num_blocks - 1)  # [T, max_blocks_per_req]
     block_tables, k_splits, per_block = gpu_kernel_table(rows)
     scaled = (q.astype(jnp.float32) * (q.shape[-1] ** -0.5)).astype(q.dtype)
-    out = paged_attention(scaled, to_gpu_pages(k_cache, block_size), to_gpu_pages(v_cache, block_size),
-                          block_tables, kv_lens, k_splits=k_splits, pages_per_compute_block=per_block,
-                          interpret=interpret)
+    # the kernel's dots take no precision: traced under "highest", float32 runs as IEEE float32 in
+    # Triton (its default would be TF32), as the models' other products (Precision.HIGHEST)
+    with jax.default_matmul_precision("highest"):
+        out = paged_attention(scaled, to_gpu_pages(k_cache, block_size), to_gpu_pages(v_cache, block_size),
+                              block_tables, kv_lens, k_splits=k_splits, pages_per_compute_block=per_block,
+                              interpret=interpret)
     return jnp.where((kv_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
 

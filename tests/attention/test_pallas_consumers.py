@@ -7,6 +7,8 @@ cu_q_lens, num_seqs) is checked through the kernel module's own reference, `ref_
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,3 +113,13 @@ def test_gpu_kernel_table_sizes():
     for width, expected in [(5, (4, 2, 8)), (40, (8, 5, 40)), (1, (1, 1, 1)), (2048, (8, 16, 2048))]:
         table, k_splits, per_block = gpu_kernel_table(jnp.zeros((3, width), jnp.int32))
         assert (per_block, k_splits, table.shape[1]) == expected
+
+
+def test_gpu_kernel_dots_are_traced_at_highest_precision():
+    """The kernel's own dots take no precision (Triton's default for float32 is TF32); jaxprep traces
+    them under "highest", so both of them (q.k and p.v) carry Precision.HIGHEST."""
+    case = next(attention_cases(seed=24, count=1))
+    text = str(jax.make_jaxpr(lambda *a: gpu_paged_attention(*a, block_size=B))(
+        case.q, case.k_cache, case.v_cache, case.inputs))
+    dots = [text[match.start(): match.start() + 200] for match in re.finditer(r"dot_general\[", text)]
+    assert len(dots) >= 2 and all("precision=(Precision.HIGHEST, Precision.HIGHEST)" in dot for dot in dots)
