@@ -29,7 +29,7 @@ from jaxprep.models.storage import as_stored, storage_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 LAYER_PREFIX = "model.layers"
-CHUNK_BYTES = 32 * 2**20
+CHUNK_BYTES = 4 * 2**20
 """Largest piece of a tensor read and sent to the device at once."""
 
 
@@ -194,6 +194,7 @@ def place_params(config: DecoderConfig, source, on_progress=None) -> dict:
                 starts = (layer, start) if path[0] == "layers" else (start,)
                 array = _write_rows(array, rows[None] if path[0] == "layers" else rows,
                                     np.array(starts + (0,) * (array.ndim - len(starts)), np.int32), dtype=config.dtype)
+                array.block_until_ready()  # else queued writes would each hold their chunk: one chunk at a time
                 done += rows.nbytes
                 if on_progress is not None:
                     on_progress(done, total)

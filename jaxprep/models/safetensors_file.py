@@ -106,12 +106,13 @@ class SafetensorsFile:
         else:
             shape = (stop - start, *entry.shape[1:])
         row_bytes = entry.num_bytes // num_rows(entry.shape) if entry.num_bytes else 0
+        data = np.empty((stop - start) * row_bytes, np.uint8)
         with open(self.path, "rb") as f:
             f.seek(entry.begin + start * row_bytes)
-            data = f.read((stop - start) * row_bytes)
-        if len(data) != (stop - start) * row_bytes:  # the file shrank since its header was read
+            num_read = f.readinto(memoryview(data))
+        if num_read != data.size:  # the file shrank since its header was read
             raise CheckpointError(f"{self.name}: tensor {name!r}: truncated file while reading")
-        return np.frombuffer(data, dtype=entry.dtype).reshape(shape)
+        return data.view(entry.dtype).reshape(shape)
 
 
 def num_rows(shape: tuple[int, ...]) -> int:
