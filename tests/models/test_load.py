@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers", reason="these tests build their checkpoints with transformers (test extra)")
-safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="loading checkpoints needs safetensors")
+pytest.importorskip("safetensors", reason="loading checkpoints needs safetensors (test extra)")
 
+import safetensors.numpy as safetensors_numpy
 from jaxprep.models import CheckpointError, load_model
 from jaxprep.models import load as load_module
 from jaxprep.models.storage import as_compute
