@@ -19,6 +19,7 @@ pytest.importorskip("transformers", reason="these tests build their checkpoints 
 pytest.importorskip("safetensors", reason="loading checkpoints needs safetensors (test extra)")
 
 import safetensors.numpy as safetensors_numpy
+
 from jaxprep.models import CheckpointError, load_model
 from jaxprep.models import load as load_module
 from jaxprep.models.storage import as_compute
