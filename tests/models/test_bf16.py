@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 import re
 
 import jax
@@ -39,10 +41,11 @@ def _serve(directory: str):
     return engine, finished
 
 
-@pytest.mark.parametrize("name", BF16_SPECS)
-def test_bf16_greedy_tokens_match_transformers_in_bf16(name, tmp_path):
-    """Chunked prefill, preemption, mixed batches in bf16: every token equals transformers' bf16 greedy token
-    wherever transformers' top-2 margin exceeds bf16 noise; a token changed at such a position is a mismatch."""
+def test_bf16_greedy_tokens_match_transformers_in_bf16(tmp_path):
+    """Chunked prefill, preemption, mixed batches in bf16 (llama, llama3 RoPE): every token equals transformers'
+    bf16 greedy token wherever transformers' top-2 margin exceeds bf16 noise; a token changed at such a position
+    is a mismatch. (Qwen3 in bf16: `test_generate_bf16_matches_transformers_and_reports_rates`.)"""
+    name = "llama-llama3-rope-bf16"
     save_checkpoint(BF16_SPECS[name], str(tmp_path))
     engine, finished = _serve(str(tmp_path))
     assert engine.kv_cache.k.dtype in (jnp.bfloat16, jnp.uint16)  # bf16, or its bit patterns on XLA:CPU
@@ -109,3 +112,57 @@ def test_bf16_step_holds_no_float32_copy_of_weights_or_cache():
         control = _step.lower(plain, kv_cache, state, model=config).compile()
         assert _float32_copies(control.as_text(), shapes)
         assert control.memory_analysis().temp_size_in_bytes > bf16_bytes
+
+
+def test_generate_bf16_matches_transformers_and_reports_rates(tmp_path, capsys):
+    """`jaxprep generate --dtype bfloat16` on the bf16 Qwen3 checkpoint (qk-norm; prompts prefilled in chunks
+    of 8): tokens equal transformers' bf16 greedy tokens beyond near-ties; stderr shows the loading, compiling,
+    prefill and decode bars; the JSON line reports every prompt token as prefill and the rates."""
+    from jaxprep.cli import main
+
+    save_checkpoint(BF16_SPECS["qwen3-bf16"], str(tmp_path))
+    prompts = [[5, 17, 300, 42, 9, 11, 23, 4, 4, 8, 19], [7, 7, 100], [31, 8, 250, 3, 3]]
+    argv = ["generate", "--model", str(tmp_path), "--dtype", "bfloat16", "--max-tokens", "10", "--ignore-eos",
+            "--budget", "8", "--block-size", "4", "--progress", "always", "--json"]
+    for prompt in prompts:
+        argv += ["--prompt-ids", " ".join(map(str, prompt))]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    for bar in ("loading (bfloat16)", "compiling", "prefill", "decode"):
+        assert bar in err
+    result = json.loads(out.strip().splitlines()[-1])
+    rates = result["rates"]
+    assert rates["prefill_tokens"] == sum(map(len, prompts)) and rates["prefill_tokens_per_s"] > 0
+    assert 0 < rates["decode_tokens"] <= 9 * len(prompts) and rates["decode_tokens_per_s"] > 0
+    assert "qwen3 (2 layers, vocab 320, bfloat16)" in out and "== prefill 19 tokens in" in out
+
+    class Finished:
+        def __init__(self, i):
+            self.request_id, self.prompt_token_ids, self.output_token_ids = i, prompts[i], result["outputs"][i]
+            self.max_tokens = 10
+
+    check = compare_greedy_bf16(bf16_reference_models(str(tmp_path)), [Finished(i) for i in range(3)])
+    print(check)
+    assert check.num_tokens >= 20 and check.mismatches == 0 and check.near_ties <= 1, check
+
+
+def test_threads_per_job(monkeypatch):
+    """One XLA thread only for the tiny built-in model; a checkpoint gets XLA's default, ``--threads N`` N."""
+    from jaxprep.cli import configure_runtime, parse_args
+    from jaxprep.cli._checkpoint import single_thread_cpu
+
+    async_dispatch = jax.config.read("jax_cpu_enable_async_dispatch")
+    try:
+        monkeypatch.delenv("PJRT_NPROC", raising=False)
+        _, args = parse_args(["simulate", "--requests", "2"])
+        assert single_thread_cpu(args) and os.environ["PJRT_NPROC"] == "1"
+        monkeypatch.delenv("PJRT_NPROC")
+        _, args = parse_args(["simulate", "--model", os.path.dirname(__file__), "--requests", "2"])
+        assert not single_thread_cpu(args) and "PJRT_NPROC" not in os.environ
+        _, args = parse_args(["simulate", "--model", os.path.dirname(__file__), "--threads", "3"])
+        assert os.environ["PJRT_NPROC"] == "3"
+        monkeypatch.delenv("PJRT_NPROC")
+        configure_runtime(single_thread_cpu=False)
+        assert "PJRT_NPROC" not in os.environ
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", async_dispatch)
