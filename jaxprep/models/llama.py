@@ -25,11 +25,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep.metadata import StepInputs
-from jaxprep.models.storage import as_compute, as_stored, storage_dtype
+from jaxprep.models.storage import BITS16, as_compute, as_stored, storage_dtype
 from jaxprep.serving.model import MASKED, MODEL_SCOPE, KVCache, scan_dense_layers, scan_paged_layers
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
+LOGITS_CHUNK = 16384
+"""Most vocabulary rows of the LM head in one product when the head is stored as bit patterns."""
 
 
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -114,7 +116,29 @@ def _logits(params: dict, x: jax.Array, model) -> jax.Array:
     """Final norm, then the LM head [V, D] (the embedding when tied): logits [N, V] float32."""
     head = params["embed_tokens"] if model.tie_word_embeddings else params["lm_head"]
     h = _rms_norm(x, params["norm"], model.rms_norm_eps)
-    return jnp.einsum("nd,vd->nv", h, as_compute(head, h.dtype), precision=HIGHEST, preferred_element_type=F32)
+    chunk = _vocab_chunk(head.shape[0])
+    if head.dtype != BITS16 or chunk == head.shape[0]:
+        return jnp.einsum("nd,vd->nv", h, as_compute(head, h.dtype), precision=HIGHEST, preferred_element_type=F32)
+
+    # bit patterns (bf16 on XLA:CPU): bit-casting the whole head for one product would copy it, so the
+    # product runs over chunks of the vocabulary, each bit-cast on its own
+    # V 6, chunk 2 -> chunks [3, 2, D] -> logits [N, 3, 2] -> [N, 6]
+    def chunk_logits(_, rows):
+        return None, jnp.einsum("nd,vd->nv", h, as_compute(rows, h.dtype), preferred_element_type=F32)
+
+    chunks = head.reshape(head.shape[0] // chunk, chunk, head.shape[1])
+    _, logits = jax.lax.scan(chunk_logits, None, chunks)  # [V / chunk, N, chunk]
+    return logits.transpose(1, 0, 2).reshape(h.shape[0], head.shape[0])
+
+
+def _vocab_chunk(vocab_size: int) -> int:
+    """The largest divisor of ``vocab_size`` in [LOGITS_CHUNK / 8, LOGITS_CHUNK], else ``vocab_size``.
+    # 151936 -> 9496; 128256 -> 16032; 320 -> 320
+    """
+    for chunk in range(min(LOGITS_CHUNK, vocab_size), LOGITS_CHUNK // 8 - 1, -1):
+        if vocab_size % chunk == 0:
+            return chunk
+    return vocab_size
 
 
 def paged_forward(params: dict, kv_cache: KVCache, inputs: StepInputs, *, model, block_size: int,

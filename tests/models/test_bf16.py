@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -166,3 +167,22 @@ def test_threads_per_job(monkeypatch):
         assert "PJRT_NPROC" not in os.environ
     finally:
         jax.config.update("jax_cpu_enable_async_dispatch", async_dispatch)
+
+
+def test_chunked_lm_head_equals_one_product(monkeypatch):
+    """A head stored as bit patterns (bf16 on XLA:CPU) is multiplied in vocabulary chunks (no copy of the whole
+    head): the logits equal one product over the bf16 head; a chunk put in the wrong place fails."""
+    from jaxprep.models import llama
+
+    config = dataclasses.replace(parse_config(RAW), dtype="bfloat16")
+    rng = np.random.default_rng(1)
+    bits = jnp.asarray(rng.standard_normal((2048, 256)).astype(ml_dtypes.bfloat16).view(np.uint16))
+    params = {"embed_tokens": bits, "lm_head": bits, "norm": jnp.ones(256, jnp.bfloat16)}
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    monkeypatch.setattr(llama, "LOGITS_CHUNK", 512)
+    assert llama._vocab_chunk(2048) == 512
+    chunked = jax.jit(lambda p, x: llama._logits(p, x, config))(params, x)
+    plain = jax.jit(lambda p, x: llama._logits(p, x, config))({**params, "lm_head": as_compute(bits, jnp.bfloat16)}, x)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(plain), rtol=1e-6, atol=1e-6)
+    rolled = np.roll(np.asarray(chunked), 512, axis=1)
+    assert not np.allclose(rolled, np.asarray(plain), atol=1e-3)
