@@ -7,7 +7,8 @@ A dispatch with no prompt token is a decode dispatch: each token it runs is a ge
     prefill tokens/s = prompt tokens of prefill dispatches / their seconds
     decode tokens/s  = tokens of decode dispatches / their seconds
 
-The engine must keep its history (``keep_history=True``: one `DispatchRecord` per dispatch).
+The engine must keep its history (``keep_history=True``: one `DispatchRecord` per dispatch) and call
+``on_step`` once per dispatch; otherwise (``simulate --async-scheduling``) the figures are None.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class PhaseClock:
         """``prefill_tokens``, ``prefill_s``, ``prefill_tokens_per_s`` and the same for decode; the time of
         the separate prep-timing call (``stats.prep_us``, `Engine(time_prep=True)`) is left out."""
         records = stats.dispatches_log[-len(self.seconds):] if self.seconds else []
+        if len(records) != len(self.seconds):  # an engine whose callbacks are not one per dispatch (async)
+            return {f"{phase}_{field}": None for phase in ("prefill", "decode") for field in ("tokens", "s",
+                                                                                              "tokens_per_s")}
         prep_s = [us / 1e6 for us in stats.prep_us[-len(records):]] if stats.prep_us else [0.0] * len(records)
         totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
         for record, seconds, prep in zip(records, self.seconds, prep_s, strict=True):
