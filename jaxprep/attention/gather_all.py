@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxprep._ragged import token_request_index
 from jaxprep.metadata import StepInputs
+from jaxprep.storage import as_compute
 
 HIGHEST = jax.lax.Precision.HIGHEST
 MASKED = -1e30
@@ -53,4 +54,4 @@ def gather_all_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
     """Attention [T, H, D] of q [T, H, D] over one layer's cache [num_slots, K, D], reading all
     ``max_model_len`` context slots of every token's row."""
     slots, mask = paged_context(inputs, block_size, max_model_len)
-    return masked_attention(q, k_cache[slots], v_cache[slots], mask)
+    return masked_attention(q, as_compute(k_cache[slots], q.dtype), as_compute(v_cache[slots], q.dtype), mask)

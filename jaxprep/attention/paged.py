@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxprep._ragged import token_request_index
 from jaxprep._typing import Array, Int32
 from jaxprep.metadata import StepInputs
+from jaxprep.storage import as_compute
 
 HIGHEST = jax.lax.Precision.HIGHEST
 MASKED = -1e30
@@ -119,6 +120,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs
     reads KV head h // (H / K). The queries of a request go in tiles of ``query_tile`` tokens (default
     `default_query_tile`) that share each gathered KV chunk. Returns [T, H, D] in q's dtype; padded
     tokens give zeros.
+
+    q's dtype is the compute dtype (float32, or bf16); the caches may hold that dtype's storage form
+    (bf16 as uint16 bit patterns on XLA:CPU, `jaxprep.storage`): each gathered chunk is bit-cast and
+    converted to float32, where the scores, the softmax and the accumulation run (exact for bf16 values).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -137,7 +142,9 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs
     def chunk_step(chunk, carry):
         slots = chunk_slots(inputs.attn_metadata.block_table, tile_row, chunk, block_size=block_size,
                             blocks_per_chunk=blocks_per_chunk, num_blocks=k_cache.shape[0] // block_size)
-        keys, values = (cache[slots].astype(jnp.float32) for cache in (k_cache, v_cache))  # [N, S, K, D]
+        # one chunk read in the cache's storage dtype, then as values of q's dtype, then float32: only
+        # [N, S, K, D] is ever converted, never the whole cache (bf16 bit patterns: jaxprep/storage.py)
+        keys, values = (as_compute(cache[slots], q.dtype).astype(jnp.float32) for cache in (k_cache, v_cache))
         scores = jnp.einsum("nqkgd,nskd->nkgqs", groups, keys, precision=HIGHEST)
         key_positions = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
         return online_softmax_step(carry, scores, values, key_positions[None, None, :] < tile_kv_lens[:, :, None])

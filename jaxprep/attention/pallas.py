@@ -12,8 +12,10 @@ vLLM's Triton backend.
   last ``num_scheduled`` of its ``seq_lens`` positions, as jaxprep's ``positions`` are).
 
 Both want their own cache layout; `to_gpu_pages` and `to_tpu_kv_pages` convert one layer of
-jaxprep's `KVCache` (slot-major ``[num_blocks * block_size, K, D]``). Neither kernel scales the scores
-by 1/sqrt(D) unless told: the GPU one never does (q is pre-scaled here), the TPU one takes ``sm_scale``.
+jaxprep's `KVCache` (slot-major ``[num_blocks * block_size, K, D]``), after a cache held as bf16 bit
+patterns (uint16, XLA:CPU only: `jaxprep.storage`) is bit-cast to q's dtype, which the kernels read.
+Neither kernel scales the scores by 1/sqrt(D) unless told: the GPU one never does (q is pre-scaled
+here), the TPU one takes ``sm_scale``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxprep.attention.paged import token_kv_lens
 from jaxprep.metadata import StepInputs
+from jaxprep.storage import as_compute
 
 GPU_PAGES_PER_COMPUTE_BLOCK = 8
 GPU_K_SPLITS = 16
@@ -67,6 +70,7 @@ def gpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, in
 
     token_row, kv_lens = token_kv_lens(inputs)
     num_blocks = k_cache.shape[0] // block_size
+    k_cache, v_cache = as_compute(k_cache, q.dtype), as_compute(v_cache, q.dtype)  # bit patterns: a bit-cast
     rows = jnp.clip(inputs.attn_metadata.block_table[token_row], 0, num_blocks - 1)  # [T, max_blocks_per_req]
     block_tables, k_splits, per_block = gpu_kernel_table(rows)
     scaled = (q.astype(jnp.float32) * (q.shape[-1] ** -0.5)).astype(q.dtype)
@@ -91,6 +95,7 @@ def tpu_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
     meta = inputs.attn_metadata
     num_blocks = k_cache.shape[0] // block_size
+    k_cache, v_cache = as_compute(k_cache, q.dtype), as_compute(v_cache, q.dtype)  # bit patterns: a bit-cast
     out = ragged_paged_attention(q, to_tpu_kv_pages(k_cache, v_cache, block_size), meta.seq_lens,
                                  jnp.clip(meta.block_table, 0, num_blocks - 1), meta.query_start_loc,
                                  meta.num_reqs.reshape(1), sm_scale=q.shape[-1] ** -0.5,

@@ -83,13 +83,15 @@ class ServingModel(typing.Protocol):
 class KVCache:
     """Paged K/V of every layer, indexed by slot = block_id * block_size + offset."""
 
-    k: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
-    v: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
+    k: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32 (or the model's dtype)
+    v: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32 (or the model's dtype)
 
     @classmethod
     def zeros(cls, model: ServingModel, num_blocks: int, block_size: int) -> KVCache:
+        """An empty cache in the model's ``kv_cache_dtype`` (float32 for a model config without one)."""
         shape = (model.num_layers, num_blocks * block_size, model.num_kv_heads, model.head_dim)
-        return cls(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32))
+        dtype = getattr(model, "kv_cache_dtype", jnp.float32)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 def init_params(model: ModelConfig, seed: int) -> dict[str, jax.Array]:
