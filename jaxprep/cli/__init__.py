@@ -20,22 +20,28 @@ COMMANDS = {
 DEFAULT_COMMAND = "simulate"
 
 
-def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None = None) -> None:
+def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None = None,
+                      threads: int | None = None) -> None:
     """Process-wide settings for a CLI or benchmark process; call before JAX starts.
 
     On small CPU hosts XLA's CPU client is fastest with one thread (``PJRT_NPROC=1``) and
-    synchronous dispatch: thread hand-offs otherwise cost several times a call (BENCHMARKS.md).
+    synchronous dispatch for the tiny model's small steps: thread hand-offs otherwise cost several
+    times a call (BENCHMARKS.md). A real checkpoint's steps are large enough to use every core: the
+    CLI passes ``single_thread_cpu=False`` for them (`jaxprep.cli._checkpoint.single_thread_cpu`).
+    ``threads``: this many XLA CPU threads (``PJRT_NPROC``) instead. An explicit ``PJRT_NPROC`` wins.
     ``host_devices``: split the CPU into this many JAX devices (data parallelism on CPU) unless
     ``XLA_FLAGS`` already says how many; it only affects the CPU platform.
     """
-    if single_thread_cpu:
+    if threads is not None:
+        os.environ.setdefault("PJRT_NPROC", str(threads))
+    elif single_thread_cpu:
         os.environ.setdefault("PJRT_NPROC", "1")
     flags = os.environ.get("XLA_FLAGS", "")
     if host_devices and host_devices > 1 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
     import jax
 
-    jax.config.update("jax_cpu_enable_async_dispatch", not single_thread_cpu)
+    jax.config.update("jax_cpu_enable_async_dispatch", not single_thread_cpu and threads != 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +81,10 @@ def parse_args(argv: list[str] | None = None):
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv.insert(0, DEFAULT_COMMAND)
     args = parser.parse_args(argv)
-    configure_runtime(host_devices=getattr(args, "devices", None))
+    from jaxprep.cli._checkpoint import single_thread_cpu
+
+    configure_runtime(single_thread_cpu=single_thread_cpu(args), host_devices=getattr(args, "devices", None),
+                      threads=getattr(args, "threads", None))
     check = getattr(modules[args.command], "check_arguments", None)
     try:
         if check is not None:

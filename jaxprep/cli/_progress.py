@@ -22,7 +22,8 @@ def add_progress_argument(parser: argparse.ArgumentParser) -> None:
                         help="same as --progress never")
 
 
-def progress_bar(when: str, description: str, unit: str, total: int | None = None, iterable=None) -> tqdm:
-    """A tqdm bar on stderr showing count of total, elapsed time and rate; ``when``: a ``--progress`` value."""
+def progress_bar(when: str, description: str, unit: str, total: int | None = None, iterable=None, **options) -> tqdm:
+    """A tqdm bar on stderr showing count of total, elapsed time and rate; ``when``: a ``--progress`` value;
+    ``options``: more tqdm arguments (``unit_scale``, ``position``, ...)."""
     return tqdm(iterable, total=total, desc=description, unit=unit, disable=DISABLE[when], leave=True,
-                dynamic_ncols=True)
+                dynamic_ncols=True, **options)

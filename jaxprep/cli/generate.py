@@ -6,6 +6,10 @@ DIR holds config.json and *.safetensors (a Llama, Qwen2 or Qwen3 model). With a 
 and the ``tokenizers`` package, ``--prompt "text"`` is accepted too and outputs are decoded. The
 prompts go through the same scheduler and jitted serving step as ``jaxprep simulate`` (chunked
 prefill, preemption, mixed batches) and are printed in the order given.
+
+Progress bars (stderr, ``--progress``) follow the loading, the compiles, the prefill and the decode;
+the run ends with prefill and decode tokens/s (`jaxprep.cli._phases`). ``--dtype bfloat16`` serves
+in bf16; ``--threads`` sets XLA's CPU threads (default: one per core).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import json
 import os
 
 from jaxprep.cli._args import INT32_MAX, int_in, require
-from jaxprep.cli._checkpoint import load_checkpoint
+from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
+from jaxprep.cli._phases import PhaseClock, rates_line
+from jaxprep.cli._progress import add_progress_argument, progress_bar
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
@@ -50,8 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=positive, default=8,
                         help="decode steps per multi-step dispatch (default 8)")
     add_sampling_arguments(parser)
+    add_checkpoint_arguments(parser)
+    add_progress_argument(parser)
     parser.add_argument("--json", action="store_true",
-                        help='print {"outputs": [[ids...], ...]} as one JSON object on the last line')
+                        help='print {"outputs": [[ids...], ...], "rates": {...}} as one JSON object on the last line')
     parser.set_defaults(error=parser.error)
 
 
@@ -77,23 +85,37 @@ def run(args: argparse.Namespace) -> int:
     sampling = [sampling_params(args, i) for i in range(len(prompts))]
     if sampling[0] is not None:
         config = with_sampling(config, model.vocab_size)
-    outputs, stats = generate(model, params, prompts, config, args.max_tokens, eos_ids, sampling)
-    _print(args, model, prompts, outputs, stats, tokenizer)
+    outputs, stats, rates = generate(model, params, prompts, config, args.max_tokens, eos_ids, sampling,
+                                     progress=args.progress)
+    _print(args, model, prompts, outputs, stats, tokenizer, rates)
     return 0
 
 
 def generate(model, params, prompts: list[list[int]], config, max_tokens: int,
-             eos_ids: tuple[int, ...], sampling=None) -> tuple[list[list[int]], object]:
+             eos_ids: tuple[int, ...], sampling=None, progress: str = "never") -> tuple[list[list[int]], object, dict]:
     """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
-    first of ``eos_ids``) and the loop stats. ``sampling``: each prompt's `SamplingParams` (None: greedy)."""
+    first of ``eos_ids``), the loop stats and the prefill and decode rates (`PhaseClock.rates`,
+    compiles excluded: every executable is compiled first). ``sampling``: each prompt's
+    `SamplingParams` (None: greedy). ``progress``: a ``--progress`` value."""
     from jaxprep.serving import Engine, Request
 
-    engine = Engine(config, model, params=params)
+    engine = Engine(config, model, params=params, keep_history=True)
+    with progress_bar(progress, "compiling", "executable", total=engine.num_executables) as bar:
+        engine.warmup(on_compiled=lambda done, total: bar.update(1))
     sampling = sampling or [None] * len(prompts)
     engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens, sampling_params=s)
                    for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))])
-    finished = sorted(engine.run(), key=lambda request: request.request_id)
-    return [_stop_at_eos(request.output_token_ids, eos_ids) for request in finished], engine.stats
+    with progress_bar(progress, "prefill", "token", total=sum(map(len, prompts)), position=0) as prefill, \
+            progress_bar(progress, "decode", "token", total=max_tokens * len(prompts), position=1) as decode:
+        def show(engine) -> None:
+            record = engine.stats.dispatches_log[-1]
+            prefill.update(min(record.prefill_tokens, prefill.total - prefill.n))
+            decode.update(engine.stats.output_tokens - decode.n)
+
+        clock = PhaseClock(then=show)
+        finished = sorted(engine.run(on_step=clock), key=lambda request: request.request_id)
+    outputs = [_stop_at_eos(request.output_token_ids, eos_ids) for request in finished]
+    return outputs, engine.stats, clock.rates(engine.stats)
 
 
 def serving_config(args, prompts: list[list[int]], eos_token_id: int):
@@ -163,10 +185,10 @@ def _tokenizer(args):
     return tokenizers.Tokenizer.from_file(path)
 
 
-def _print(args, model, prompts, outputs, stats, tokenizer) -> None:
-    print(f"== jaxprep generate: {model.model_type} ({model.num_layers} layers, vocab {model.vocab_size}) from "
-          f"{args.model}: {len(prompts)} prompts served together in {stats.dispatches} dispatches, "
-          f"{stats.preemptions} preemptions")
+def _print(args, model, prompts, outputs, stats, tokenizer, rates: dict) -> None:
+    print(f"== jaxprep generate: {model.model_type} ({model.num_layers} layers, vocab {model.vocab_size}, "
+          f"{model.dtype}) from {args.model}: {len(prompts)} prompts served together in {stats.dispatches} "
+          f"dispatches, {stats.preemptions} preemptions")
     texts = []
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         print(f"[{i}] prompt ({len(prompt)} ids): {' '.join(map(str, prompt))}")
@@ -174,5 +196,6 @@ def _print(args, model, prompts, outputs, stats, tokenizer) -> None:
         if tokenizer is not None:
             texts.append(tokenizer.decode(output, skip_special_tokens=True))
             print(f"    text: {texts[-1]!r}")
+    print(f"== {rates_line(rates)}")
     if args.json:
-        print(json.dumps({"outputs": outputs, **({"texts": texts} if tokenizer is not None else {})}))
+        print(json.dumps({"outputs": outputs, **({"texts": texts} if tokenizer is not None else {}), "rates": rates}))

@@ -15,6 +15,8 @@ import time
 import numpy as np
 
 from jaxprep.cli._args import INT32_MAX, check_folder, check_plot_path, flag, int_in, require
+from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
+from jaxprep.cli._phases import PhaseClock
 from jaxprep.cli._progress import add_progress_argument, progress_bar
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve a Hugging Face checkpoint (config.json + *.safetensors: Llama, Qwen2, Qwen3) "
                              "instead of the tiny random model; --layers, --d-model, --heads and --vocab-size are "
                              "then the checkpoint's")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--devices", type=int_in(1), default=1, metavar="N",
                         help="data-parallel ranks, one per device, each with the sizes above (its own rows, "
                              "blocks and token budget); on CPU the CLI forces this many host devices (default 1)")
@@ -130,6 +133,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         args.max_prompt_len = min(DEFAULTS["max_prompt_len"], args.max_model_len - 1)
     require(args.max_prompt_len < args.max_model_len, f"--max-prompt-len {args.max_prompt_len}: must be < "
             f"--max-model-len {args.max_model_len} (a request needs room for one output token)")
+    require(args.model is not None or args.dtype == "float32",
+            f"--dtype {args.dtype}: needs --model (the tiny built-in model computes in float32)")
     if args.model is None:
         require(args.d_model % args.heads == 0 and args.d_model // args.heads % 2 == 0,
                 f"--d-model {args.d_model}: must split into --heads {args.heads} heads of an even size "
@@ -198,12 +203,13 @@ def run(args: argparse.Namespace) -> int:
         warmup_s = _warmup(engine, args.progress)
     with count_compiles() as compiles:
         start = time.perf_counter()
-        finished = _serve(engine, workload, args.progress)
+        finished, clock = _serve(engine, workload, args.progress)
         wall_s = time.perf_counter() - start
     time_prepare(engine)  # after the loop, on a donated copy of the state: the loop never waits for it
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=warmup_compiles.compiles,
                   warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=cache_dir)
     summary = _summary(engine, workload, finished, wall_s, warmup, compiles)
+    summary.update(clock.rates(engine.stats))
     summary["devices"] = args.devices
     summary.update(_spec_decode_summary(engine.stats, args))
     if args.async_scheduling:
@@ -261,8 +267,6 @@ def _model(args, tiny_config):
         model = tiny_config(vocab_size=args.vocab_size, num_layers=args.layers, d_model=args.d_model,
                             num_heads=args.heads, d_ff=2 * args.d_model)
         return model, None, 1
-    from jaxprep.cli._checkpoint import load_checkpoint
-
     model, params = load_checkpoint(args)
     return model, params, model.eos_token_ids[0] if model.eos_token_ids else -1
 
@@ -297,7 +301,8 @@ def _serve(engine, workload, when: str):
             bar.set_postfix(steps=engine.stats.model_steps, refresh=False)
             bar.update(len(engine.finished) - bar.n)
 
-        return engine.run(on_step=on_step)
+        clock = PhaseClock(then=on_step)  # prefill and decode tokens/s (`jaxprep.cli._phases`)
+        return engine.run(on_step=clock), clock
 
 
 def _plot(engine, path: str) -> None:

@@ -1,10 +1,12 @@
 """Real decoder architectures from local Hugging Face checkpoints, for the serving loop.
 
-    config, params = load_model("path/to/checkpoint")  # config.json + *.safetensors
+    config, params = load_model("path/to/checkpoint", dtype="bfloat16")  # config.json + *.safetensors
     engine = Engine(serving_config, config, params=params)
 
 The Llama family (``model_type`` llama, qwen2, qwen3) with RMSNorm, RoPE (default, linear and llama3
-scaling), grouped-query attention, SwiGLU and tied or untied embeddings; computed in float32.
+scaling), grouped-query attention, SwiGLU and tied or untied embeddings; computed in float32 (the
+default, exact) or bfloat16 (`jaxprep.models.llama`). Loading streams the safetensors files
+(`jaxprep.models.load`, `jaxprep.models.safetensors_file`); docs/guides/real_models.md.
 """
 
 from jaxprep.models.config import SUPPORTED_MODEL_TYPES, DecoderConfig, parse_config, read_config

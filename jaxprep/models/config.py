@@ -23,8 +23,11 @@ import numpy as np
 from jaxprep.models import llama
 from jaxprep.models.errors import CheckpointError, UnsupportedConfigError
 from jaxprep.models.rope import RopeConfig, parse_rope
+from jaxprep.storage import storage_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16")
+"""Compute dtypes: float32 is the exact mode, bfloat16 the one of bf16 serving (`jaxprep.models.llama`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +35,9 @@ class DecoderConfig:
     """Sizes and switches of a Llama-family decoder; hashable, a static jit argument.
 
     It is a model config for the serving loop like `jaxprep.serving.ModelConfig`: the step calls
-    `forward`, `KVCache.zeros` reads ``num_layers``, ``num_kv_heads`` and ``head_dim``.
+    `forward`, `KVCache.zeros` reads ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``kv_cache_dtype``.
+    ``dtype`` (one of `DTYPES`) is the dtype of the params, the activations and the KV cache: it is
+    not read from config.json but chosen at load time (`jaxprep.models.load_model`).
     """
 
     model_type: str
@@ -52,6 +57,17 @@ class DecoderConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"DecoderConfig: dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+
+    @property
+    def kv_cache_dtype(self):
+        """The KV cache holds K and V in the model's dtype (bf16 serving: a bf16 cache, stored as uint16
+        bit patterns on XLA:CPU, see `jaxprep.storage`)."""
+        return storage_dtype(self.dtype)
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim // 2] float32 (a trace-time constant)."""

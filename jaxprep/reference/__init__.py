@@ -24,6 +24,9 @@
   `vllm/v1/spec_decode/ngram_proposer.py::_find_longest_matched_ngram_and_propose_tokens`,
   `vllm/v1/sample/rejection_sampler.py::rejection_greedy_sample_kernel`
 
+- `attention`: paged attention token by token (the oracle of `jaxprep.attention`);
+  `vllm/v1/attention/backends/flash_attn.py::FlashAttentionImpl.forward`
+
 The serving loop's oracle (state transitions) is `jaxprep.serving.reference`.
 """
 

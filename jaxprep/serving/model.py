@@ -1,8 +1,9 @@
 """A tiny decoder-only transformer with random weights, run two ways: paged and dense.
 
 `paged_forward` is the serving path: it writes each layer's K/V into a paged cache through
-``slot_mapping`` and reads a request's context back through its gathered block table, with the
-causal mask given by ``positions`` and ``seq_lens`` (docs/semantics.md#causal-mask). `dense_forward` recomputes a whole
+``slot_mapping`` and reads a request's context back through its block table, only the blocks up to
+its ``seq_lens``, with the causal mask given by ``positions`` (docs/semantics.md#causal-mask,
+docs/guides/attention.md). `dense_forward` recomputes a whole
 sequence with a plain causal mask and no cache: the oracle the serving loop is checked against.
 Both share the embedding, RoPE, norms and MLP; only attention and the cache differ.
 """
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._ragged import token_request_index
+from jaxprep.attention import layer_attention, paged_context  # noqa: F401 (paged_context: re-exported)
 from jaxprep.metadata import StepInputs
 
 MODEL_SCOPE = "model"
@@ -82,13 +83,15 @@ class ServingModel(typing.Protocol):
 class KVCache:
     """Paged K/V of every layer, indexed by slot = block_id * block_size + offset."""
 
-    k: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
-    v: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32
+    k: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32 (or the model's dtype)
+    v: jax.Array  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim] float32 (or the model's dtype)
 
     @classmethod
     def zeros(cls, model: ServingModel, num_blocks: int, block_size: int) -> KVCache:
+        """An empty cache in the model's ``kv_cache_dtype`` (float32 for a model config without one)."""
         shape = (model.num_layers, num_blocks * block_size, model.num_kv_heads, model.head_dim)
-        return cls(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32))
+        dtype = getattr(model, "kv_cache_dtype", jnp.float32)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 def init_params(model: ModelConfig, seed: int) -> dict[str, jax.Array]:
@@ -152,64 +155,48 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
 
 
 def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: ModelConfig,
-                  block_size: int, max_model_len: int) -> tuple[KVCache, jax.Array]:
+                  block_size: int, max_model_len: int, attention: str = "auto") -> tuple[KVCache, jax.Array]:
     """One step over the padded batch: writes K/V at ``slot_mapping``, returns logits [R_pad, V]
-    of the rows' ``logits_indices``. Scans over the layers, carrying the whole cache."""
+    of the rows' ``logits_indices``. Scans over the layers, carrying the whole cache.
+    ``attention``: one of `jaxprep.attention.ATTENTION_KINDS`."""
     x, kv_cache = scan_paged_layers(
         params["embed"][inputs.input_ids], kv_cache, inputs, _layers(params), block_size=block_size,
         max_model_len=max_model_len, qkv=lambda layer, x, positions: _qkv(layer, x, positions, model),
-        attend=_attend, finish=_mlp_and_residual)
+        finish=_mlp_and_residual, attention=attention)
     with jax.named_scope(MODEL_SCOPE):
         return kv_cache, _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
 
 
 def scan_paged_layers(x: jax.Array, kv_cache: KVCache, inputs: StepInputs, layers, *, block_size: int,
-                      max_model_len: int, qkv, attend, finish) -> tuple[jax.Array, KVCache]:
+                      max_model_len: int, qkv, finish, attention: str = "auto") -> tuple[jax.Array, KVCache]:
     """The layers of a paged forward, scanned: hidden states x [T, D] -> (x, kv_cache).
 
     Layer i computes ``q, k, v = qkv(layer, x, positions)``, writes k and v at ``slot_mapping`` in
     the cache's layer i, attends over each token's context read back through its row's block table
-    (``attend(q, keys [T, S, ...], values, mask [T, S])``) and returns ``finish(layer, x, attn)``.
-    ``layers``: per-layer params stacked on a leading axis of kv_cache.k.shape[0] layers.
+    (`jaxprep.attention.layer_attention` of ``attention``, [T, H, Dh] flattened to [T, H * Dh]) and
+    returns ``finish(layer, x, attn)``. ``layers``: per-layer params stacked on a leading axis of
+    kv_cache.k.shape[0] layers.
     """
     meta = inputs.attn_metadata
-    num_slots = kv_cache.k.shape[1]
+    _, num_slots, num_kv_heads, head_dim = kv_cache.k.shape
     # PAD_SLOT_ID -1 would wrap to the last slot even with mode='drop': send it past the end instead
     write_slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping, num_slots)
-    context_slots, mask = paged_context(inputs, block_size, max_model_len)
+    attend = layer_attention(attention, block_size=block_size, max_model_len=max_model_len,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim)
 
     def layer_step(carry, layer_in):
         x, k_cache, v_cache = carry
         index, layer = layer_in
         q, k, v = qkv(layer, x, inputs.positions)
-        k_cache = k_cache.at[index, write_slots].set(k, mode="drop")
-        v_cache = v_cache.at[index, write_slots].set(v, mode="drop")
-        attn = attend(q, k_cache[index][context_slots], v_cache[index][context_slots], mask)
-        return (finish(layer, x, attn), k_cache, v_cache), None
+        k_cache = k_cache.at[index, write_slots].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[index, write_slots].set(v.astype(v_cache.dtype), mode="drop")
+        with jax.named_scope(MODEL_SCOPE):
+            attn = attend(q, k_cache[index], v_cache[index], inputs)
+        return (finish(layer, x, attn.reshape(attn.shape[0], -1)), k_cache, v_cache), None
 
     layer_ids = jnp.arange(kv_cache.k.shape[0], dtype=jnp.int32)
     (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, kv_cache.k, kv_cache.v), (layer_ids, layers))
     return x, KVCache(k=k_cache, v=v_cache)
-
-
-def paged_context(inputs: StepInputs, block_size: int, max_model_len: int):
-    """Cache slot of every context position of every query token, and which of them it may see.
-
-    Context position j of batch row b lives at slot block_table[b, j // B] * B + j % B; token t of
-    row b sees j <= positions[t] (causal) and j < seq_lens[b]; padded tokens see nothing.
-    # B 2, block_table row [4, 9, 0..], position 2 -> slots [8, 9, 18, 19, ..], mask [1, 1, 1, 0, ..]
-    """
-    meta = inputs.attn_metadata
-    num_columns = -(-max_model_len // block_size)
-    table = meta.block_table[:, :num_columns]  # [R_pad, cdiv(M, B)]
-    offsets = jnp.arange(block_size, dtype=jnp.int32)
-    row_slots = (table[:, :, None] * block_size + offsets[None, None, :]).reshape(table.shape[0], -1)
-    token_row = token_request_index(meta.query_start_loc[1:], inputs.num_tokens_padded)
-    is_real = jnp.arange(inputs.num_tokens_padded, dtype=jnp.int32) < meta.num_actual_tokens
-    context = jnp.arange(row_slots.shape[1], dtype=jnp.int32)[None, :]
-    mask = ((context <= inputs.positions[:, None]) & (context < meta.seq_lens[token_row][:, None])
-            & is_real[:, None])
-    return row_slots[token_row], mask
 
 
 def dense_forward(params, token_ids: jax.Array, *, model: ModelConfig) -> jax.Array:

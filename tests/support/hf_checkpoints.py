@@ -45,6 +45,13 @@ SPECS = {
 }
 
 
+BF16_SPECS = {
+    "qwen3-bf16": SPECS["qwen3-bf16"],
+    "llama-llama3-rope-bf16": Spec("llama", {"rope_parameters": LLAMA3_ROPE}, dtype=torch.bfloat16, seed=3),
+}
+"""bf16 checkpoints served with ``dtype="bfloat16"`` and compared with transformers in bf16."""
+
+
 def save_checkpoint(spec: Spec, directory: str) -> None:
     """Builds the model with ``spec.seed`` and saves it with ``save_pretrained``."""
     config_class, model_class = (getattr(transformers, name) for name in FAMILIES[spec.family])
@@ -107,3 +114,48 @@ def hf_logits(hf_model, token_ids) -> np.ndarray:
     """transformers' logits [L, V] of one sequence."""
     with torch.no_grad():
         return hf_model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+
+@dataclasses.dataclass
+class Bf16GreedyCheck(GreedyCheck):
+    near_tie_positions: int = 0  # compared positions where transformers' bf16 top-2 margin is within bf16 noise
+
+
+def bf16_reference_models(directory: str):
+    """transformers' model of the checkpoint in bfloat16 and in float32 (the latter measures bf16 noise)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval(), \
+        reference_model(directory)
+
+
+def compare_greedy_bf16(hf_models, requests) -> Bf16GreedyCheck:
+    """Each request's tokens against transformers' ``generate(do_sample=False)`` in bfloat16, token by
+    token up to the first difference; ``hf_models``: `bf16_reference_models`.
+
+    bf16 noise, per request: the largest difference between transformers' own logits in bf16 and in
+    float32 over the request's whole sequence (what rounding to bf16 alone does to this model).
+    A position whose bf16 top-2 logit margin is within that noise is a near-tie: greedy may pick
+    either token there. A difference at a position whose margin exceeds the noise is a mismatch."""
+    hf_bf16, hf_f32 = hf_models
+    check = Bf16GreedyCheck()
+    for request in requests:
+        ids = torch.tensor([request.prompt_token_ids])
+        with torch.no_grad():
+            out = hf_bf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.max_tokens,
+                                   do_sample=False, output_logits=True, return_dict_in_generate=True)
+            noise = float((hf_bf16(out.sequences).logits.float() - hf_f32(out.sequences).logits).abs().max())
+        expected, ours = out.sequences[0, ids.shape[1]:].tolist(), request.output_token_ids
+        margins = [float(np.diff(np.sort(step[0].float().numpy())[-2:])[0]) for step in out.logits]
+        check.num_requests += 1
+        differ = [j for j in range(min(len(ours), len(expected))) if ours[j] != expected[j]]
+        compared = differ[0] + 1 if differ else min(len(ours), len(expected))
+        check.num_tokens += compared
+        check.near_tie_positions += sum(m <= noise for m in margins[:compared])
+        if not differ:
+            check.mismatches += len(ours) != len(expected)
+        elif margins[differ[0]] <= noise:
+            check.near_ties += 1
+        else:
+            print(f"request {request.request_id}: token {differ[0]} differs ({ours[differ[0]]} vs "
+                  f"{expected[differ[0]]}), bf16 margin {margins[differ[0]]:.3f} > noise {noise:.3f}")
+            check.mismatches += 1
+    return check
