@@ -79,10 +79,9 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     ``num_tokens_padded`` is not a rung of ``config.token_buckets``.
     """
     check_static(state, config, num_tokens_padded)
-    state, row_errors = flag_rows(state, config, num_tokens_padded)  # flagged rows leave the batch
     if prepare_pallas.uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
-        step = prepare_pallas.plain_step(state, config, num_tokens_padded)
-        return dataclasses.replace(step, errors=step.errors | row_errors)
+        return prepare_pallas.plain_step(state, config, num_tokens_padded)  # the kernels flag and drop rows
+    state, row_errors = flag_rows(state, config, num_tokens_padded)  # flagged rows leave the batch
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features
     order = reordered_rows(state, num_reqs_padded, features) if features.batch_order else None

@@ -8,15 +8,19 @@ same padding: the work vLLM's model runner V2 spreads over five kernels
 - launch 1, `_rows_kernel`, grid (1,): one program holds every state row's counts in one block of
   ``next_pow2(max_num_reqs)`` lanes, scans them and writes the per-request outputs:
   ``idx_mapping``, ``query_start_loc``, ``seq_lens``, ``logits_indices``, the 0-d counts and
-  maxima, and the error bits of the counts. It zeroes the token kernel's error scratch.
+  maxima, and the error bits of the counts. A row that breaks a bound of the counts is dropped
+  from the batch (its scheduled count taken as 0; over the bucket every row is), as
+  `jaxprep.validate.flag_rows` drops it on the XLA path. It zeroes the token kernel's error scratch.
 - launch 2, `_tokens_kernel`, grid (max(token blocks, num_reqs_padded),): program ``p``
   prepares tokens ``[p * TB, (p + 1) * TB)`` (each token's batch row by a binary search over
   ``query_start_loc``, then positions, input ids, slot mapping and the block-id error bits), and
-  copies batch row ``p``'s block-table row (the null block for a padded row).
+  copies batch row ``p``'s block-table row (the null block for a padded row) with its ids outside
+  the cache nulled (`jaxprep.features.flags.safe_block_table`).
 
 Its XLA twin is `xla_twin` (the jnp step, ``PrepConfig.kernel="xla"``); the tests run both on the
 same batches, the kernels in Pallas' interpreter on CPU. Every read index is clamped into its
-array before the read, so bad input on the unchecked path reads in bounds as on the XLA path.
+array before the read, so bad input on the unchecked path reads in bounds, and every output equals
+the XLA path's bit for bit, bad input included (tests/core/test_fast_path_errors.py).
 """
 
 from __future__ import annotations
@@ -96,8 +100,10 @@ def _rows_kernel(computed_ref, scheduled_ref, qsl_ref, seq_lens_ref, idx_ref, lo
     """
     lanes = jnp.arange(_pow2(sizes.num_rows), dtype=jnp.int32)
     in_table = lanes < sizes.num_rows
-    scheduled = plgpu.load(scheduled_ref.at[pl.ds(0, lanes.size)], mask=in_table, other=0)
+    requested = plgpu.load(scheduled_ref.at[pl.ds(0, lanes.size)], mask=in_table, other=0)
     computed = plgpu.load(computed_ref.at[pl.ds(0, lanes.size)], mask=in_table, other=0)
+    errors, dropped = _row_flags(computed, requested, in_table, sizes)
+    scheduled = jnp.where(dropped, 0, requested)  # a flagged row leaves the batch (`flag_rows`)
     has_work = in_table & (scheduled > 0)
     counts = jnp.cumsum(has_work.astype(jnp.int32))
     ends = jnp.cumsum(scheduled)
@@ -115,7 +121,7 @@ def _rows_kernel(computed_ref, scheduled_ref, qsl_ref, seq_lens_ref, idx_ref, lo
     num_actual_ref[0] = total
     max_query_ref[0] = jnp.max(jnp.where(in_table, scheduled, INT32_MIN))
     max_seq_ref[0] = jnp.max(jnp.where(in_table, jnp.where(has_work, computed + scheduled, 0), INT32_MIN))
-    errors_ref[0] = _row_errors(computed, scheduled, in_table, sizes)
+    errors_ref[0] = errors
     seen_ref[...] = jnp.zeros(seen_ref.shape, jnp.int32)
 
 
@@ -132,21 +138,28 @@ def _pad_rows(qsl_ref, seq_lens_ref, idx_ref, logits_ref, num_reqs, total, sizes
     plgpu.store(qsl_ref.at[window], jnp.where(rows == 0, 0, total), mask=qsl_tail)
 
 
-def _row_errors(computed, scheduled, in_table, sizes: Sizes):
-    """`jaxprep.validate.error_word`'s bits of the counts (the block-id bits are the token kernel's)."""
-    negative = _any(in_table & ((computed < 0) | (scheduled < 0)))
+def _row_flags(computed, scheduled, in_table, sizes: Sizes):
+    """``(error bits of the counts, rows to drop)``: `jaxprep.validate.flag_rows` of the plain step.
+
+    A row breaking a row-level bound is dropped (its scheduled count taken as 0); over the bucket
+    every row is. The block-id bits are the token kernel's.
+    # computed [3, -1, 30], scheduled [2, 1, 4], M 32, T 16 -> NEGATIVE_COUNT | PAST_MAX_MODEL_LEN,
+    #   dropped [0, 1, 1]
+    """
+    negative = in_table & ((computed < 0) | (scheduled < 0))
     # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
-    too_long = _any(in_table & (scheduled > sizes.max_model_len - computed))
+    too_long = in_table & (scheduled > sizes.max_model_len - computed)
     # the total of counts clipped to [0, T + 1] exceeds T exactly when the true total does
     clipped_total = jnp.sum(jnp.where(in_table, jnp.clip(scheduled, 0, sizes.num_tokens_padded + 1), 0))
     over = (clipped_total > sizes.num_tokens_padded).astype(jnp.int32)
-    return negative * NEGATIVE_COUNT | too_long * PAST_MAX_MODEL_LEN | over * OVER_BUCKET
+    word = _any(negative) * NEGATIVE_COUNT | _any(too_long) * PAST_MAX_MODEL_LEN | over * OVER_BUCKET
+    return word, negative | too_long | (over > 0)
 
 
 # --- launch 2: the tokens and the block-table rows ---------------------------------------------
 
-def _tokens_kernel(token_ids_ref, block_table_ref, computed_ref, idx_ref, qsl_ref, num_actual_ref, _errors_in,
-                   _seen_in, input_ids_ref, positions_ref, slots_ref, tables_ref, errors_ref, seen_ref, *,
+def _tokens_kernel(token_ids_ref, block_table_ref, computed_ref, idx_ref, qsl_ref, seq_lens_ref, num_actual_ref,
+                   _errors_in, _seen_in, input_ids_ref, positions_ref, slots_ref, tables_ref, errors_ref, seen_ref, *,
                    sizes: Sizes):
     """Program p: token block p (if there is one), then batch row p's block-table row (if there is one).
     The error word and its scratch are the row kernel's outputs, aliased: this kernel only adds bits."""
@@ -159,7 +172,8 @@ def _tokens_kernel(token_ids_ref, block_table_ref, computed_ref, idx_ref, qsl_re
 
     @pl.when(program < sizes.num_reqs_padded)
     def _():
-        _copy_block_table_row(program, block_table_ref, idx_ref, tables_ref, sizes)
+        _copy_block_table_row(program, block_table_ref, idx_ref, seq_lens_ref, tables_ref, errors_ref, seen_ref,
+                              sizes)
 
 
 def _owner(tokens, qsl_ref, sizes: Sizes):
@@ -219,16 +233,31 @@ def _add_error_bit(errors_ref, seen_ref, k: int, bit: int):
     plgpu.atomic_add(errors_ref, (jnp.int32(0),), jnp.where(before == 0, jnp.int32(bit), jnp.int32(0)))
 
 
-def _copy_block_table_row(batch_row, block_table_ref, idx_ref, tables_ref, sizes: Sizes):
-    """tables[b] = block_table[idx_mapping[b]]; a padded row (-1) gets the null block."""
+def _copy_block_table_row(batch_row, block_table_ref, idx_ref, seq_lens_ref, tables_ref, errors_ref, seen_ref,
+                          sizes: Sizes):
+    """tables[b] = block_table[idx_mapping[b]] with every id outside ``[0, max_block_id]`` nulled, and
+    BLOCK_ID_OUT_OF_RANGE if such an id lies in a column the request uses (`safe_block_table`);
+    a padded row (-1) gets the null block.
+
+    # B 4, seq_lens[b] 9, max_block_id 39, row [1, 2, 77, 55] -> columns used 0..2 -> [1, 2, 0, 0], bit set
+    """
     row = idx_ref[batch_row]
     read_row = jnp.clip(row, 0, sizes.num_rows - 1)
+    seq_len = seq_lens_ref[batch_row]  # a padded row's is 0: no column used
     block = min(COLUMN_BLOCK, _pow2(sizes.width))
     for first in range(0, sizes.width, block):
         columns = pl.ds(first, block)
-        in_row = first + jnp.arange(block, dtype=jnp.int32) < sizes.width
+        column = first + jnp.arange(block, dtype=jnp.int32)
+        in_row = column < sizes.width
         values = plgpu.load(block_table_ref.at[read_row, columns], mask=in_row, other=NULL_BLOCK_ID)
-        plgpu.store(tables_ref.at[batch_row, columns], jnp.where(row >= 0, values, NULL_BLOCK_ID), mask=in_row)
+        outside = (values < NULL_BLOCK_ID) | (values > sizes.max_block_id)
+        kept = (row >= 0) & ~outside
+        plgpu.store(tables_ref.at[batch_row, columns], jnp.where(kept, values, NULL_BLOCK_ID), mask=in_row)
+        # column c holds positions [c * B, (c + 1) * B): used when c * B < seq_len (W * B fits int32)
+        used_outside = in_row & outside & (column * sizes.block_size < seq_len)
+        pl.when(_any(used_outside) > 0)(
+            functools.partial(_add_error_bit, errors_ref, seen_ref, TOKEN_FLAGS.index(BLOCK_ID_OUT_OF_RANGE),
+                              BLOCK_ID_OUT_OF_RANGE))
 
 
 # --- the wrapper --------------------------------------------------------------------------------
@@ -251,9 +280,10 @@ def fused_step(state, config, num_tokens_padded: int, *, interpret: bool) -> Ste
     )(state.num_computed_tokens, state.num_scheduled_tokens)
     input_ids, positions, slot_mapping, block_table, errors, _ = call(
         functools.partial(_tokens_kernel, sizes=sizes), name="jaxprep_prepare_tokens",
-        grid=(max(sizes.num_token_blocks, rp),), input_output_aliases={6: 4, 7: 5},
+        grid=(max(sizes.num_token_blocks, rp),), input_output_aliases={7: 4, 8: 5},
         out_shape=(*[_int32(num_tokens_padded)] * 3, _int32(rp, sizes.width), _int32(1), _int32(len(TOKEN_FLAGS))),
-    )(state.token_ids, state.block_table, state.num_computed_tokens, idx_mapping, qsl, num_actual, errors, seen)
+    )(state.token_ids, state.block_table, state.num_computed_tokens, idx_mapping, qsl, seq_lens, num_actual, errors,
+      seen)
     scalar = functools.partial(jnp.reshape, shape=())
     return StepInputs(
         input_ids=input_ids, positions=positions, logits_indices=logits_indices, idx_mapping=idx_mapping,

@@ -8,12 +8,16 @@ the bucket) raises on both paths before anything compiles.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from jax.experimental import checkify
 
 from jaxprep import BatchState, InvalidBatchError, PrepConfig, prepare_inputs, prepare_padded
+from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep.metadata import step_fields
 from jaxprep.prepare import prepare_body
 from jaxprep.validate import (
     BLOCK_ID_OUT_OF_RANGE,
@@ -24,7 +28,7 @@ from jaxprep.validate import (
     describe_errors,
 )
 from support.batches import numpy_batches
-from support.kernels import on_kernel
+from support.kernels import KERNELS, on_kernel
 
 CONFIG = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=4, num_blocks=40)
 NUM_SLOTS = 40 * 4
@@ -144,20 +148,75 @@ def test_a_state_with_more_rows_than_the_config_raises_on_both_paths(check):
         prepare_inputs(BatchState.from_numpy(**arrays), CONFIG, 16, check=check)
 
 
-COUNT_BITS = NEGATIVE_COUNT | PAST_MAX_MODEL_LEN | OVER_BUCKET
+def kernel_cases() -> dict[str, tuple[dict[str, np.ndarray], int]]:
+    """Every core bad-input kind at bucket 16, a bucket below the total (every row dropped), an
+    out-of-pool id in a column only the computed tokens use (`safe_block_table`'s bit, no token's)
+    and one past the used columns (nulled, no bit)."""
+    cases = {kind: (corrupt(kind), 16) for kind in BAD_KINDS}
+    cases["over bucket"] = (valid_arrays(), 8)
+    stale = valid_arrays()
+    stale["block_table"][1, 0] = 40  # row 1 decodes position 9 (column 2); column 0 holds computed tokens
+    cases["block id too large in a computed column"] = (stale, 16)
+    unused = valid_arrays()
+    unused["block_table"][1, 5] = 77  # row 1's seq_len 10 uses columns 0..2
+    cases["block id too large past the used columns"] = (unused, 16)
+    return cases
 
 
-@pytest.mark.parametrize("kind", BAD_KINDS)
-def test_the_kernels_flag_what_xla_flags(kind):
-    """The Pallas path's error word against the XLA path's: the bits of the counts agree on every
-    kind; with valid counts (bad block ids) the whole word does. With bad counts the token layout is
-    not defined, so which tokens then read a bad block differs between the two (both stay in bounds)."""
-    state = BatchState.from_numpy(**corrupt(kind))
-    words = {kernel: int(prepare_padded(state, on_kernel(CONFIG, kernel), 16).errors) for kernel in ("xla", "pallas")}
-    assert words["pallas"] & BAD_KINDS[kind], words
-    assert words["pallas"] & COUNT_BITS == words["xla"] & COUNT_BITS, words
-    if not BAD_KINDS[kind] & COUNT_BITS:
-        assert words["pallas"] == words["xla"], words
+KERNEL_CASES = kernel_cases()
+
+
+def differing_fields(step, other) -> list[str]:
+    """The step fields (every output and the error word) where two steps differ."""
+    theirs = step_fields(other)
+    return [name for name, value in step_fields(step).items()
+            if not np.array_equal(np.asarray(value), np.asarray(theirs[name]))]
+
+
+@pytest.mark.parametrize("kind", KERNEL_CASES)
+def test_the_kernels_drop_and_null_what_xla_does(kind):
+    """The Pallas path's step equals the XLA path's bit for bit on bad input: the same error word,
+    the flagged rows dropped from the batch, the out-of-pool block ids nulled in the block table.
+    Negative control: the XLA step of the valid batch differs (the bad input changes the outputs),
+    and the comparison sees a single output shifted by one."""
+    arrays, bucket = KERNEL_CASES[kind]
+    state = BatchState.from_numpy(**arrays)
+    pallas = prepare_padded(state, on_kernel(CONFIG, "pallas"), bucket)
+    xla = prepare_padded(state, CONFIG, bucket)
+    assert differing_fields(pallas, xla) == [], differing_fields(pallas, xla)
+    valid = prepare_padded(BatchState.from_numpy(**valid_arrays()), CONFIG, bucket)
+    if kind.endswith("past the used columns"):  # nulled, unflagged: the valid batch's step exactly
+        assert int(pallas.errors) == 0 and int(pallas.attn_metadata.block_table[1, 5]) == NULL_BLOCK_ID
+        assert differing_fields(pallas, valid) == []
+    elif kind != "over bucket":  # that one is the valid batch itself: its worked values are below
+        assert int(pallas.errors) != 0 and differing_fields(pallas, valid)
+    shifted = dataclasses.replace(xla, positions=xla.positions.at[0].add(1))
+    assert differing_fields(pallas, shifted) == ["positions"]
+
+
+def test_over_the_bucket_every_row_is_dropped_on_both_paths():
+    """Worked values (not computed by the code under test): 9 tokens in bucket 8 leave an empty
+    step, every output its padding."""
+    state = BatchState.from_numpy(**valid_arrays())
+    for kernel in KERNELS:
+        step = prepare_padded(state, on_kernel(CONFIG, kernel), 8)
+        meta = step.attn_metadata
+        assert int(step.errors) == OVER_BUCKET and int(meta.num_reqs) == 0 and int(meta.num_actual_tokens) == 0
+        np.testing.assert_array_equal(meta.query_start_loc, np.zeros(5, np.int32))
+        np.testing.assert_array_equal(step.idx_mapping, np.full(4, -1, np.int32))
+        np.testing.assert_array_equal(meta.slot_mapping, np.full(8, -1, np.int32))
+        np.testing.assert_array_equal(meta.block_table, np.zeros((4, CONFIG.max_blocks_per_req), np.int32))
+
+
+def test_a_dropped_row_leaves_the_batch_on_the_kernels():
+    """Row 1 (the decode) past max_model_len is dropped: rows 0 and 3 make the batch, 8 tokens."""
+    step = prepare_padded(BatchState.from_numpy(**corrupt("past max_model_len")), on_kernel(CONFIG, "pallas"), 16)
+    meta = step.attn_metadata
+    assert int(step.errors) == PAST_MAX_MODEL_LEN
+    np.testing.assert_array_equal(step.idx_mapping, [0, 3, -1, -1])
+    np.testing.assert_array_equal(meta.query_start_loc, [0, 5, 8, 8, 8])
+    np.testing.assert_array_equal(meta.seq_lens, [5, 7, 0, 0])
+    np.testing.assert_array_equal(step.positions[:8], [0, 1, 2, 3, 4, 4, 5, 6])
 
 
 def test_two_token_flags_in_one_step_are_both_set_once():
