@@ -33,21 +33,20 @@ class PhaseClock:
             self.then(engine)
 
     def rates(self, stats) -> dict:
-        """``prefill_tokens``, ``prefill_s``, ``prefill_tokens_per_s`` and the same for decode; the time of
-        the separate prep-timing call (``stats.prep_us``, `Engine(time_prep=True)`) is left out."""
+        """``prefill_tokens``, ``prefill_s``, ``prefill_tokens_per_s`` and the same for decode. (The prepare
+        figure of `Engine(time_prep=True)` is replayed after the loop, so no dispatch's seconds include it.)"""
         records = stats.dispatches_log[-len(self.seconds):] if self.seconds else []
         if len(records) != len(self.seconds):  # an engine whose callbacks are not one per dispatch (async)
             return {f"{phase}_{field}": None for phase in ("prefill", "decode") for field in ("tokens", "s",
                                                                                               "tokens_per_s")}
-        prep_s = [us / 1e6 for us in stats.prep_us[-len(records):]] if stats.prep_us else [0.0] * len(records)
         totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
-        for record, seconds, prep in zip(records, self.seconds, prep_s, strict=True):
+        for record, seconds in zip(records, self.seconds, strict=True):
             if record.prefill_tokens:
                 phase, tokens = "prefill", record.prefill_tokens
             else:
                 phase, tokens = "decode", record.decode_tokens + sum(record.later_tokens)
             totals[phase][0] += tokens
-            totals[phase][1] += seconds - prep
+            totals[phase][1] += seconds
         out = {}
         for phase, (tokens, seconds) in totals.items():
             out.update({f"{phase}_tokens": tokens, f"{phase}_s": round(seconds, 3),

@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=warmup_compiles.compiles,
                   warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=cache_dir)
     summary = _summary(engine, workload, finished, wall_s, warmup, compiles)
-    summary.update(clock.rates(engine.stats))
+    # the phases' seconds and rates (their token counts differ: a decode riding in a prefill pass counts to neither)
+    summary.update({k: v for k, v in clock.rates(engine.stats).items() if not k.endswith("_tokens")})
     summary["devices"] = args.devices
     summary.update(_spec_decode_summary(engine.stats, args))
     if args.async_scheduling:
@@ -320,8 +321,11 @@ FIGURES = {
     "prepare_us": "the prepare part alone (unpack + apply the updates + prepare_padded), replayed after the loop "
                   "with the state donated (updated in place, no table copied), to block_until_ready; per "
                   "dispatch the best of several replays",
-    "tokens_per_s": "scheduled (prefill: requests running > 1 token in a pass; decode: 1-token runs) and output "
-                    "tokens over the loop's wall_s",
+    "tokens_per_s": "scheduled and output tokens over the loop's wall_s (prefill_tokens: requests running > 1 "
+                    "token in a pass; decode_tokens: 1-token runs)",
+    "prefill_tokens_per_s": "prompt tokens of the dispatches that run prompt tokens over those dispatches' "
+                            "seconds (prefill_s); decode_tokens_per_s: the tokens of decode-only dispatches over "
+                            "theirs (decode_s)",
     "warmup_s": "compiling every executable the loop uses before the first step (warmup_compiles of them; "
                 "warmup_cache_hits came from the persistent compilation cache)",
 }
@@ -344,8 +348,6 @@ def _summary(engine, workload, finished, wall_s: float, warmup: dict, compiles) 
         "wall_s": round(wall_s, 3),
         **warmup,
         "tokens_per_s": round(stats.scheduled_tokens / wall_s, 1),
-        "prefill_tokens_per_s": round(stats.prefill_tokens / wall_s, 1),
-        "decode_tokens_per_s": round(stats.decode_tokens / wall_s, 1),
         "output_tokens_per_s": round(stats.output_tokens / wall_s, 1),
         **_percentiles("step_us", stats.step_us),
         **_percentiles("dispatch_us", stats.dispatch_us),
