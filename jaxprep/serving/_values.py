@@ -94,7 +94,17 @@ def _all_integral(payload) -> bool:
         if not (dataclasses.is_dataclass(payload) and not isinstance(payload, type)):
             return not isinstance(payload, (float, np.ndarray, tuple, list))
         names = _FIELD_NAMES.setdefault(kind, tuple(field.name for field in dataclasses.fields(payload)))
-    return all(_all_integral(getattr(payload, name)) for name in names)
+    for name in names:  # ints, None and integer arrays inline: most fields of an entry are those
+        value = getattr(payload, name)
+        kind = type(value)
+        if kind is int or value is None:
+            continue
+        if kind is np.ndarray:
+            if value.dtype.kind in "fcO":
+                return False
+        elif not _all_integral(value):
+            return False
+    return True
 
 
 def check_entry(where: str, entry: dict, names: tuple[str, ...]) -> None:
