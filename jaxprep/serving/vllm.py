@@ -135,7 +135,9 @@ class VllmAdapter:
         add = [self._new_request(new) for new in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         running = []  # indices into cached of the requests that keep their rows
-        for i, req_id in enumerate(cached.req_ids):
+        if not cached.resumed_req_ids:  # the common step: every cached request keeps its row
+            running = list(range(len(cached.req_ids)))
+        for i, req_id in enumerate(cached.req_ids if cached.resumed_req_ids else ()):
             if req_id in cached.resumed_req_ids:
                 add.append(self._resumed_request(cached, i, req_id))
             else:
