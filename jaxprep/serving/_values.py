@@ -61,6 +61,8 @@ def check_payload_leaves(payload, error: type[Exception] = ValueError, where: st
     ``build``) is an integer, so no check reads a truncated value: a float array (or a Python float)
     with a fraction, NaN or inf raises ``error`` naming the field. Integer and bool arrays pass as
     they are (the payload checks bound each field); dicts (sampling rows) are checked where they are built."""
+    if _all_integral(payload):  # the common case, without building a field path per leaf
+        return
     where = type(payload).__name__ if where is None else where
     if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
         for field in dataclasses.fields(payload):
@@ -72,6 +74,37 @@ def check_payload_leaves(payload, error: type[Exception] = ValueError, where: st
         integer_array(where, [payload], error)
     elif isinstance(payload, np.ndarray) and payload.dtype.kind in "fcO":
         integer_array(where, payload, error)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _all_integral(payload) -> bool:
+    """True if no leaf of ``payload`` is a float or a float/complex/object array (what
+    `check_payload_leaves` looks into); False sends it down the path that names the bad field."""
+    kind = type(payload)
+    if kind is np.ndarray:
+        return payload.dtype.kind not in "fcO"
+    if kind is float:
+        return False
+    if kind is tuple or kind is list:
+        return all(_all_integral(value) for value in payload)
+    names = _FIELD_NAMES.get(kind)
+    if names is None:
+        if not (dataclasses.is_dataclass(payload) and not isinstance(payload, type)):
+            return not isinstance(payload, (float, np.ndarray, tuple, list))
+        names = _FIELD_NAMES.setdefault(kind, tuple(field.name for field in dataclasses.fields(payload)))
+    for name in names:  # ints, None and integer arrays inline: most fields of an entry are those
+        value = getattr(payload, name)
+        kind = type(value)
+        if kind is int or value is None:
+            continue
+        if kind is np.ndarray:
+            if value.dtype.kind in "fcO":
+                return False
+        elif not _all_integral(value):
+            return False
+    return True
 
 
 def check_entry(where: str, entry: dict, names: tuple[str, ...]) -> None:

@@ -129,6 +129,8 @@ def _check_blocks_cover(where: str, rows: HostRows, row: int, tokens: int, confi
 
 
 def _finish(rows: HostRows, payload, config: ServingConfig) -> None:
+    if np.size(payload.rows) == 0:
+        return
     real = _check_rows("FinishRequests.rows", payload.rows, config.max_num_reqs)
     idle = real[~rows.busy[real]]
     if len(idle):
@@ -141,6 +143,8 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
     """Rows free; 1 <= num_tokens <= stop_len <= max_model_len; token ids in [0, vocab_size);
     prefix-cache hits inside the tokens and their blocks; each table's blocks within its width and
     its group's ids; feature values within their bounds."""
+    if not payload.entries:
+        return
     prep = config.prep
     real = _check_rows("AddRequests.rows", [e.row for e in payload.entries], config.max_num_reqs)
     busy = real[rows.busy[real]]
@@ -194,6 +198,8 @@ def _check_features(where: str, entry, config: ServingConfig) -> None:
 def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
     """Rows busy; stated tokens within stop_len and the vocabulary; a pending row's computed count
     among those its drafts allow; computed tokens inside the known tokens and the row's blocks."""
+    if not payload.entries:
+        return
     real = _check_rows("ResumeRequests.rows", [e.row for e in payload.entries], config.max_num_reqs)
     idle = real[~rows.busy[real]]
     if len(idle):
@@ -228,7 +234,11 @@ def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
 
 def _append(rows: HostRows, payload, config: ServingConfig) -> None:
     """Rows busy; a table's blocks after the append fit its width; ids allocatable in its group."""
-    num_tables = len(table_names(config))
+    if _appends_fit(rows, payload.segments, config):
+        for row, table, ids in payload.segments:
+            rows.table_blocks[row, table] += len(ids)
+        return
+    num_tables = len(table_names(config))  # a segment breaks a bound: find the first, name it
     for row, table, ids in payload.segments:
         where = f"AppendBlocks row {row}"
         if not 0 <= row < config.max_num_reqs:
@@ -239,6 +249,29 @@ def _append(rows: HostRows, payload, config: ServingConfig) -> None:
         tables[table] = ids
         _check_tables(where, tables, config, used=rows.table_blocks[row])
         rows.table_blocks[row, table] += len(ids)
+
+
+def _appends_fit(rows: HostRows, segments, config: ServingConfig) -> bool:
+    """All of `_append`'s bounds at once (NumPy over every segment): rows in range and busy, each
+    table's final block count within its width (counts only grow, so every prefix fits too), every id
+    within its group's bounds. False: `_append` walks the segments to name the first that breaks one."""
+    if not segments:
+        return True
+    seg_rows = np.array([row for row, _, _ in segments], np.int64)
+    seg_tables = np.array([table for _, table, _ in segments], np.int64)
+    lengths = np.array([len(ids) for _, _, ids in segments], np.int64)
+    if ((seg_rows < 0) | (seg_rows >= config.max_num_reqs)).any() or not rows.busy[seg_rows].all():
+        return False
+    if ((seg_tables < 0) | (seg_tables >= rows.table_blocks.shape[1])).any():
+        return False
+    counts = rows.table_blocks.copy()
+    np.add.at(counts, (seg_rows, seg_tables), lengths)
+    if (counts > np.array(table_widths(config), np.int64)).any():
+        return False
+    bounds = np.array([_block_bounds(config, t) for t in range(counts.shape[1])], np.int64)  # [tables, 2]
+    ids = np.concatenate([ids for _, _, ids in segments])
+    low, high = np.repeat(bounds[seg_tables], lengths, axis=0).T
+    return not ((ids < low) | (ids > high)).any()
 
 
 def _lora_slots(rows: HostRows, slots, config: ServingConfig) -> None:

@@ -212,7 +212,11 @@ def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np
 
 def pad_to(buffer: np.ndarray, words: int) -> np.ndarray:
     """``buffer`` padded with zeros to ``words`` (a buffer is read only as far as its header counts)."""
-    return np.pad(buffer, (0, words - len(buffer))) if words > len(buffer) else buffer
+    if words <= len(buffer):
+        return buffer
+    padded = np.zeros(words, buffer.dtype)
+    padded[: len(buffer)] = buffer
+    return padded
 
 
 def bucket_for(config: ServingConfig, words: int) -> int:

@@ -176,10 +176,16 @@ class AppendBlocks:
     def build(cls, config: ServingConfig, appends=None) -> AppendBlocks:
         """``appends``: {row: [ids]} with one KV group; {row: [[g0 ids], [g1 ids], ...]} with several
         (a last list for the Mamba blocks on a hybrid model); or {row: {group: [ids], "mamba": [ids]}}."""
-        segments = []
+        segments, single = [], len(table_names(config)) == 1
         for row, value in (appends or {}).items():
             where = f"AppendBlocks row {row}"
-            for table, blocks in _per_table(config, where, value, allow_mamba_in_list=True).items():
+            flat = np.asarray(value) if single and type(value) is list else None
+            if flat is not None and flat.dtype == np.int64 and flat.ndim == 1 and not (
+                    flat.size and (flat.max() > INT32_MAX or flat.min() < -INT32_MAX - 1)):
+                tables = {0: flat}  # the common case: one table, a list of ints inside int32
+            else:
+                tables = _per_table(config, where, value, allow_mamba_in_list=True)
+            for table, blocks in tables.items():
                 if len(blocks):
                     segments.append((_int(row, f"{where}: row"), table, blocks))
         return cls(segments=tuple(segments))
@@ -393,6 +399,10 @@ def _int(value, where: str) -> int:
 
 def _int64_array(values, where: str) -> np.ndarray:
     array = np.asarray(values)
+    if array.dtype == np.int64:  # Python ints, or int64 already: only the int32 range to check
+        if array.size and (array.max() > INT32_MAX or array.min() < -INT32_MAX - 1):
+            raise ValueError(f"{where} has values outside int32")
+        return array.copy() if array is values else array
     if array.size == 0:
         return array.astype(np.int64)
     if array.dtype.kind not in "iu":

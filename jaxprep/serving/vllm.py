@@ -135,7 +135,9 @@ class VllmAdapter:
         add = [self._new_request(new) for new in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         running = []  # indices into cached of the requests that keep their rows
-        for i, req_id in enumerate(cached.req_ids):
+        if not cached.resumed_req_ids:  # the common step: every cached request keeps its row
+            running = list(range(len(cached.req_ids)))
+        for i, req_id in enumerate(cached.req_ids if cached.resumed_req_ids else ()):
             if req_id in cached.resumed_req_ids:
                 add.append(self._resumed_request(cached, i, req_id))
             else:
@@ -197,16 +199,19 @@ class VllmAdapter:
     def _running_requests(self, cached, running: list[int]) -> tuple[list, dict]:
         """Block appends of the running requests, and a resume entry for each whose computed count the host
         mirror does not know (pending drafts) or knows differently from vLLM."""
-        rows = np.fromiter((self._row(cached.req_ids[i]) for i in running), np.int64, len(running))
-        computed = np.fromiter((cached.num_computed_tokens[i] for i in running), np.int64, len(running))
+        req_ids, row_of = cached.req_ids, self.rows
+        try:
+            row_list = [row_of[req_ids[i]] for i in running]
+        except KeyError:
+            row_list = [self._row(req_ids[i]) for i in running]  # raises, naming the request
+        rows = np.array(row_list, np.int64)
+        computed = np.array(cached.num_computed_tokens, np.int64)[running] if running else np.zeros(0, np.int64)
         mirror = self.batch.rows
         restate = mirror.pending[rows] | (mirror.num_computed_tokens[rows] != computed)
         resume = [dict(row=int(row), num_computed_tokens=int(c)) for row, c in zip(rows[restate], computed[restate])]
-        append = {}
-        for row, i in zip(rows.tolist(), running):
-            new_blocks = cached.new_block_ids[i]
-            if new_blocks is not None and any(new_blocks):
-                append[row] = _groups(new_blocks)
+        new_block_ids = cached.new_block_ids
+        append = {row: _groups(new_block_ids[i]) for row, i in zip(row_list, running)
+                  if new_block_ids[i] is not None and any(new_block_ids[i])}
         return resume, append
 
     def _row(self, req_id: str) -> int:

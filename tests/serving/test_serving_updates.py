@@ -261,3 +261,28 @@ def test_no_compile_after_warmup():
             batch.prepare(16)
             batch.apply_updates(StepUpdates.build(SPEC, finish=range(4)))
     assert compiles.compiles == 0
+
+
+def test_append_bounds_name_the_segment_and_change_nothing():
+    """The append checks (all segments at once, NumPy) name the first bad segment as the per-segment
+    walk does, and leave the mirror unchanged; a valid append (the control) passes and counts."""
+    from jaxprep.serving.state import AppendBlocks
+
+    batch = ServingBatch(FULL)
+    batch.add_requests(AddRequests.build(FULL, [dict(row=1, token_ids=[1, 2, 3, 4], block_ids=[[1], [3]])]))
+    before = batch.rows.copy()
+    bad = {
+        "group 1 id past its pool": ({1: [[2], [16]]}, "AppendBlocks row 1: extra_block_tables[0] block id [0] = 16 "
+                                                       "is outside [0, 15]"),
+        "group 0 null block": ({1: [[0], []]}, "AppendBlocks row 1: block_table block id [0] = 0 is outside [1, 31]"),
+        "past the width": ({1: [[2], list(range(16))]}, "AppendBlocks row 1: extra_block_tables[0] would hold 17 "
+                                                        "blocks, more than its width 16"),
+        "idle row": ({2: [[5], []]}, "AppendBlocks.rows: row 2 holds no request"),
+    }
+    for name, (appends, message) in bad.items():
+        with pytest.raises(InvalidUpdateError, match=re.escape(message)):
+            batch.append_block_ids(AppendBlocks.build(FULL, appends))
+        for field in ("table_blocks", "num_tokens"):
+            np.testing.assert_array_equal(getattr(batch.rows, field), getattr(before, field), err_msg=name)
+    batch.append_block_ids(AppendBlocks.build(FULL, {1: [[2, 4], [5]]}))
+    assert batch.rows.table_blocks[1, :2].tolist() == [3, 2]
