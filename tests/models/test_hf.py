@@ -25,7 +25,7 @@ from jaxprep.models import load_model, parse_config
 from jaxprep.serving import AddRequests, AppendBlocks, Engine, KVCache, Schedule, ServingBatch, ServingConfig
 from jaxprep.serving.workload import random_workload
 from support import hf_checkpoints
-from support.hf_checkpoints import SPECS, compare_greedy, hf_logits, reference_model, save_checkpoint
+from support.hf_checkpoints import SPECS, compare_greedy, hf_logits, reference_model, saved_checkpoints
 
 # budget 16 (one bucket, one executable per model): prompts up to 36 tokens are prefilled in chunks;
 # 19 blocks of 4 for 4 rows of up to 56 tokens: requests are preempted
@@ -37,15 +37,7 @@ MAX_LOGITS_ERROR = 1e-4
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """name -> directory of that checkpoint, saved once per module."""
-    directories = {}
-
-    def get(name: str) -> str:
-        if name not in directories:
-            directories[name] = str(tmp_path_factory.mktemp(name))
-            save_checkpoint(SPECS[name], directories[name])
-        return directories[name]
-
-    return get
+    return saved_checkpoints(tmp_path_factory)
 
 
 def _record_batch_kinds(engine) -> list[set[str]]:

@@ -67,6 +67,19 @@ def save_checkpoint(spec: Spec, directory: str) -> None:
                                                       if spec.max_shard_size else {}))
 
 
+
+def saved_checkpoints(tmp_path_factory):
+    """name -> directory of that checkpoint of `SPECS`, each saved once (the body of a module fixture)."""
+    directories = {}
+
+    def get(name: str) -> str:
+        if name not in directories:
+            directories[name] = str(tmp_path_factory.mktemp(name))
+            save_checkpoint(SPECS[name], directories[name])
+        return directories[name]
+
+    return get
+
 def reference_model(directory: str):
     """transformers' own model of the checkpoint, computing in float32 (bf16 weights upcast exactly)."""
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 
 import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
-from support.hf_checkpoints import SPECS, compare_greedy, hf_logits, reference_model, save_checkpoint  # noqa: E402
+from support.hf_checkpoints import compare_greedy, hf_logits, reference_model, saved_checkpoints  # noqa: E402
 from torch_bridge.model import TorchDecoder  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,15 +47,8 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directories = {}
-
-    def get(name: str) -> str:
-        if name not in directories:
-            directories[name] = str(tmp_path_factory.mktemp(name))
-            save_checkpoint(SPECS[name], directories[name])
-        return directories[name]
-
-    return get
+    """name -> directory of that checkpoint, saved once per module."""
+    return saved_checkpoints(tmp_path_factory)
 
 
 def _prompts() -> list[list[int]]:
