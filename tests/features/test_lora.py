@@ -168,10 +168,17 @@ def test_random_batches_match_reference(mode, data, options):
         np.testing.assert_array_equal(np.asarray(step.idx_mapping)[: len(batch_rows(arrays))], batch_rows(arrays))
 
 
-def test_unchecked_unloaded_adapter_gets_no_slot():
-    """Without validation an id no slot holds reads as "no adapter" (-1), and every read stays in bounds."""
+def test_unchecked_unloaded_adapter_flags_its_row_which_leaves_the_batch():
+    """Without validation an id no slot holds sets LORA_ID_NOT_LOADED and its row leaves the batch
+    (docs/guides/errors.md); the other rows keep their adapters."""
+    from jaxprep.features.flags import LORA_ID_NOT_LOADED
+
     arrays = ex.arrays(ex.V2_SLOTS)
+    valid = prepare_padded(BatchState.from_numpy(**arrays), ex.config("v2"), 16)
+    assert int(valid.errors) == 0 and 2 in np.asarray(valid.idx_mapping)  # the control: r2 is in the batch
     arrays["lora_ids"][2] = 9  # r2 (slot 2) asks for an adapter that is not loaded
     step = prepare_padded(BatchState.from_numpy(**arrays), ex.config("v2"), 16)
-    assert np.asarray(step.lora.token_lora_indices)[5] == NO_LORA_SLOT
-    assert np.asarray(step.lora.token_lora_mapping)[5] == 9
+    assert int(step.errors) == LORA_ID_NOT_LOADED
+    assert 2 not in np.asarray(step.idx_mapping)
+    assert 9 not in np.asarray(step.lora.token_lora_mapping)
+    assert np.asarray(step.lora.token_lora_indices).max() < ex.config("v2").features.lora.max_loras
