@@ -48,8 +48,9 @@ def test_prepare_figure_matches_the_benchmark_and_the_cache_serves_the_second_wa
     first, second = (json.loads(run_python("-m", "jaxprep", "--json", *SMALL, cache_home=str(tmp_path)))
                      for _ in range(2))
     assert first["compile_cache"] == second["compile_cache"] == str(tmp_path / "jaxprep")
-    assert first["warmup_compiles"] == 3 and first["warmup_cache_hits"] == 0  # updates + buckets 8 and 16
-    assert second["warmup_compiles"] == second["warmup_cache_hits"] == 3
+    # the updates at 2 payload rungs + the step at buckets 8 and 16
+    assert first["warmup_compiles"] == 4 and first["warmup_cache_hits"] == 0
+    assert second["warmup_compiles"] == second["warmup_cache_hits"] == 4
     assert second["compiles_after_warmup"] == 0
     for name in ("step_us", "dispatch_us", "prepare_us"):
         assert 0 < second[f"{name}_median"] <= second[f"{name}_p99"]

@@ -30,6 +30,7 @@ import jaxprep
 from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig, prepare_padded
 from jaxprep import _ragged as ragged
 from jaxprep.features import DrafterConfig, HybridConfig, drafter, grammar
+from jaxprep.models import load
 from jaxprep.prepare import prepare_packed
 from jaxprep.serving import (
     KVCache,
@@ -107,6 +108,10 @@ def _cases():
         ("serving.record_sampled", transitions.record_sampled,
          (state, np.zeros(5, np.int32), np.zeros((5, 1), np.int32), np.zeros(5, np.int32)), {}),
         ("serving.dense_logits", workload.dense_logits, (params, np.zeros(16, np.int32)), dict(model=MODEL)),
+        # the streamed loader writes each chunk of a stacked parameter in place (a dynamic_update_slice)
+        ("models.load._write_rows", load._write_rows,
+         (np.zeros((2, 4, 8), np.uint16), np.zeros((1, 2, 8), np.float32), np.array([1, 2, 0], np.int32)),
+         dict(dtype="bfloat16")),
         ("sharding.prepare_sharded", prepare_sharded, (BatchState.empty(SMALL), SMALL, 16, mesh), {}),
         ("sharded.serve_step_sharded", sharded.serve_step_sharded, (state, kv_cache, params, packed[None]),
          dict(config=serving, model=MODEL, num_tokens_padded=32, mesh=mesh)),
@@ -194,7 +199,7 @@ COVERED = {
     "jaxprep.packing.pack", "torch_bridge.npu.fia_layout", "jaxprep.serving.ngram.propose_ngram_jit",
     "jaxprep.features.drafter.draft_prefill", "jaxprep.features.drafter.draft_decode_start",
     "jaxprep.features.drafter.draft_decode_advance", "jaxprep.features.grammar.apply_grammar_bitmask",
-    "jaxprep.features.grammar.grammar_invalid_drafts",
+    "jaxprep.features.grammar.grammar_invalid_drafts", "jaxprep.models.load._write_rows",
 }
 
 
