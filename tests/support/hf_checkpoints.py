@@ -93,6 +93,16 @@ class GreedyCheck:
     near_ties: int = 0  # requests whose first differing token is within NEAR_TIE of transformers' top logit
 
 
+def hf_greedy(hf_model, request):
+    """``(prompt ids [1, n], the output of hf_model.generate(do_sample=False))`` for one request on its
+    own, with the logits of every generated position."""
+    ids = torch.tensor([request.prompt_token_ids])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.max_tokens,
+                                do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return ids, out
+
+
 def compare_greedy(hf_model, requests) -> GreedyCheck:
     """Each request's tokens against ``hf_model.generate(do_sample=False)`` run on its prompt alone.
 
@@ -100,10 +110,7 @@ def compare_greedy(hf_model, requests) -> GreedyCheck:
     counts as a near-tie if our token's logit is within NEAR_TIE of transformers' top logit there."""
     check = GreedyCheck()
     for request in requests:
-        ids = torch.tensor([request.prompt_token_ids])
-        with torch.no_grad():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.max_tokens,
-                                    do_sample=False, output_logits=True, return_dict_in_generate=True)
+        ids, out = hf_greedy(hf_model, request)
         expected = out.sequences[0, ids.shape[1]:].tolist()
         ours = request.output_token_ids
         check.num_requests += 1
@@ -151,10 +158,8 @@ def compare_greedy_bf16(hf_models, requests) -> Bf16GreedyCheck:
     hf_bf16, hf_f32 = hf_models
     check = Bf16GreedyCheck()
     for request in requests:
-        ids = torch.tensor([request.prompt_token_ids])
+        ids, out = hf_greedy(hf_bf16, request)
         with torch.no_grad():
-            out = hf_bf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.max_tokens,
-                                   do_sample=False, output_logits=True, return_dict_in_generate=True)
             noise = float((hf_bf16(out.sequences).logits.float() - hf_f32(out.sequences).logits).abs().max())
         expected, ours = out.sequences[0, ids.shape[1]:].tolist(), request.output_token_ids
         margins = [float(np.diff(np.sort(step[0].float().numpy())[-2:])[0]) for step in out.logits]
