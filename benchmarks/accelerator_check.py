@@ -1,8 +1,15 @@
-"""The GPU runbook: install over the machine's own jax/torch, run every test with JAX on the GPU,
-run the CUDA torch_bridge tests, run the GPU benchmarks, and print one table.
+"""The GPU runbook: install over the machine's own jax/torch, run the GPU benchmarks, the CUDA
+torch_bridge tests and every test with JAX on the GPU, and print one table.
 
     benchmarks/accelerator_check.sh [--wheels DIR] [--workers N] [--repeats N] [--log-dir DIR]
+                                    [--budget-s S] [--steps fused,gpu,bridge,suite]
     benchmarks/accelerator_check.sh --dry-run    # on a machine without a GPU: the CPU path
+
+The steps run in that order, most wanted first: a lent machine's time is short (the device tool
+gives a session 15 minutes, its start included), so the fused step's table comes before the
+suite. ``--budget-s`` is the runbook's own wall-time limit: each step gets what is left as its
+timeout, a step that cannot start in time is reported as skipped, and the table so far is
+rewritten to ``LOG_DIR/runbook.md`` after every step, so a run cut short still leaves its rows.
 
 Meant for a lent machine with an NVIDIA GPU and no internet (jax with its CUDA plugin and a CUDA
 torch already installed): the project is installed with ``pip --no-deps --no-build-isolation``,
@@ -36,6 +43,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_BRIDGE_TESTS = ["tests/torch_bridge/test_cuda.py", "tests/torch_bridge/test_to_torch.py",
                      "tests/torch_bridge/test_lifetime.py", "tests/torch_bridge/test_from_torch.py"]
 DRY_RUN_TESTS = ["tests/core/test_worked_examples.py"]
+STEPS = ("fused", "gpu", "bridge", "suite")
+"""The runbook's steps in the order they run: the fused-step benchmark (command buffers off, then on),
+bench_gpu.py, the CUDA torch_bridge tests, the whole suite."""
+MIN_STEP_S = 30
+"""A step is not started with less than this left of ``--budget-s``."""
+TABLE_FILE = "runbook.md"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,28 +59,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=200, help="benchmark calls per round")
     parser.add_argument("--log-dir", help="write each step's full output here")
     parser.add_argument("--skip-install", action="store_true", help="the project is importable already")
+    parser.add_argument("--budget-s", type=float, help="the runbook's wall-time limit in seconds (default: none)")
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"which steps, comma-separated, of {','.join(STEPS)}")
     args = parser.parse_args(argv)
     if args.workers < 0 or args.repeats < 1:
         parser.error(f"--workers must be >= 0 and --repeats >= 1, got {args.workers} and {args.repeats}")
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0 seconds, got {args.budget_s}")
+    args.steps = [step.strip() for step in args.steps.split(",") if step.strip()]
+    unknown = sorted(set(args.steps) - set(STEPS))
+    if unknown or not args.steps:
+        parser.error(f"--steps takes names of {','.join(STEPS)}, got {unknown or 'none'}")
     if args.wheels and not os.path.isdir(args.wheels):
         parser.error(f"--wheels {args.wheels}: no such directory")
     return args
 
 
 class Runner:
-    """Runs each step as a subprocess in the repository root, keeping its output and time."""
+    """Runs each step as a subprocess in the repository root, keeping its output and time; with a
+    budget, each step's timeout is what is left of it."""
 
-    def __init__(self, env: dict, log_dir: str | None):
+    def __init__(self, env: dict, log_dir: str | None, budget_s: float | None = None):
         self.env, self.log_dir, self.rows = env, log_dir, []
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
 
-    def run(self, name: str, command: list[str], timeout: int = 1800) -> tuple[int, str]:
+    def seconds_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def can_start(self, name: str) -> bool:
+        """Whether a step fits what is left of the budget; if not, a skipped row says so."""
+        if self.seconds_left() >= MIN_STEP_S:
+            return True
+        self.add(name, "skipped", f"--budget-s spent ({max(self.seconds_left(), 0):.0f} s left)")
+        return False
+
+    def run(self, name: str, command: list[str], timeout: float = 1800) -> tuple[int, str]:
+        timeout = max(1.0, min(timeout, self.seconds_left()))
         print(f"[runbook] {name}: {' '.join(command)}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
             result = subprocess.run(command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
             code, output = result.returncode, result.stdout + result.stderr
         except subprocess.TimeoutExpired as error:
-            code, output = 124, f"timed out after {timeout} s\n{error.stdout or ''}{error.stderr or ''}"
+            code, output = 124, f"{as_text(error.stdout)}{as_text(error.stderr)}\ntimed out after {timeout:.0f} s"
         seconds = time.perf_counter() - start
         if self.log_dir:
             with open(os.path.join(self.log_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}.log"), "w") as log:
@@ -77,6 +111,11 @@ class Runner:
 
     def add(self, check: str, result: str, detail: str) -> None:
         self.rows.append((check, result, detail))
+
+
+def as_text(output) -> str:
+    """A timed-out subprocess's partial output (bytes even under ``text=True``) as text."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def base_env(args) -> dict:
@@ -129,14 +168,29 @@ def skip_reasons(output: str) -> str:
     return "; ".join(f"{n}x {reason}" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def run_tests(runner: Runner, args) -> None:
-    pytest = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "not bigmem"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "not bigmem"]
+
+
+def timed_out_summary(output: str) -> str:
+    """How far a pytest run cut off by the budget got: its last ``[ NN%]`` and the failures seen."""
+    progress = re.findall(r"^([.FEsxX]+)\s+\[\s*(\d+)%\]", output, flags=re.MULTILINE)
+    failures = sum(dots.count("F") + dots.count("E") for dots, _ in progress)
+    reached = f"{progress[-1][1]}%" if progress else "0%"
+    return f"cut off by --budget-s at {reached} of the tests, {failures} failed or errored so far"
+
+
+def run_suite(runner: Runner, args) -> None:
+    if not runner.can_start("test suite"):
+        return
     if args.dry_run:
-        code, output = runner.run("tests (dry run)", pytest + DRY_RUN_TESTS)
+        code, output = runner.run("tests (dry run)", PYTEST + DRY_RUN_TESTS)
         runner.add("tests (dry run, CPU)", "ok" if code == 0 else "FAILED", pytest_summary(output))
         return
     workers = ["-n", str(args.workers)] if args.workers and has_xdist(runner) else []
-    code, output = runner.run("test suite", pytest + workers)
+    code, output = runner.run("test suite", PYTEST + workers)
+    if code == 124:
+        runner.add("test suite, JAX on the GPU", "cut off", timed_out_summary(output))
+        return
     runner.add("test suite, JAX on the GPU", "ok" if code == 0 else "FAILED", pytest_summary(output))
     reasons = skip_reasons(output)
     if reasons:
@@ -144,7 +198,13 @@ def run_tests(runner: Runner, args) -> None:
     failed = re.findall(r"^FAILED (\S+)", output, flags=re.MULTILINE)
     if failed:
         runner.add("failed tests", "FAILED", ", ".join(failed[:20]) + (" ..." if len(failed) > 20 else ""))
-    code, output = runner.run("CUDA bridge tests", pytest + ["-k", "cuda"] + CUDA_BRIDGE_TESTS)
+
+
+def run_bridge_tests(runner: Runner, args) -> None:
+    """The CUDA torch_bridge tests (every one must run: on the dry run, without CUDA, they skip)."""
+    if args.dry_run or not runner.can_start("CUDA torch_bridge tests"):
+        return
+    code, output = runner.run("CUDA bridge tests", PYTEST + ["-k", "cuda"] + CUDA_BRIDGE_TESTS)
     summary = pytest_summary(output)
     ran = code == 0 and " passed" in summary and "skipped" not in summary  # every CUDA test ran and passed
     runner.add("CUDA torch_bridge tests (-k cuda)", "ok" if ran else "FAILED", summary)
@@ -155,6 +215,8 @@ def has_xdist(runner: Runner) -> bool:
 
 
 def run_benchmark(runner: Runner, args) -> None:
+    if not runner.can_start("bench_gpu"):
+        return
     repeats = ["--repeats", "5", "--profile-steps", "3"] if args.dry_run else ["--repeats", str(args.repeats)]
     code, output = runner.run("benchmark", [sys.executable, "benchmarks/bench_gpu.py", *repeats])
     if code:
@@ -186,6 +248,8 @@ def run_fused_benchmark(runner: Runner, args) -> None:
         ["--repeats", str(args.repeats), "--command-buffers", mode] for mode in ("off", "on")]
     for extra in settings:
         label = "bench_fused" + ("" if args.dry_run else f" (command buffers {extra[-1]})")
+        if not runner.can_start(label):
+            continue
         code, output = runner.run(label, [sys.executable, "benchmarks/bench_fused_step.py", *extra])
         if code:
             runner.add(label, "FAILED", last_line(output))
@@ -216,28 +280,38 @@ def last_line(output: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def print_table(rows, header: str) -> None:
-    print(header)
-    print("| check | result | detail |")
-    print("|---|---|---|")
-    for check, result, detail in rows:
-        print(f"| {check} | {result} | {detail.replace('|', '/')} |")
+def format_table(rows, header: str) -> str:
+    lines = [header, "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {check} | {result} | {detail.replace('|', '/')} |" for check, result, detail in rows]
+    return "\n".join(lines)
+
+
+STEP_FUNCTIONS = {"fused": run_fused_benchmark, "gpu": run_benchmark, "bridge": run_bridge_tests, "suite": run_suite}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
-    runner = Runner(base_env(args), args.log_dir)
+    runner = Runner(base_env(args), args.log_dir, args.budget_s)
     commit = os.environ.get("JAXPREP_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    if install(runner, args):
-        run_tests(runner, args)
-        run_benchmark(runner, args)
-        run_fused_benchmark(runner, args)
     header = (f"runbook {'dry run ' if args.dry_run else ''}{time.strftime('%Y-%m-%d')}, commit "
               f"{commit or 'unknown'}: {versions(runner)}")
-    print_table(runner.rows, header)
+
+    def save_table() -> None:  # after every step: a run cut short keeps the rows it has
+        if args.log_dir:
+            with open(os.path.join(args.log_dir, TABLE_FILE), "w") as table:
+                table.write(format_table(runner.rows, header) + "\n")
+
+    if install(runner, args):
+        save_table()
+        for step in STEPS:
+            if step in args.steps:
+                STEP_FUNCTIONS[step](runner, args)
+                save_table()
+    save_table()
+    print(format_table(runner.rows, header))
     return 1 if any(result == "FAILED" for _, result, _ in runner.rows) else 0
 
 

@@ -39,6 +39,8 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     assert serve_rows <= set(checks)
     assert checks["MRV2 kernel sources"] == "-"
     assert sorted(os.listdir(tmp_path))  # each step's log was written
+    order = [name.split(":")[0].split(" (")[0] for name in checks]  # the most wanted table first, the suite last
+    assert order.index("bench_fused") < order.index("bench_gpu") < order.index("tests")
 
 
 @pytest.mark.parametrize("args, message", [(["--workers", "-1"], "--workers must be >= 0"),
@@ -47,3 +49,42 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
 def test_bad_arguments_exit_2_naming_the_flag(args, message):
     result = run(*args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [(["--budget-s", "0"], "--budget-s must be > 0"),
+                                           (["--steps", "fused,lint"], "--steps takes names of"),
+                                           (["--steps", ","], "--steps takes names of")])
+def test_bad_budget_or_steps_exit_2_naming_the_flag(args, message):
+    result = run(*args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.cpu_only("the dry run forces JAX onto the CPU backend")
+def test_a_spent_budget_skips_every_step_and_still_writes_the_table(tmp_path):
+    """A lent GPU's time is short: steps that cannot start in time are rows marked skipped, and the
+    table file holds them (a run cut short keeps its rows)."""
+    result = run("--dry-run", "--budget-s", "5", "--log-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in result.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| check")}
+    skipped = {"bench_fused", "bench_gpu", "test suite"}
+    assert rows.pop("install jaxprep") == "skipped"  # a dry run installs nothing
+    assert {name for name, outcome in rows.items() if outcome == "skipped"} == skipped, rows
+    with open(tmp_path / "runbook.md") as table:
+        saved = table.read()
+    assert all(f"| {name} | skipped | --budget-s spent" in saved for name in skipped), saved
+
+
+def test_only_the_steps_asked_for_run(tmp_path):
+    result = run("--dry-run", "--steps", "suite", "--budget-s", "5", "--log-dir", str(tmp_path))
+    checks = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    assert result.returncode == 0 and checks == ["install jaxprep", "test suite"], checks
+
+
+def test_a_suite_cut_off_by_the_budget_reports_how_far_it_got():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from accelerator_check import timed_out_summary
+
+    output = "..F.s...     [ 10%]\n.E......     [ 20%]\n....\ntimed out after 60 s"
+    assert timed_out_summary(output) == "cut off by --budget-s at 20% of the tests, 2 failed or errored so far"
+    assert timed_out_summary("timed out after 1 s").startswith("cut off by --budget-s at 0%")
