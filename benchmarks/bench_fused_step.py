@@ -265,7 +265,7 @@ def serve_row(kernel: str, num_reqs: int, tokens: int, args) -> dict:
     model = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=64)
     prep = PrepConfig(max_num_reqs=num_reqs, max_model_len=256, max_num_batched_tokens=tokens, block_size=16,
                       num_blocks=num_reqs * 16 + 1, kernel=kernel)
-    config = ServingConfig(prep=prep, decode_steps=1, max_new_reqs_per_step=4)
+    config = ServingConfig(prep=prep, decode_steps=1)
     carry = [ServingState.empty(config), KVCache.zeros(model, prep.num_blocks, config.block_size)]
     params, packed = init_params(model, 0), np.zeros(packed_size(config), np.int32)
 

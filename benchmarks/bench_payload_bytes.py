@@ -38,7 +38,7 @@ def old_payload_bytes(config: ServingConfig) -> int:
     """The old `AddRequests` + `AppendBlocks` + `Schedule` + `FinishRequests` bytes, A = max_num_reqs."""
     prep, rows = config.prep, config.max_num_reqs
     add = rows * (prep.max_model_len + prep.max_blocks_per_req + 5)
-    appends = config.max_block_appends_per_step * 2
+    appends = 2 * (-(-prep.max_num_batched_tokens // prep.block_size) + rows)  # the old per-step cap, 2 words each
     return 4 * (add + appends + 3 * rows + 1)
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from jaxprep._checks import check_positive_int
 from jaxprep._constants import INT32_MAX
-from jaxprep.config import PrepConfig, cdiv
+from jaxprep.config import PrepConfig
 from jaxprep.serving.ngram import NgramConfig
 
 
@@ -25,10 +26,9 @@ class ServingConfig:
 
     Attributes:
       prep: the input-preparation configuration; ``prep.num_blocks`` (the KV-cache size) is required.
-      max_new_reqs_per_step: unused, kept so that existing configurations still build: a step's
-        payload holds any number of new requests (`jaxprep.serving.packing`, its buffer grows with them).
-      max_block_appends_per_step: unused likewise (any number of appended blocks); ``None`` picks
-        ``cdiv(max_num_batched_tokens, block_size) + max_num_reqs``.
+      max_new_reqs_per_step, max_block_appends_per_step: no effect, and setting either warns
+        (`FutureWarning`): a step's update holds any number of new requests and appended blocks
+        (`jaxprep.serving.packing`: its buffer grows with them). They will be removed.
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
       ngram: the n-gram drafter (`jaxprep.serving.ngram`): every step proposes up to
@@ -42,7 +42,7 @@ class ServingConfig:
     """
 
     prep: PrepConfig
-    max_new_reqs_per_step: int = 4
+    max_new_reqs_per_step: int | None = None
     max_block_appends_per_step: int | None = None
     num_speculative_tokens: int = 0
     ngram: NgramConfig | None = None
@@ -53,11 +53,12 @@ class ServingConfig:
     def __post_init__(self):
         if self.prep.num_blocks is None:
             raise ValueError("ServingConfig.prep.num_blocks must be set: it is the KV-cache size in blocks")
-        if self.max_block_appends_per_step is None:
-            appends = cdiv(self.prep.max_num_batched_tokens, self.prep.block_size) + self.prep.max_num_reqs
-            object.__setattr__(self, "max_block_appends_per_step", appends)
-        for name in ("max_new_reqs_per_step", "max_block_appends_per_step", "decode_steps"):
-            check_positive_int(f"ServingConfig.{name}", getattr(self, name))
+        for name in ("max_new_reqs_per_step", "max_block_appends_per_step"):
+            if getattr(self, name) is not None:
+                warnings.warn(f"ServingConfig.{name} has no effect: a step's update holds any number of new "
+                              "requests and appended blocks; drop the argument (it will be removed)",
+                              FutureWarning, stacklevel=3)
+        check_positive_int("ServingConfig.decode_steps", self.decode_steps)
         if self.vocab_size is not None:
             check_positive_int("ServingConfig.vocab_size", self.vocab_size)
         if self.num_speculative_tokens < 0:

@@ -85,7 +85,7 @@ def walk(options: WalkthroughOptions | None = None, max_steps: int | None = None
     """Yields one `StepRecord` per step until every request has finished (or ``max_steps``)."""
     options = options or WalkthroughOptions()
     prep = options.prep_config()
-    config = ServingConfig(prep=prep, max_new_reqs_per_step=prep.max_num_reqs, decode_steps=1)
+    config = ServingConfig(prep=prep, decode_steps=1)
     scheduler, batch = Scheduler(config), ServingBatch(config)
     for i, max_tokens in enumerate(options.max_tokens):
         scheduler.add_request(Request(request_id=i, prompt_token_ids=options.prompt(i), max_tokens=max_tokens))

@@ -67,7 +67,7 @@ LARGE_FEATURES = PrepConfig(max_num_reqs=256, max_model_len=1024, max_num_batche
 
 
 def _serving_config(prep: PrepConfig) -> ServingConfig:
-    return ServingConfig(prep=dataclasses.replace(prep, num_blocks=64), decode_steps=2, max_new_reqs_per_step=2)
+    return ServingConfig(prep=dataclasses.replace(prep, num_blocks=64), decode_steps=2)
 
 
 def _one_device_mesh():

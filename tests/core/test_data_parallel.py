@@ -101,12 +101,12 @@ def serving_config(**overrides):
     from jaxprep.serving import ServingConfig
 
     prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=8, block_size=2, num_blocks=24)
-    return ServingConfig(prep=prep, eos_token_id=1, decode_steps=4, max_new_reqs_per_step=1, **overrides)
+    return ServingConfig(prep=prep, eos_token_id=1, decode_steps=4, **overrides)
 
 
 def test_one_rank_engine_serves_like_the_single_device_engine():
     """With one rank the data-parallel loop is the plain loop: same tokens, step for step (chunked
-    prefill, preemption, multi-step decode, and adds beyond max_new_reqs_per_step all occur)."""
+    prefill, preemption, multi-step decode, and several admissions in one step all occur)."""
     from jaxprep.serving import Engine, ModelConfig, check_against_dense, random_workload
     from jaxprep.serving.dp_engine import DataParallelEngine
 

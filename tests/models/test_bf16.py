@@ -32,7 +32,7 @@ PREP = PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=16, b
 
 def _serve(directory: str):
     model, params = load_model(directory, dtype="bfloat16")
-    config = ServingConfig(prep=PREP, eos_token_id=model.eos_token_ids[0], decode_steps=4, max_new_reqs_per_step=2)
+    config = ServingConfig(prep=PREP, eos_token_id=model.eos_token_ids[0], decode_steps=4)
     workload = random_workload(3, num_requests=6, vocab_size=model.vocab_size, prompt_len=(2, 36),
                                max_tokens=(4, 20), arrival_spread=6)
     engine = Engine(config, model, params=params)

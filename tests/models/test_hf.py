@@ -60,7 +60,7 @@ def _record_batch_kinds(engine) -> list[set[str]]:
 @pytest.mark.parametrize("name", SPECS)
 def test_serving_loop_greedy_tokens_match_transformers(name, checkpoint):
     model, params = load_model(checkpoint(name))
-    config = ServingConfig(prep=PREP, eos_token_id=model.eos_token_ids[0], decode_steps=4, max_new_reqs_per_step=2)
+    config = ServingConfig(prep=PREP, eos_token_id=model.eos_token_ids[0], decode_steps=4)
     workload = random_workload(3, num_requests=8, vocab_size=model.vocab_size, prompt_len=(2, 36),
                                max_tokens=(4, 20), arrival_spread=6)
     engine = Engine(config, model, params=params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -99,6 +100,16 @@ def test_vocab_size_comes_from_the_model_and_cannot_exceed_it():
         Engine(dataclasses.replace(CONFIG, vocab_size=65), MODEL)
     with pytest.raises(ValueError, match="ServingConfig.vocab_size must be"):
         dataclasses.replace(CONFIG, vocab_size=0)
+
+
+@pytest.mark.parametrize("name", ["max_new_reqs_per_step", "max_block_appends_per_step"])
+def test_the_per_step_caps_that_do_nothing_warn_when_set(name):
+    """A step's update holds any number of admissions and blocks: a cap that is not enforced says so."""
+    with pytest.warns(FutureWarning, match=f"ServingConfig.{name} has no effect"):
+        dataclasses.replace(CONFIG, **{name: 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not set: no warning
+        dataclasses.replace(CONFIG, decode_steps=2)
 
 
 def test_add_requests_payload_rejects_ids_outside_the_vocabulary():

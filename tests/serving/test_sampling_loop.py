@@ -20,7 +20,7 @@ SAMPLING = FeatureConfig(sampling=SamplingConfig(vocab_size=MODEL.vocab_size))
 def config(features=SAMPLING, *, decode_steps=4, num_blocks=24, eos=1) -> ServingConfig:
     prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=8, block_size=2,
                       num_blocks=num_blocks, features=features)
-    return ServingConfig(prep=prep, eos_token_id=eos, decode_steps=decode_steps, max_new_reqs_per_step=2)
+    return ServingConfig(prep=prep, eos_token_id=eos, decode_steps=decode_steps)
 
 
 def outputs(config_, requests, arrivals=None, seed=0, max_dispatches=None) -> dict[int, list[int]]:

@@ -26,8 +26,10 @@ from jaxprep.serving import reference as ref
 
 CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=4, max_model_len=16, max_num_batched_tokens=16, block_size=4,
                                        num_blocks=20, max_blocks_per_req=5),
-                       max_new_reqs_per_step=2, max_block_appends_per_step=6, num_speculative_tokens=2)
+                       num_speculative_tokens=2)
 PREP = CONFIG.prep
+MAX_ADDS, MAX_APPENDS = 2, 6
+"""The random updates' own sizes: up to 2 requests added and 6 blocks appended per step."""
 
 
 def reference_empty():
@@ -47,7 +49,7 @@ def assert_matches_reference(batch: ServingBatch, expected: dict) -> None:
 
 def random_add(rng, free_rows):
     requests = []
-    for row in rng.permutation(free_rows)[: rng.integers(1, CONFIG.max_new_reqs_per_step + 1)]:
+    for row in rng.permutation(free_rows)[: rng.integers(1, MAX_ADDS + 1)]:
         num_tokens = int(rng.integers(1, PREP.max_model_len))
         computed = int(rng.integers(0, num_tokens))
         num_blocks = int(rng.integers(cdiv(computed, PREP.block_size), PREP.max_blocks_per_req + 1))
@@ -60,7 +62,7 @@ def random_add(rng, free_rows):
 def random_append(rng, rows):
     appends, total = {}, 0
     for row in np.flatnonzero(rows.busy):
-        room = min(PREP.max_blocks_per_req - int(rows.num_blocks[row]), CONFIG.max_block_appends_per_step - total)
+        room = min(PREP.max_blocks_per_req - int(rows.num_blocks[row]), MAX_APPENDS - total)
         count = int(rng.integers(0, room + 1))
         if count:
             appends[int(row)] = rng.integers(1, PREP.num_blocks, count).tolist()

@@ -12,7 +12,7 @@ EOS = 1
 def make_config(*, budget, block_size, num_blocks, max_num_reqs, max_model_len, decode_steps, eos=EOS):
     prep = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
                       block_size=block_size, num_blocks=num_blocks)
-    return ServingConfig(prep=prep, eos_token_id=eos, decode_steps=decode_steps, max_new_reqs_per_step=2)
+    return ServingConfig(prep=prep, eos_token_id=eos, decode_steps=decode_steps)
 
 
 WORKLOADS = {

@@ -32,7 +32,7 @@ from jaxprep.sharding import data_mesh  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)
 CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=4, max_model_len=48, max_num_batched_tokens=16, block_size=4,
-                                       num_blocks=32), eos_token_id=1, decode_steps=4, max_new_reqs_per_step=2)
+                                       num_blocks=32), eos_token_id=1, decode_steps=4)
 
 
 def main() -> None:
