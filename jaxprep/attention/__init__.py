@@ -17,7 +17,13 @@ import functools
 import jax
 
 from jaxprep.attention.gather_all import gather_all_attention, paged_context
-from jaxprep.attention.pallas import gpu_paged_attention, to_gpu_pages, to_tpu_kv_pages, tpu_ragged_paged_attention
+from jaxprep.attention.pallas import (
+    gpu_kernel_available,
+    gpu_paged_attention,
+    to_gpu_pages,
+    to_tpu_kv_pages,
+    tpu_ragged_paged_attention,
+)
 from jaxprep.attention.paged import paged_attention, token_kv_lens
 
 ATTENTION_KINDS = ("auto", "xla", "pallas_gpu", "pallas_tpu", "gather_all")
@@ -40,7 +46,7 @@ def tpu_kernel_fits(num_kv_heads: int, head_dim: int) -> bool:
 def auto_kind(block_size: int, num_kv_heads: int, head_dim: int, backend: str | None = None) -> str:
     """The attention ``auto`` runs on ``backend`` (default: JAX's default backend) for these shapes."""
     backend = backend or jax.default_backend()
-    if backend == "gpu" and gpu_kernel_fits(block_size, head_dim):
+    if backend == "gpu" and gpu_kernel_fits(block_size, head_dim) and gpu_kernel_available():
         return "pallas_gpu"
     if backend == "tpu" and tpu_kernel_fits(num_kv_heads, head_dim):
         return "pallas_tpu"

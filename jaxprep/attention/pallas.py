@@ -20,6 +20,9 @@ here), the TPU one takes ``sm_scale``.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -62,12 +65,32 @@ def gpu_kernel_table(block_table: jax.Array) -> tuple[jax.Array, int, int]:
     return jnp.pad(block_table, ((0, 0), (0, padded - width))), k_splits, per_block
 
 
+GPU_KERNEL_MODULE = "jax.experimental.pallas.ops.gpu.paged_attention"
+
+
+def gpu_kernel_available() -> bool:
+    """Whether this jax still ships the GPU kernel (jax 0.11 deprecates it; ``auto`` then falls back)."""
+    try:
+        return importlib.util.find_spec(GPU_KERNEL_MODULE) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _gpu_kernel():
+    """JAX's GPU decode kernel. jax 0.11 deprecates its module (a `DeprecationWarning` at import, no
+    replacement named); jaxprep uses it knowingly (docs/guides/attention.md), so that one warning is
+    silenced here and nothing else is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f"{GPU_KERNEL_MODULE} is deprecated", category=DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    return paged_attention
+
+
 def gpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: StepInputs, *,
                         block_size: int, interpret: bool = False) -> jax.Array:
     """Attention [T, H, D] of every token of a mixed step through the Pallas GPU decode kernel, one
     kernel sequence per query token. ``k_cache``, ``v_cache``: one layer in jaxprep's layout."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
+    paged_attention = _gpu_kernel()
     token_row, kv_lens = token_kv_lens(inputs)
     num_blocks = k_cache.shape[0] // block_size
     k_cache, v_cache = as_compute(k_cache, q.dtype), as_compute(v_cache, q.dtype)  # bit patterns: a bit-cast

@@ -123,3 +123,48 @@ def test_gpu_kernel_dots_are_traced_at_highest_precision():
         case.q, case.k_cache, case.v_cache, case.inputs))
     dots = [text[match.start(): match.start() + 200] for match in re.finditer(r"dot_general\[", text)]
     assert len(dots) >= 2 and all("precision=(Precision.HIGHEST, Precision.HIGHEST)" in dot for dot in dots)
+
+
+def test_auto_falls_back_to_xla_on_gpu_once_jax_drops_the_kernel(monkeypatch):
+    import jaxprep.attention as attention
+
+    monkeypatch.setattr(attention, "gpu_kernel_available", lambda: False)
+    assert attention.auto_kind(16, 8, 128, backend="gpu") == "xla"
+    monkeypatch.setattr(attention, "gpu_kernel_available", lambda: True)  # control: the same shapes pick it
+    assert attention.auto_kind(16, 8, 128, backend="gpu") == "pallas_gpu"
+
+
+def test_the_kernels_deprecation_warning_is_silenced_and_no_other(monkeypatch):
+    """jax 0.11's module warns at import that it is deprecated: that warning alone is silenced."""
+    import sys
+    import types
+    import warnings
+
+    from jaxprep.attention import pallas
+
+    def fake_module(message: str) -> types.ModuleType:
+        module = types.ModuleType(pallas.GPU_KERNEL_MODULE)
+        module.paged_attention = "the kernel"
+        warnings.warn(message, DeprecationWarning, stacklevel=1)  # what importing jax 0.11's module does
+        return module
+
+    class Finder:  # imports the kernel's module afresh, as a first import in a process would
+        def __init__(self, message):
+            self.message = message
+
+        def find_spec(self, name, path=None, target=None):
+            if name != pallas.GPU_KERNEL_MODULE:
+                return None
+            import importlib.machinery
+
+            loader = types.SimpleNamespace(create_module=lambda spec: fake_module(self.message),
+                                           exec_module=lambda module: None)
+            return importlib.machinery.ModuleSpec(name, loader)
+
+    for message, silenced in [(f"{pallas.GPU_KERNEL_MODULE} is deprecated.", True), ("something else", False)]:
+        monkeypatch.delitem(sys.modules, pallas.GPU_KERNEL_MODULE, raising=False)
+        monkeypatch.setattr(sys, "meta_path", [Finder(message), *sys.meta_path])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert pallas._gpu_kernel() == "the kernel"
+        assert (not caught) == silenced, [str(w.message) for w in caught]
