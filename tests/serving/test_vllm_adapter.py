@@ -62,6 +62,7 @@ def config(features: jaxprep.FeatureConfig | None = None, max_model_len=32) -> S
 
 PLAIN = config(max_model_len=1024)
 SPEC = config(jaxprep.FeatureConfig(num_speculative_tokens=2))
+ASYNC_SPEC = config(jaxprep.FeatureConfig(num_speculative_tokens=2, async_tokens=True))
 
 
 def record(adapter: VllmAdapter, step, sampled: dict) -> None:
@@ -133,21 +134,24 @@ def test_six_admissions_in_one_step_with_bytes_of_the_change():
     assert adapter.batch.h2d_bytes - before < 6 * 1024 * 4 // 10
 
 
-def test_async_draft_placeholders_need_async_tokens():
-    """Defect 4: async scheduling's -1 draft placeholders are refused unless FeatureConfig.async_tokens says
-    the device fills them; the refused step leaves the adapter as it was."""
+def test_async_draft_placeholders_need_async_scheduling_and_async_tokens():
+    """Defect 4: async scheduling's -1 draft placeholders are refused by an adapter not told of async scheduling
+    (vLLM's count then takes the drafts as accepted) and by a configuration without FeatureConfig.async_tokens
+    (the device fills them); the refused step leaves the adapter as it was."""
     first = scheduler_output({"a": 4}, new=[new_req("a", [1, 2, 3, 4], [[1]])])
     placeholders = scheduler_output({"a": 3}, cached=[("a", 4, ([2],))], drafts={"a": [-1, -1]})
     adapter = VllmAdapter(SPEC)
     step = adapter.step(first)
     record(adapter, step, {"a": [5]})
-    with pytest.raises(InvalidUpdateError, match="draft"):
+    with pytest.raises(ValueError, match="async_scheduling=True"):
         adapter.step(placeholders)
     assert adapter.rows == {"a": 0}
     step = adapter.step(scheduler_output({"a": 1}, cached=[("a", 4, ([2],))]))  # the same step without drafts
     assert tokens_of(step) == [5]
+    with pytest.raises(ValueError, match="FeatureConfig.async_tokens"):
+        VllmAdapter(SPEC, async_scheduling=True)
 
-    adapter = VllmAdapter(config(jaxprep.FeatureConfig(num_speculative_tokens=2, async_tokens=True)))
+    adapter = VllmAdapter(ASYNC_SPEC, async_scheduling=True)
     step = adapter.step(first)
     record(adapter, step, {"a": [5]})
     step = adapter.step(placeholders)
