@@ -95,8 +95,9 @@ class Comparison:
         if ours.shape != vllm.shape or not np.array_equal(ours, vllm):
             where = np.flatnonzero(ours.ravel() != vllm.ravel())[:1] if ours.shape == vllm.shape else [0]
             first = int(where[0]) if len(where) else 0
+            shown = slice(first, first + 12)
             self.mismatches.append(f"[{self.name}] step {step} {req_id} {field} from index {first}: jaxprep "
-                                   f"{ours.ravel()[first:first + 12].tolist()} vLLM {vllm.ravel()[first:first + 12].tolist()}")
+                                   f"{ours.ravel()[shown].tolist()} vLLM {vllm.ravel()[shown].tolist()}")
 
 
 def host_step(adapter: VllmAdapter, step) -> dict:
