@@ -223,8 +223,9 @@ def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
                 entry.unverified_drafts
             # exact: low <= C <= low + extra; with U unverified drafts the device holds C - rejected, in [C - U, C]
             if not (low <= computed and computed - unverified <= low + extra):
-                _fail(f"{where}: num_computed_tokens={computed} (less up to {unverified} unverified drafts) is "
-                      f"outside [{low}, {low + extra}], what the row's {extra} verified drafts allow")
+                less = f" (less up to {unverified} unverified drafts)" if unverified else ""
+                _fail(f"{where}: num_computed_tokens={computed}{less} is outside [{low}, {low + extra}], what the "
+                      f"row's {extra} verified drafts allow")
             num_tokens = computed + 1
         else:
             num_tokens = int(rows.num_tokens[row])

@@ -138,11 +138,11 @@ class VllmAdapter:
         ``draft_token_ids`` [R_pad, K] (async scheduling only): the drafter's proposals after this step, in
         batch order, as V1's ``_draft_token_ids``; they fill the next step's -1 placeholders of the
         requests in this batch (a request that skips a step gets -1 drafts, never accepted, as in V1)."""
-        if self._last is None:
-            raise ValueError("record_sampled needs a prepared step first (VllmAdapter.step)")
         if draft_token_ids is not None and not self.async_scheduling:
             raise ValueError("record_sampled(draft_token_ids=...) is for async scheduling; without it vLLM's "
                              "scheduler sends the drafts (update_draft_token_ids)")
+        if self._last is None:
+            raise ValueError("record_sampled needs a prepared step first (VllmAdapter.step)")
         idx_mapping = self._last.inputs.idx_mapping
         if self.async_scheduling and self.config.prep.features.async_tokens:
             self.batch.record_prev_tokens(idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
