@@ -3,8 +3,8 @@
 `vllm/tests/v1/core/utils.py::create_scheduler` builds ``Scheduler`` from a `VllmConfig` and a hand-made
 `KVCacheConfig`; here the model directory holds only a tiny Llama ``config.json`` (no weights, no hub), the
 device is the CPU and ``cache_config.num_gpu_blocks`` is set. `Workload` names what a run exercises
-(chunked prefill, a small KV pool that forces preemption, prefix caching, n-gram drafts, async scheduling,
-a second KV-cache group with a sliding window, LoRA requests).
+(chunked prefill, a small KV pool that forces preemption, prefix caching, n-gram drafts, async scheduling, with
+and without EAGLE-style drafts, a second KV-cache group with a sliding window, LoRA requests).
 
 The fake model samples ``fake_token(request, position)``: a per-request periodic pattern with rare
 deviations, so vLLM's n-gram proposer finds matches and some drafts are rejected.
@@ -65,8 +65,9 @@ WORKLOADS = (
              shared_prefix=16, num_blocks=40),
     Workload("six admissions in one step", num_steps=12, arrivals_per_step=7, prompt_lens=(3, 6), num_requests=14),
 )
-"""Each run (both runner modes) schedules 180-190 non-empty steps; the KV pools of the first four are small
-enough to preempt requests."""
+"""Each run (both runner modes) schedules about 200 non-empty steps; the KV pools of the first four are small
+enough to preempt requests. Async scheduling with drafts takes an EAGLE-style drafter (`fake_drafts`): V1
+refuses n-gram drafting with async scheduling."""
 
 
 def fake_token(req_id: str, position: int) -> int:
