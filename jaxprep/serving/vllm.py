@@ -239,11 +239,11 @@ class VllmAdapter:
         mirror = self.batch.rows
         pending = mirror.pending[rows]
         restate = pending | (mirror.num_computed_tokens[rows] != computed)
-        # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
-        unverified = [self._verifying.get(req_ids[i], 0) if self.async_scheduling and p else 0
-                      for i, p in zip(running, pending)]
-        resume = [dict(row=int(row), num_computed_tokens=int(c), unverified_drafts=u)
-                  for row, c, u, keep in zip(rows, computed, unverified, restate) if keep]
+        resume = []
+        for k in np.flatnonzero(restate):
+            # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
+            unverified = self._verifying.get(req_ids[running[k]], 0) if self.async_scheduling and pending[k] else 0
+            resume.append(dict(row=int(rows[k]), num_computed_tokens=int(computed[k]), unverified_drafts=unverified))
         new_block_ids = cached.new_block_ids
         append = {row: _groups(new_block_ids[i]) for row, i in zip(row_list, running)
                   if new_block_ids[i] is not None and any(new_block_ids[i])}
