@@ -118,6 +118,16 @@ class ServingBatch:
                                                 vocab_bound=bound)
         self.rows = rows
 
+    def record_prev_tokens(self, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids=None) -> None:
+        """Under async scheduling with `FeatureConfig.async_tokens`: keeps this step's batch rows, last
+        sampled tokens and the drafter's ``draft_token_ids`` [B, K] (device arrays, never read) for the
+        next step's ``input_ids`` (`transitions.record_prev_tokens`). Call it before `record_sampled`."""
+        if self.state.batch.prev_sampled_token_ids is None:
+            raise ValueError("record_prev_tokens needs FeatureConfig.async_tokens")
+        idx_mapping, sampled_token_ids, num_sampled = _device_shapes(idx_mapping, sampled_token_ids, num_sampled)
+        self.state = transitions.record_prev_tokens(self.state, idx_mapping, sampled_token_ids, num_sampled,
+                                                    draft_token_ids)
+
     def errors(self) -> dict[str, bool]:
         """The device's error word read back (a host read): which `ERROR_BITS` are set."""
         word = int(np.asarray(self.state.errors)[0])

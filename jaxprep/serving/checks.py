@@ -7,7 +7,9 @@ update passed, so a failed update leaves both the mirror and the device state as
 
 A row whose step verified drafts is *pending* after a read-free `record_sampled`: how many drafts
 it kept is on the device only. The next update states its ``num_computed_tokens`` (a `resume`
-entry) before the row is scheduled again.
+entry) before the row is scheduled again. Under async scheduling that count may still count the
+drafts of the row's last step as accepted (`ResumeEntry.unverified_drafts`): the mirror then holds
+the high end of what the device may hold, and ``slack`` how far below it the device may be.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class HostRows:
     num_scheduled_tokens: np.ndarray
     num_draft_tokens: np.ndarray
     pending_drafts: np.ndarray  # drafts whose fate the host has not learnt; -1: not pending
+    slack: np.ndarray  # the device's counts may be this far below num_computed_tokens / num_tokens (unverified drafts)
 
     @classmethod
     def empty(cls, num_rows: int, num_tables: int = 1) -> HostRows:
@@ -206,16 +209,23 @@ def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
         _fail(f"ResumeRequests.rows: row {int(idle[0])} holds no request (add it instead)")
     for i, entry in enumerate(payload.entries):
         where, row, computed = f"ResumeRequests entry {i} (row {entry.row})", entry.row, entry.num_computed_tokens
+        if entry.unverified_drafts and (entry.unverified_drafts < 0 or entry.token_ids is not None
+                                        or not rows.pending[row]):
+            _fail(f"{where}: unverified_drafts={entry.unverified_drafts} needs to be >= 0, a row whose drafts are "
+                  "pending and no token_ids")
         if entry.token_ids is not None:
             num_tokens = len(entry.token_ids)
             if not 1 <= num_tokens <= rows.stop_len[row]:
                 _fail(f"{where}: need 1 <= len(token_ids)={num_tokens} <= stop_len={int(rows.stop_len[row])}")
             check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
         elif rows.pending[row]:
-            low, extra = int(rows.num_computed_tokens[row]), int(rows.pending_drafts[row])
-            if not low <= computed <= low + extra:
-                _fail(f"{where}: num_computed_tokens={computed} is outside [{low}, {low + extra}], what the row's "
-                      f"{extra} verified drafts allow")
+            low, extra, unverified = int(rows.num_computed_tokens[row]), int(rows.pending_drafts[row]), \
+                entry.unverified_drafts
+            # exact: low <= C <= low + extra; with U unverified drafts the device holds C - rejected, in [C - U, C]
+            if not (low <= computed and computed - unverified <= low + extra):
+                less = f" (less up to {unverified} unverified drafts)" if unverified else ""
+                _fail(f"{where}: num_computed_tokens={computed}{less} is outside [{low}, {low + extra}], what the "
+                      f"row's {extra} verified drafts allow")
             num_tokens = computed + 1
         else:
             num_tokens = int(rows.num_tokens[row])
@@ -227,6 +237,10 @@ def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
         _check_blocks_cover(where, rows, row, computed, config, "num_computed_tokens")
         if entry.prefill_len is not None and not 0 <= entry.prefill_len <= num_tokens:
             _fail(f"{where}: prefill_len={entry.prefill_len} is outside [0, num_tokens={num_tokens}]")
+        if entry.unverified_drafts:  # the device holds computed - rejected: at least the pending range's low end
+            rows.slack[row] = min(entry.unverified_drafts, computed - int(rows.num_computed_tokens[row]))
+        else:
+            rows.slack[row] = 0
         rows.num_tokens[row], rows.num_computed_tokens[row] = num_tokens, computed
         rows.num_scheduled_tokens[row] = rows.num_draft_tokens[row] = 0
         rows.pending_drafts[row] = -1
@@ -400,6 +414,21 @@ def check_record(rows: HostRows, idx_mapping, sampled_token_ids, num_sampled, co
     rows.num_computed_tokens[real] += np.where(discarded, scheduled, scheduled - (drafts + 1 - kept))
     rows.num_tokens[real] = new_len
     rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
+    return _fold_slack(rows, real)
+
+
+def _fold_slack(rows: HostRows, real: np.ndarray) -> HostRows:
+    """After a step of ``real`` rows: a row whose counts were high by up to ``slack`` (unverified drafts)
+    becomes pending, its counts at their low end and ``pending_drafts`` widened by the slack.
+    # C 12 (slack 2), advanced to C 14, N 15, not pending -> C 12, N 13, pending_drafts 2, slack 0
+    """
+    slack = rows.slack[real]
+    uncertain = real[slack > 0]
+    slack = slack[slack > 0]
+    rows.num_computed_tokens[uncertain] -= slack
+    rows.num_tokens[uncertain] -= slack
+    rows.pending_drafts[uncertain] = np.maximum(rows.pending_drafts[uncertain], 0) + slack
+    rows.slack[uncertain] = 0
     return rows
 
 
@@ -420,7 +449,7 @@ def advance_unread(rows: HostRows, config: ServingConfig) -> HostRows:
     rows.pending_drafts[pending] = drafts[pending]
     rows.num_scheduled_tokens[:] = 0
     rows.num_draft_tokens[:] = 0
-    return rows
+    return _fold_slack(rows, np.flatnonzero(active))
 
 
 def _int_array(name: str, values, ndim: int) -> np.ndarray:

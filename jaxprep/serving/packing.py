@@ -6,8 +6,8 @@ Layout (all int32 words; field ``f`` of entry ``i`` of a section of ``n`` entrie
                            schedule_dense, has_lora_slots, n_data, has_schedule (0: counts kept)
     finish   [n_finish]                   rows to free
     add      [len(add_fields) x n_add]     per added request: row, num_tokens, stop_len, ... (`Layout`)
-    resume   [len(resume_fields) x n_resume]  row, num_computed_tokens, num_tokens (-1 keep), prefill_len (-1 keep),
-                                           replace_blocks, the blocks of each table
+    resume   [len(resume_fields) x n_resume]  row, num_computed_tokens (-1 keep), num_tokens (-1 keep),
+                                           prefill_len (-1 keep), replace_blocks, the blocks of each table
     segments [4 x n_segments]              kind, row, col, len: where each appended run of ``data`` goes
     schedule [width x n_schedule]          (row,) num_scheduled_tokens (, num_draft_tokens, K drafts)(, grammar)
     lora     [max_loras if has_lora_slots]
@@ -239,7 +239,9 @@ def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
         changed += len(values) - 1 - len(entry.block_ids) + len(data)
     for entry in updates.resume.entries:
         replace = entry.block_ids is not None
-        record = [entry.row, entry.num_computed_tokens, -1 if entry.token_ids is None else len(entry.token_ids),
+        # -1: the device keeps its own count (drafts still being verified, `ResumeEntry.unverified_drafts`)
+        computed = -1 if entry.unverified_drafts else entry.num_computed_tokens
+        record = [entry.row, computed, -1 if entry.token_ids is None else len(entry.token_ids),
                   -1 if entry.prefill_len is None else entry.prefill_len, int(replace)]
         record += [len(b) for b in entry.block_ids] if replace else [0] * lay.num_tables
         data = _row_data(entry.token_ids, entry.block_ids if replace else (), None)

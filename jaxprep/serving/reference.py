@@ -130,7 +130,8 @@ def resume(state: dict, payload) -> dict:
     state = _copy(state)
     for entry in payload.entries:
         row = entry.row
-        state["num_computed_tokens"][row] = entry.num_computed_tokens
+        if not entry.unverified_drafts:  # else the device's own count stays (drafts still being verified)
+            state["num_computed_tokens"][row] = entry.num_computed_tokens
         state["num_scheduled_tokens"][row] = state["num_draft_tokens"][row] = 0
         if entry.token_ids is not None:
             state["token_ids"][row, : len(entry.token_ids)] = entry.token_ids

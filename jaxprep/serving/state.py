@@ -134,6 +134,7 @@ class ResumeEntry:
     block_ids: tuple[np.ndarray, ...] | None = None  # replaces every table of the row
     token_ids: np.ndarray | None = None  # replaces the row's tokens (num_tokens = len)
     prefill_len: int | None = None
+    unverified_drafts: int = 0  # drafts of the row's last step counted as accepted (async scheduling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +147,14 @@ class ResumeRequests:
     @classmethod
     def build(cls, config: ServingConfig, resumes=()) -> ResumeRequests:
         """``resumes``: dicts with ``row``, ``num_computed_tokens``, optional ``block_ids`` (as in
-        `AddRequests`), ``mamba_block_ids``, ``token_ids`` and ``prefill_len`` (default
-        len(token_ids) when token_ids are given, else unchanged)."""
+        `AddRequests`), ``mamba_block_ids``, ``token_ids``, ``prefill_len`` (default
+        len(token_ids) when token_ids are given, else unchanged) and ``unverified_drafts`` (default 0).
+
+        ``unverified_drafts`` = D > 0: ``num_computed_tokens`` counts the D drafts of the row's last step
+        as accepted before their verification is known (vLLM's async scheduler schedules step N + 1
+        before step N's output arrives); the device keeps its own count, which is
+        ``num_computed_tokens`` minus the drafts it rejected, and the host mirror knows it within
+        [num_computed_tokens - D, num_computed_tokens]."""
         entries = []
         for i, resume in enumerate(resumes):
             where = f"ResumeRequests entry {i} (row {resume['row']})"
@@ -162,7 +169,9 @@ class ResumeRequests:
                                        num_computed_tokens=_int(resume["num_computed_tokens"],
                                                                 f"{where}: num_computed_tokens"),
                                        block_ids=blocks, token_ids=tokens,
-                                       prefill_len=None if prefill is None else _int(prefill, f"{where}: prefill_len")))
+                                       prefill_len=None if prefill is None else _int(prefill, f"{where}: prefill_len"),
+                                       unverified_drafts=_int(resume.get("unverified_drafts", 0),
+                                                              f"{where}: unverified_drafts")))
         return cls(entries=tuple(entries))
 
 

@@ -20,7 +20,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxprep._constants import MROPE_MISSING_POSITION, NO_GRAMMAR, NO_LORA_ID, NULL_BLOCK_ID
+from jaxprep._constants import (
+    MROPE_MISSING_POSITION,
+    NO_GRAMMAR,
+    NO_LORA_ID,
+    NO_PREV_ROW,
+    NULL_BLOCK_ID,
+    PLACEHOLDER_TOKEN_ID,
+)
+from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.features.sampling import FLOAT_PARAMS
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, unpack_updates
@@ -73,11 +81,12 @@ def _set_optional(batch, rows: jax.Array, **values):
 
 
 def _clear_rows(batch, rows: jax.Array):
-    """A freed or re-admitted row: null blocks in every table, no draft, no grammar, no adapter."""
+    """A freed or re-admitted row: null blocks in every table, no draft, no grammar, no adapter, no
+    last-step batch row (a new request never reads the sampled token of the row's former one)."""
     batch = _with_tables(batch, [_set(t, rows, NULL_BLOCK_ID) for t in tables(batch)])
     return _set_optional(batch, rows, num_computed_tokens=0, num_scheduled_tokens=0, num_draft_tokens=0,
                          prefill_len=0, num_accepted_tokens=1, grammar_index=NO_GRAMMAR, lora_ids=NO_LORA_ID,
-                         mamba_checkpoint_offsets=0)
+                         mamba_checkpoint_offsets=0, prev_batch_rows=NO_PREV_ROW)
 
 
 def finish_body(state: ServingState, rows: jax.Array) -> ServingState:
@@ -103,16 +112,17 @@ def add_body(state: ServingState, add: dict) -> ServingState:
 
 
 def resume_body(state: ServingState, resume: dict) -> ServingState:
-    """Sets ``num_computed_tokens``; where given (>= 0) ``num_tokens`` and ``prefill_len``; nulls
-    every table of the rows whose blocks are replaced (their new blocks follow as data segments)."""
+    """Sets, where given (>= 0), ``num_computed_tokens`` (-1: the device's own count stays, drafts
+    still being verified), ``num_tokens`` and ``prefill_len``; nulls every table of the rows whose
+    blocks are replaced (their new blocks follow as data segments)."""
     num_rows = state.num_tokens.shape[0]
     rows = row_index(resume["row"], num_rows)
 
     def kept(array, values):  # values, or the row's current value where -1
         return jnp.where(values >= 0, values, _gather(array, rows))
 
-    batch = _set_optional(state.batch, rows, num_computed_tokens=resume["num_computed_tokens"], num_scheduled_tokens=0,
-                          num_draft_tokens=0)
+    computed = kept(state.batch.num_computed_tokens, resume["num_computed_tokens"])
+    batch = _set_optional(state.batch, rows, num_computed_tokens=computed, num_scheduled_tokens=0, num_draft_tokens=0)
     if batch.prefill_len is not None:
         batch = dataclasses.replace(batch, prefill_len=_set(batch.prefill_len, rows,
                                                             kept(batch.prefill_len, resume["prefill_len"])))
@@ -289,3 +299,45 @@ def record_sampled(state: ServingState, idx_mapping, sampled_token_ids, num_samp
                    vocab_bound: int | None = None) -> ServingState:
     """`record_sampled_body`, jitted, the state donated."""
     return record_sampled_body(state, idx_mapping, sampled_token_ids, num_sampled, vocab_bound)
+
+
+def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
+                            num_sampled: jax.Array, draft_token_ids: jax.Array | None) -> ServingState:
+    """`FeatureConfig.async_tokens`' inputs of the next step from this one, before `record_sampled_body`:
+    what V1 keeps on the device under async scheduling (``prev_req_id_to_index``,
+    ``prev_sampled_token_ids``, ``_draft_token_ids``) for `jaxprep.features.async_tokens.write_prev_tokens`.
+
+    ``prev_batch_rows``: the batch row each state row was sampled at (NO_PREV_ROW: not in the batch, or a
+    discarded prefill chunk); ``prev_sampled_token_ids[b]``: batch row b's last kept token;
+    ``prev_draft_token_ids[b]``: the drafter's proposals after this step (``draft_token_ids`` [B, <= K]),
+    -1 where none (a placeholder no step fills, never accepted).
+    # idx_mapping [1, 0], sampled [[7, 8, -1], [9, -1, -1]], num_sampled [2, 1], drafts [[5, 6], [3, 4]]
+    #   -> prev_batch_rows [1, 0, ...], prev_sampled_token_ids [8, 9, ...], prev_draft_token_ids [[5, 6], [3, 4], ...]
+    """
+    batch = state.batch
+    num_rows, width = batch.prev_sampled_token_ids.shape[0], sampled_token_ids.shape[1]
+    idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
+    rows = row_index(idx_mapping, num_rows)
+    discarded = (_gather(batch.num_computed_tokens, rows) + _gather(batch.num_scheduled_tokens, rows)
+                 < _gather(state.num_tokens, rows))
+    counts = jnp.asarray(num_sampled, jnp.int32)
+    discarded = discarded | (counts <= 0)
+    last = jnp.clip(counts - 1, 0, width - 1)
+    sampled = jnp.take_along_axis(jnp.asarray(sampled_token_ids, jnp.int32), last[:, None], axis=1)[:, 0]
+    batch_rows = jnp.arange(idx_mapping.shape[0], dtype=jnp.int32)
+    fields = dict(prev_batch_rows=prev_batch_rows_from_step(idx_mapping, discarded, num_rows),
+                  prev_sampled_token_ids=_set(jnp.zeros(num_rows, jnp.int32), batch_rows, sampled))
+    if batch.prev_draft_token_ids is not None:
+        drafts = jnp.full(batch.prev_draft_token_ids.shape, PLACEHOLDER_TOKEN_ID, jnp.int32)
+        if draft_token_ids is not None:
+            given = jnp.asarray(draft_token_ids, jnp.int32)[:, :drafts.shape[1]]
+            drafts = drafts.at[batch_rows, :given.shape[1]].set(given, mode="drop")
+        fields["prev_draft_token_ids"] = drafts
+    return _replace_batch(state, **fields)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def record_prev_tokens(state: ServingState, idx_mapping, sampled_token_ids, num_sampled,
+                       draft_token_ids=None) -> ServingState:
+    """`record_prev_tokens_body`, jitted, the state donated."""
+    return record_prev_tokens_body(state, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)

@@ -24,7 +24,17 @@ What each part of the scheduler output becomes, following the two runners that c
   waits for a draft outcome (`ResumeRequests`), has its computed count set.
 - ``num_scheduled_tokens`` and ``scheduled_spec_decode_tokens``: the `Schedule` (draft counts and
   draft ids; async scheduling's -1 placeholders pass through and are accepted only with
-  ``FeatureConfig.async_tokens``).
+  ``async_scheduling=True`` and ``FeatureConfig.async_tokens``).
+
+Async scheduling with drafts (EAGLE/MTP-style drafters: V1 refuses n-gram there,
+`vllm/config/vllm.py::VllmConfig.__post_init__`): `vllm/v1/core/sched/async_scheduler.py::AsyncScheduler`
+schedules step N + 1 before step N's drafts are verified, with ``[-1] * K`` placeholder drafts and a
+``num_computed_tokens`` that counts step N's drafts as accepted; `Scheduler.update_from_output` takes the
+rejected ones back later. V1 fills the placeholders on the device from its drafter
+(`GPUModelRunner._prepare_input_ids`) and corrects the count there
+(`vllm/v1/spec_decode/utils.py::update_num_computed_tokens_for_batch_change`). The adapter does the same:
+such a row is restated with ``unverified_drafts`` (the device keeps its own count), and
+`VllmAdapter.record_sampled` takes the drafter's ``draft_token_ids`` for the next step's ``input_ids``.
 
 The batch order is the state-row order of the scheduled rows (``FeatureConfig.reorder=None``):
 `AdapterStep.req_ids` / ``req_id_to_index`` give it to vLLM's ``ModelRunnerOutput``.
@@ -69,13 +79,21 @@ class VllmAdapter:
     Per step: ``step = adapter.step(scheduler_output)``, run the model on ``step.inputs``, then
     ``adapter.record_sampled(sampled_token_ids, num_sampled)`` with the sampler's device arrays in
     batch order, and hand vLLM ``adapter.runner_output(step, valid_token_lists)``.
+
+    ``async_scheduling``: vLLM's scheduler is the ``AsyncScheduler`` (``--async-scheduling``). With
+    speculative decoding it needs ``FeatureConfig.async_tokens``, and ``record_sampled`` takes the
+    drafter's proposals.
     """
 
-    def __init__(self, config: ServingConfig):
+    def __init__(self, config: ServingConfig, *, async_scheduling: bool = False):
         if config.prep.features.reorder is not None:
             raise ValueError("VllmAdapter gives the batch in state-row order: FeatureConfig.reorder must be None, "
                              f"got {config.prep.features.reorder!r}")
+        if async_scheduling and draft_width(config) and not config.prep.features.async_tokens:
+            raise ValueError("VllmAdapter(async_scheduling=True) with num_speculative_tokens > 0 needs "
+                             "FeatureConfig.async_tokens: the drafts reach input_ids on the device")
         self.config = config
+        self.async_scheduling = async_scheduling
         self.batch = ServingBatch(config)
         self.rows: dict[str, int] = {}  # request id -> state row, for every request holding a row
         self.admitted: dict[str, _Admission] = {}  # every request vLLM has not finished, preempted ones too
@@ -83,6 +101,7 @@ class VllmAdapter:
         self._lora_slots = np.full(config.prep.features.lora.max_loras, -1, np.int64) \
             if config.prep.features.lora is not None else None
         self._last: AdapterStep | None = None
+        self._verifying: dict[str, int] = {}  # request id -> drafts the last prepared step verifies
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -101,6 +120,7 @@ class VllmAdapter:
             self.rows, self.admitted, self._free, self._lora_slots = kept
             raise
         total = int(scheduler_output.total_num_scheduled_tokens)
+        self._verifying = {r: len(ids) for r, ids in scheduler_output.scheduled_spec_decode_tokens.items() if ids}
         if total == 0:
             self._last = None
             return AdapterStep(inputs=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
@@ -111,12 +131,22 @@ class VllmAdapter:
                                  num_tokens_padded=num_tokens_padded)
         return self._last
 
-    def record_sampled(self, sampled_token_ids, num_sampled) -> None:
+    def record_sampled(self, sampled_token_ids, num_sampled, draft_token_ids=None) -> None:
         """Records the last step's samples on the device: ``sampled_token_ids`` [R_pad, n] and
-        ``num_sampled`` [R_pad] in batch order (device arrays are not read back)."""
+        ``num_sampled`` [R_pad] in batch order (device arrays are not read back).
+
+        ``draft_token_ids`` [R_pad, K] (async scheduling only): the drafter's proposals after this step, in
+        batch order, as V1's ``_draft_token_ids``; they fill the next step's -1 placeholders of the
+        requests in this batch (a request that skips a step gets -1 drafts, never accepted, as in V1)."""
+        if draft_token_ids is not None and not self.async_scheduling:
+            raise ValueError("record_sampled(draft_token_ids=...) is for async scheduling; without it vLLM's "
+                             "scheduler sends the drafts (update_draft_token_ids)")
         if self._last is None:
             raise ValueError("record_sampled needs a prepared step first (VllmAdapter.step)")
-        self.batch.record_sampled(self._last.inputs.idx_mapping, sampled_token_ids, num_sampled)
+        idx_mapping = self._last.inputs.idx_mapping
+        if self.async_scheduling and self.config.prep.features.async_tokens:
+            self.batch.record_prev_tokens(idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
+        self.batch.record_sampled(idx_mapping, sampled_token_ids, num_sampled)
 
     @staticmethod
     def runner_output(step: AdapterStep, sampled_token_ids: list[list[int]]):
@@ -207,8 +237,13 @@ class VllmAdapter:
         rows = np.array(row_list, np.int64)
         computed = np.array(cached.num_computed_tokens, np.int64)[running] if running else np.zeros(0, np.int64)
         mirror = self.batch.rows
-        restate = mirror.pending[rows] | (mirror.num_computed_tokens[rows] != computed)
-        resume = [dict(row=int(row), num_computed_tokens=int(c)) for row, c in zip(rows[restate], computed[restate])]
+        pending = mirror.pending[rows]
+        restate = pending | (mirror.num_computed_tokens[rows] != computed)
+        resume = []
+        for k in np.flatnonzero(restate):
+            # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
+            unverified = self._verifying.get(req_ids[running[k]], 0) if self.async_scheduling and pending[k] else 0
+            resume.append(dict(row=int(rows[k]), num_computed_tokens=int(computed[k]), unverified_drafts=unverified))
         new_block_ids = cached.new_block_ids
         append = {row: _groups(new_block_ids[i]) for row, i in zip(row_list, running)
                   if new_block_ids[i] is not None and any(new_block_ids[i])}
@@ -231,6 +266,10 @@ class VllmAdapter:
             if len(ids) > width:
                 raise ValueError(f"scheduled_spec_decode_tokens[{req_id!r}] has {len(ids)} drafts, more than "
                                  f"num_speculative_tokens={width}")
+            if not self.async_scheduling and -1 in ids:
+                raise ValueError(f"scheduled_spec_decode_tokens[{req_id!r}] holds -1 placeholders: vLLM's "
+                                 "AsyncScheduler sent them, and its num_computed_tokens counts the drafts still "
+                                 "being verified as accepted; build VllmAdapter(config, async_scheduling=True)")
             row = self.rows[req_id]
             drafts[row] = len(ids)
             draft_ids[row, :len(ids)] = ids

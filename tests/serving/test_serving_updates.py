@@ -173,6 +173,35 @@ def test_record_sampled_reads_nothing_back():
     assert int(batch.state.batch.num_computed_tokens[0]) == 5
 
 
+def test_unverified_drafts_keep_the_device_count():
+    """vLLM's async scheduler states row 0's count as 6 (3 + 3, its drafts [21, 22] taken as accepted) though the
+    device kept one (C 5): with unverified_drafts the device keeps 5 and the mirror knows [4, 6]; a count past
+    what the drafts allow, or unverified drafts on a settled row, are refused. After the next step (all 3
+    kept: C 8) an exact count anywhere in [5, 9] settles the row."""
+    batch = decoding_batch()
+    batch.record_sampled(jnp.array([0, 1, -1, -1]), jnp.array([[11], [12], [0], [0]]), jnp.array([1, 1, 0, 0]))
+    batch.apply_updates(StepUpdates.build(SPEC, num_scheduled_tokens=[3, 1, 0, 0], num_draft_tokens=[2, 0, 0, 0],
+                                          draft_token_ids=[[21, 22], [0, 0], [0, 0], [0, 0]]))
+    batch.record_sampled(jnp.array([0, 1, -1, -1]), jnp.array([[21, 30, 0], [13, 0, 0], [0] * 3, [0] * 3]),
+                         jnp.array([2, 1, 0, 0]))
+    with pytest.raises(InvalidUpdateError, match=re.escape("num_computed_tokens=9 (less up to 2 unverified drafts) "
+                                                           "is outside [4, 6]")):
+        batch.apply_updates(StepUpdates.build(SPEC, resume=[dict(row=0, num_computed_tokens=9, unverified_drafts=2)]))
+    with pytest.raises(InvalidUpdateError, match="pending"):
+        batch.apply_updates(StepUpdates.build(SPEC, resume=[dict(row=1, num_computed_tokens=3, unverified_drafts=1)]))
+    batch.apply_updates(StepUpdates.build(SPEC, resume=[dict(row=0, num_computed_tokens=6, unverified_drafts=2)],
+                                          append={0: [5]}, num_scheduled_tokens=[3, 0, 0, 0],
+                                          num_draft_tokens=[2, 0, 0, 0],
+                                          draft_token_ids=[[31, 32], [0, 0], [0, 0], [0, 0]]))
+    assert int(batch.state.batch.num_computed_tokens[0]) == 5 and int(batch.state.num_tokens[0]) == 6
+    assert (batch.rows.num_computed_tokens[0], batch.rows.slack[0]) == (6, 2)
+    assert np.asarray(batch.prepare(16).positions)[:3].tolist() == [5, 6, 7]
+    batch.record_sampled(jnp.array([0, -1, -1, -1]), jnp.array([[31, 32, 40]] + [[0] * 3] * 3), jnp.array([3, 0, 0, 0]))
+    assert (batch.rows.num_computed_tokens[0], batch.rows.pending_drafts[0], batch.rows.slack[0]) == (5, 4, 0)
+    batch.apply_updates(StepUpdates.build(SPEC, resume=[dict(row=0, num_computed_tokens=8)]))
+    assert int(batch.state.batch.num_computed_tokens[0]) == 8 == batch.rows.num_computed_tokens[0]
+
+
 @pytest.mark.parametrize("sampled, counts, message", [
     ([[1000], [3]], [1, 1], "record_sampled.sampled_token_ids[0][0] = 1000 is outside [0, vocab_size=64)"),
     ([[3], [-5]], [1, 1], "record_sampled.sampled_token_ids[1][0] = -5 is outside [0, vocab_size=64)"),

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jaxprep
-from jaxprep.serving import InvalidUpdateError, ServingConfig
+from jaxprep.serving import ServingConfig
 from jaxprep.serving.vllm import VllmAdapter
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -62,17 +62,21 @@ def config(features: jaxprep.FeatureConfig | None = None, max_model_len=32) -> S
 
 PLAIN = config(max_model_len=1024)
 SPEC = config(jaxprep.FeatureConfig(num_speculative_tokens=2))
+ASYNC_SPEC = config(jaxprep.FeatureConfig(num_speculative_tokens=2, async_tokens=True))
 
 
-def record(adapter: VllmAdapter, step, sampled: dict) -> None:
-    """Samples as device arrays in the step's batch order (nothing read back)."""
+def record(adapter: VllmAdapter, step, sampled: dict, drafts: dict | None = None) -> None:
+    """Samples (and, under async scheduling, the drafter's proposals) as device arrays in the step's batch
+    order (nothing read back)."""
     rows = step.inputs.idx_mapping.shape[0]
     width = max(1, *(len(v) for v in sampled.values()))
     tokens, counts = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
+    proposals = np.zeros((rows, 2), np.int32)
     for req_id, values in sampled.items():
         b = step.req_id_to_index[req_id]
         tokens[b, :len(values)], counts[b] = values, len(values)
-    adapter.record_sampled(jnp.asarray(tokens), jnp.asarray(counts))
+        proposals[b] = (drafts or {}).get(req_id, [0, 0])
+    adapter.record_sampled(jnp.asarray(tokens), jnp.asarray(counts), None if drafts is None else jnp.asarray(proposals))
 
 
 def tokens_of(step, field="input_ids"):
@@ -133,25 +137,69 @@ def test_six_admissions_in_one_step_with_bytes_of_the_change():
     assert adapter.batch.h2d_bytes - before < 6 * 1024 * 4 // 10
 
 
-def test_async_draft_placeholders_need_async_tokens():
-    """Defect 4: async scheduling's -1 draft placeholders are refused unless FeatureConfig.async_tokens says
-    the device fills them; the refused step leaves the adapter as it was."""
+def test_async_draft_placeholders_need_async_scheduling_and_async_tokens():
+    """Defect 4: async scheduling's -1 draft placeholders are refused by an adapter not told of async scheduling
+    (vLLM's count then takes the drafts as accepted) and by a configuration without FeatureConfig.async_tokens
+    (the device fills them); the refused step leaves the adapter as it was."""
     first = scheduler_output({"a": 4}, new=[new_req("a", [1, 2, 3, 4], [[1]])])
     placeholders = scheduler_output({"a": 3}, cached=[("a", 4, ([2],))], drafts={"a": [-1, -1]})
     adapter = VllmAdapter(SPEC)
     step = adapter.step(first)
     record(adapter, step, {"a": [5]})
-    with pytest.raises(InvalidUpdateError, match="draft"):
+    with pytest.raises(ValueError, match="async_scheduling=True"):
         adapter.step(placeholders)
     assert adapter.rows == {"a": 0}
     step = adapter.step(scheduler_output({"a": 1}, cached=[("a", 4, ([2],))]))  # the same step without drafts
     assert tokens_of(step) == [5]
+    with pytest.raises(ValueError, match="FeatureConfig.async_tokens"):
+        VllmAdapter(SPEC, async_scheduling=True)
 
-    adapter = VllmAdapter(config(jaxprep.FeatureConfig(num_speculative_tokens=2, async_tokens=True)))
+    adapter = VllmAdapter(ASYNC_SPEC, async_scheduling=True)
     step = adapter.step(first)
     record(adapter, step, {"a": [5]})
     step = adapter.step(placeholders)
     assert np.asarray(step.inputs.spec_decode.num_draft_tokens)[0] == 2
+
+
+def test_async_spec_decode_positions_follow_the_device_count():
+    """vLLM's AsyncScheduler schedules step N + 1 before step N's drafts are verified: its num_computed_tokens
+    takes them as accepted (a: 4 + 3 = 7 though draft 7 was rejected: 6) and its drafts are -1 placeholders. The
+    step is prepared from the device's count and the drafter's proposals, as V1 corrects it
+    (`update_num_computed_tokens_for_batch_change`, `_prepare_input_ids`); b skips step 3, so its placeholders
+    are never filled (-1, clamped to 0 in input_ids) and vLLM's count for it is exact again."""
+    adapter = VllmAdapter(ASYNC_SPEC, async_scheduling=True)
+    step = adapter.step(scheduler_output({"a": 4, "b": 3}, new=[new_req("a", [1, 2, 3, 4], [[1, 2]]),
+                                                                 new_req("b", [11, 12, 13], [[3, 4]])]))
+    record(adapter, step, {"a": [5], "b": [14]}, drafts={"a": [6, 7], "b": [15, 16]})
+    step = adapter.step(scheduler_output({"a": 3, "b": 3}, cached=[("a", 4, None), ("b", 3, None)],
+                                         drafts={"a": [-1, -1], "b": [-1, -1]}))
+    assert tokens_of(step) == [5, 6, 7, 14, 15, 16]
+    assert tokens_of(step, "positions") == [4, 5, 6, 3, 4, 5]
+    assert np.asarray(step.inputs.spec_decode.draft_token_ids)[:4].tolist() == [6, 7, 15, 16]
+    record(adapter, step, {"a": [6, 9], "b": [15, 16, 17]}, drafts={"a": [10, 11], "b": [18, 19]})
+    step = adapter.step(scheduler_output({"a": 3}, cached=[("a", 7, ([5],))], drafts={"a": [-1, -1]}))
+    assert tokens_of(step) == [9, 10, 11]
+    assert tokens_of(step, "positions") == [6, 7, 8]
+    assert np.asarray(step.inputs.attn_metadata.seq_lens)[0] == 9
+    record(adapter, step, {"a": [10, 11, 12]}, drafts={"a": [13, 14]})
+    step = adapter.step(scheduler_output({"a": 3, "b": 3}, cached=[("a", 9, None), ("b", 6, ([6],))],
+                                         drafts={"a": [-1, -1], "b": [-1, -1]}))
+    assert tokens_of(step) == [12, 13, 14, 17, 0, 0]
+    assert tokens_of(step, "positions") == [9, 10, 11, 6, 7, 8]
+    assert np.asarray(step.inputs.spec_decode.draft_token_ids)[:4].tolist() == [13, 14, -1, -1]
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        VllmAdapter(SPEC).record_sampled(jnp.zeros((8, 1), jnp.int32), jnp.zeros(8, jnp.int32), jnp.zeros((8, 2)))
+
+
+def test_a_reused_row_does_not_read_its_former_requests_token():
+    """Under async scheduling the next step's input_ids take last step's samples by row; a request admitted into
+    the row that ``a`` (sampled 7 last step) just left reads its own prompt [4, 5, 6]."""
+    adapter = VllmAdapter(ASYNC_SPEC, async_scheduling=True)
+    step = adapter.step(scheduler_output({"a": 3}, new=[new_req("a", [1, 2, 3], [[1]])]))
+    record(adapter, step, {"a": [7]}, drafts={"a": [8, 9]})
+    step = adapter.step(scheduler_output({"b": 3}, new=[new_req("b", [4, 5, 6], [[2]])], finished={"a"}))
+    assert adapter.rows == {"b": 0}
+    assert tokens_of(step) == [4, 5, 6]
 
 
 def test_record_sampled_reads_nothing_back():
@@ -237,6 +285,8 @@ def test_the_runs_cover_issue_21s_workloads(parity_report):
     assert total(v1, "preempted") > 0 and total(v1, "resumed") > 0  # V1: resumed_req_ids + all_token_ids
     assert total(v2, "preempted") > 0 and total(v2, "resent") > 0  # V2: preempted requests re-sent as new
     assert total(runs, "drafts") > 0 and total(runs, "prefix_hits") > 0 and total(runs, "lora") > 0
+    for group in (v1, v2):  # async scheduling with drafts, some of them rejected
+        assert any("async" in name and run["drafts"] and run["rejected"] for name, run in group.items())
     assert max(run["max_admissions"] for run in runs.values()) >= 6
     assert any("async" in name for name in runs)
     assert all("slot_mapping.1" in run["compared"] for name, run in runs.items() if "sliding window" in name)

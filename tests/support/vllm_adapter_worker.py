@@ -13,7 +13,10 @@ Every step: ``scheduler.schedule()`` -> the adapter (one `StepUpdates`, prepare)
 tokens recorded on both sides (the adapter's on the device, no host read) -> ``update_from_output``
 with the adapter's ``ModelRunnerOutput``, and under n-gram spec decode vLLM's n-gram drafts back to the
 scheduler. Under async scheduling the output of step N reaches the scheduler after step N + 1 is
-scheduled, as ``EngineCore.step_with_batch_queue`` does.
+scheduled, as ``EngineCore.step_with_batch_queue`` does; with drafts there (an EAGLE drafter: V1 refuses
+n-gram with async scheduling) the scheduler schedules -1 placeholders and never sees the drafts: the
+fake drafter's proposals (`fake_drafts`) go to both runners on the device side (V1's ``_draft_token_ids``,
+the adapter's ``record_sampled(draft_token_ids=...)``), as ``EngineCore`` skips ``take_draft_token_ids``.
 
 Negative controls, every step: each compared field is compared again with jaxprep's value shifted by one;
 the report counts, per field, the steps where the shift was caught (`Comparison.caught`).
@@ -42,7 +45,14 @@ import numpy as np  # noqa: E402
 import jaxprep  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
 from jaxprep.serving.vllm import VllmAdapter  # noqa: E402
-from support.vllm_scheduler import WORKLOADS, Requests, Workload, fake_token, make_scheduler  # noqa: E402
+from support.vllm_scheduler import (  # noqa: E402
+    WORKLOADS,
+    Requests,
+    Workload,
+    fake_drafts,
+    fake_token,
+    make_scheduler,
+)
 from support.vllm_v1_runner import V1Runner  # noqa: E402
 
 MAX_NUM_BATCHED_TOKENS = max(w.max_num_batched_tokens for w in WORKLOADS)
@@ -61,7 +71,8 @@ def serving_config(work: Workload) -> ServingConfig:
                   jaxprep.KVCacheGroupSpec(block_size=work.block_size, sliding_window=work.sliding_window,
                                            num_blocks=NUM_BLOCKS))
     features = jaxprep.FeatureConfig(num_speculative_tokens=NUM_SPECULATIVE_TOKENS, discard_request_mask=True,
-                                     kv_groups=groups, lora=jaxprep.LoRAConfig(max_loras=MAX_LORAS))
+                                     kv_groups=groups, lora=jaxprep.LoRAConfig(max_loras=MAX_LORAS),
+                                     async_tokens=True)
     prep = jaxprep.PrepConfig(max_num_reqs=work.max_num_seqs, max_model_len=work.max_model_len,
                               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, block_size=work.block_size,
                               num_blocks=NUM_BLOCKS, features=features, token_buckets=(16, MAX_NUM_BATCHED_TOKENS))
@@ -82,8 +93,11 @@ class Comparison:
             ours = ours + 1
         self.compared.add(field)
         if ours.shape != vllm.shape or not np.array_equal(ours, vllm):
-            self.mismatches.append(f"[{self.name}] step {step} {req_id} {field}: jaxprep {ours.ravel()[:12].tolist()} "
-                                   f"vLLM {vllm.ravel()[:12].tolist()}")
+            where = np.flatnonzero(ours.ravel() != vllm.ravel())[:1] if ours.shape == vllm.shape else [0]
+            first = int(where[0]) if len(where) else 0
+            shown = slice(first, first + 12)
+            self.mismatches.append(f"[{self.name}] step {step} {req_id} {field} from index {first}: jaxprep "
+                                   f"{ours.ravel()[shown].tolist()} vLLM {vllm.ravel()[shown].tolist()}")
 
 
 def host_step(adapter: VllmAdapter, step) -> dict:
@@ -149,26 +163,35 @@ def compare_step(cmp: Comparison, number: int, adapter: VllmAdapter, step, ours:
                       vllm["token_lora_mapping"][theirs])
 
 
-def v2_kernels(so, vllm: dict, runner: V1Runner, num_speculative_tokens: int) -> dict:
+def v2_kernels(so, vllm: dict, runner: V1Runner, num_speculative_tokens: int,
+               device_drafts: dict[str, list[int]] | None = None) -> dict:
     """MRV2's input kernels (tests/support/vllm_v2_worker.py: ``sort_batch_req_ids``, ``prepare_prefill_inputs``,
     ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``) on V2's per-slot state, a slot per V1 batch
-    row: the token table (prompt, outputs, then the drafts), ``num_computed_tokens`` and ``prefill_len`` (the
-    tokens a request was admitted with: V2's re-sent requests carry their outputs)."""
+    row: the token table (prompt, outputs, then the drafts), ``num_computed_tokens`` (the device's: V2's
+    ``post_update`` counts accepted drafts only) and ``prefill_len`` (the tokens a request was admitted with:
+    V2's re-sent requests carry their outputs). ``device_drafts`` (async scheduling): each request's last
+    proposals, which V2 keeps in ``req_states.draft_tokens`` in place of the scheduler's placeholders."""
     from support.vllm_v2_worker import run as run_v2_kernels
 
     batch, slot = runner.runner.input_batch, {r: i for i, r in enumerate(vllm["req_ids"])}
     n = len(slot)
     table = batch.token_ids_cpu[:n].copy()
-    # async scheduling: V1 keeps last step's samples on the device (-1 in its host table); V2 writes them
-    # into its device table. Every sampled token of the fake model at position p is fake_token(request, p).
+    # async scheduling: V1 keeps last step's samples on the device (-1 in its host table, which with drafts
+    # also lags behind the corrected counts); V2 writes them into its device table. Every token the fake model
+    # kept at position p is fake_token(request, p).
+    if device_drafts is not None:
+        for i, req_id in enumerate(vllm["req_ids"]):
+            start, end = int(batch.num_prompt_tokens[i]), int(vllm["num_computed_tokens"][i]) + 1
+            table[i, start:end] = [fake_token(req_id, p) for p in range(start, end)]
     for i, p in zip(*np.nonzero(table == -1)):
         table[i, p] = fake_token(vllm["req_ids"][i], int(p))
     return run_v2_kernels(dict(
         num_speculative_tokens=num_speculative_tokens, num_tokens_padded=so.total_num_scheduled_tokens,
-        token_ids=table, num_computed_tokens=batch.num_computed_tokens_cpu[:n],
+        token_ids=table, num_computed_tokens=vllm["num_computed_tokens"],
         prefill_len=batch.num_prompt_tokens[:n],
         scheduled=[(slot[r], count) for r, count in so.num_scheduled_tokens.items()],  # scheduler order
-        drafts=[(slot[r], ids) for r, ids in so.scheduled_spec_decode_tokens.items()]))
+        drafts=[(slot[r], device_drafts[r][:len(ids)] if device_drafts is not None else ids)
+                for r, ids in so.scheduled_spec_decode_tokens.items()]))
 
 
 def compare_v2(cmp: Comparison, number: int, step, ours: dict, v2: dict, req_ids: list[str]) -> None:
@@ -232,14 +255,27 @@ def as_v1_output(scheduler_output):
     return dataclasses.replace(scheduler_output, scheduled_new_reqs=new)
 
 
-def record(adapter: VllmAdapter, step, sampled: dict[str, list[int]], width: int) -> None:
-    """The fake sampler's tokens as device arrays in the adapter's batch order."""
+def record(adapter: VllmAdapter, step, sampled: dict[str, list[int]], width: int,
+           drafts: dict[str, list[int]] | None = None) -> None:
+    """The fake sampler's tokens (and the fake drafter's proposals) as device arrays in the adapter's batch order."""
     rows = step.inputs.idx_mapping.shape[0]
     tokens, counts = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
+    proposals = np.zeros((rows, width - 1), np.int32)
     for b, req_id in enumerate(step.req_ids):
         tokens[b, :len(sampled[req_id])] = sampled[req_id]
         counts[b] = len(sampled[req_id])
-    adapter.record_sampled(jnp.asarray(tokens), jnp.asarray(counts))
+        if drafts is not None:
+            proposals[b] = drafts[req_id]
+    adapter.record_sampled(jnp.asarray(tokens), jnp.asarray(counts),
+                           None if drafts is None else jnp.asarray(proposals))
+
+
+def propose(vllm: dict, sampled: list[list[int]], k: int) -> list[list[int]]:
+    """The fake EAGLE drafter after a step, per request in V1's batch order: proposals for the positions after
+    the last kept token (seq_len - D + n, seq_len being the device's); zeros for a discarded prefill chunk."""
+    drafts = vllm.get("spec", {}).get("num_draft_tokens", np.zeros(len(vllm["req_ids"]), np.int32))
+    return [fake_drafts(req_id, int(vllm["seq_lens"][i]) - int(drafts[i]) + len(tokens), k) if tokens else [0] * k
+            for i, (req_id, tokens) in enumerate(zip(vllm["req_ids"], sampled))]
 
 
 def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
@@ -249,8 +285,11 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2_mode else "0"  # read when the scheduler's config is built
     scheduler, requests, runner = make_scheduler(work), Requests(work), V1Runner(work)
     label = f"{work.name} [{'V2' if scheduler.use_v2_model_runner else 'V1'}]"
-    adapter, cmp = VllmAdapter(serving_config(work)), Comparison(label)
-    stats = dict(steps=0, preempted=0, resumed=0, resent=0, drafts=0, prefix_hits=0, max_admissions=0, lora=0)
+    adapter, cmp = VllmAdapter(serving_config(work), async_scheduling=work.async_scheduling), Comparison(label)
+    async_drafts = work.async_scheduling and work.num_speculative_tokens > 0
+    device_drafts: dict[str, list[int]] = {}  # V2's req_states.draft_tokens: each request's last proposals
+    stats = dict(steps=0, preempted=0, resumed=0, resent=0, drafts=0, rejected=0, prefix_hits=0, max_admissions=0,
+                 lora=0)
     pending = None
     for number in range(work.num_steps):
         for request in requests.arrivals(number):
@@ -266,14 +305,20 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
         count_coverage(stats, so)
         step = adapter.step(so)
         vllm = runner.prepare(as_v1_output(so) if v2_mode else so, v2_mode)
-        v2 = v2_kernels(so, vllm, runner, work.num_speculative_tokens) if v2_mode else None
+        v2 = v2_kernels(so, vllm, runner, work.num_speculative_tokens,
+                        device_drafts if async_drafts else None) if v2_mode else None
         ours = host_step(adapter, step)
         compare_step(cmp, number, adapter, step, ours, vllm, v2)
         negative_controls(report["caught"], label, number, adapter, step, ours, vllm, v2)
         sampled = runner.sampled(vllm)
-        runner.record(so, vllm, sampled)
+        count_rejected(stats, vllm, sampled)
+        drafts = propose(vllm, sampled, work.num_speculative_tokens) if async_drafts else None
+        runner.record(so, vllm, sampled, drafts)
         by_id = dict(zip(vllm["req_ids"], sampled))
-        record(adapter, step, by_id, 1 + work.num_speculative_tokens)
+        drafts_by_id = None if drafts is None else dict(zip(vllm["req_ids"], drafts))
+        record(adapter, step, by_id, 1 + work.num_speculative_tokens, drafts_by_id)
+        if drafts_by_id:
+            device_drafts.update({r: d for r, d in drafts_by_id.items() if by_id[r]})
         output = adapter.runner_output(step, [by_id[r] for r in step.req_ids])
         if work.async_scheduling:
             if pending:
@@ -305,6 +350,13 @@ def negative_controls(caught: dict, label: str, number: int, adapter, step, ours
             seen = caught.setdefault(field, [0, 0])
             seen[0] += 1
             seen[1] += bool(shifted.mismatches)
+
+
+def count_rejected(stats: dict, vllm: dict, sampled: list[list[int]]) -> None:
+    """Drafts the fake model rejected this step (D - (n - 1) per request that verified D drafts)."""
+    for num_drafts, tokens in zip(vllm.get("spec", {}).get("num_draft_tokens", ()), sampled):
+        if num_drafts and tokens:
+            stats["rejected"] += int(num_drafts) - (len(tokens) - 1)
 
 
 def count_coverage(stats: dict, so) -> None:

@@ -3,8 +3,8 @@
 `vllm/tests/v1/core/utils.py::create_scheduler` builds ``Scheduler`` from a `VllmConfig` and a hand-made
 `KVCacheConfig`; here the model directory holds only a tiny Llama ``config.json`` (no weights, no hub), the
 device is the CPU and ``cache_config.num_gpu_blocks`` is set. `Workload` names what a run exercises
-(chunked prefill, a small KV pool that forces preemption, prefix caching, n-gram drafts, async scheduling,
-a second KV-cache group with a sliding window, LoRA requests).
+(chunked prefill, a small KV pool that forces preemption, prefix caching, n-gram drafts, async scheduling, with
+and without EAGLE-style drafts, a second KV-cache group with a sliding window, LoRA requests).
 
 The fake model samples ``fake_token(request, position)``: a per-request periodic pattern with rare
 deviations, so vLLM's n-gram proposer finds matches and some drafts are rejected.
@@ -42,6 +42,7 @@ class Workload:
     num_blocks: int = 64  # the KV pool; small pools force preemption
     prefix_caching: bool = False
     num_speculative_tokens: int = 0
+    spec_method: str = "ngram"  # "eagle": drafts proposed by the worker (`fake_drafts`), the only kind async allows
     async_scheduling: bool = False
     sliding_window: int | None = None  # a second KV-cache group with this window
     num_loras: int = 0  # LoRA adapters the requests cycle through (0: no LoRA)
@@ -58,12 +59,15 @@ WORKLOADS = (
     Workload("prefix caching", num_steps=30, prefix_caching=True, shared_prefix=24, num_blocks=40),
     Workload("n-gram spec decode", num_steps=34, num_speculative_tokens=2, num_blocks=26),
     Workload("async scheduling", num_steps=30, async_scheduling=True, num_blocks=24),
+    Workload("async scheduling + spec decode", num_steps=18, async_scheduling=True, num_speculative_tokens=2,
+             spec_method="eagle", num_blocks=24, num_requests=6, max_tokens=(8, 20)),
     Workload("full + sliding window, LoRA", num_steps=34, sliding_window=16, num_loras=2, prefix_caching=True,
              shared_prefix=16, num_blocks=40),
     Workload("six admissions in one step", num_steps=12, arrivals_per_step=7, prompt_lens=(3, 6), num_requests=14),
 )
-"""Each run (both runner modes) schedules 180-190 non-empty steps; the KV pools of the first four are small
-enough to preempt requests."""
+"""Each run (both runner modes) schedules about 200 non-empty steps; the KV pools of the first four are small
+enough to preempt requests. Async scheduling with drafts takes an EAGLE-style drafter (`fake_drafts`): V1
+refuses n-gram drafting with async scheduling."""
 
 
 def fake_token(req_id: str, position: int) -> int:
@@ -73,6 +77,16 @@ def fake_token(req_id: str, position: int) -> int:
     if _hash_int(f"{req_id}:{position}") % 7 == 0:
         return 1 + _hash_int(f"dev:{req_id}:{position}") % (VOCAB_SIZE - 1)
     return 1 + (seed + position % period * 37) % (VOCAB_SIZE - 1)
+
+
+def fake_drafts(req_id: str, position: int, k: int) -> list[int]:
+    """An EAGLE-style drafter's ``k`` proposals for ``position``, ``position + 1``, ...: the fake model's
+    tokens, one in three replaced by another (so drafts are rejected as well as accepted)."""
+    drafts = []
+    for p in range(position, position + k):
+        token = fake_token(req_id, p)
+        drafts.append(token % (VOCAB_SIZE - 1) + 1 if _hash_int(f"draft:{req_id}:{p}") % 3 == 0 else token)
+    return drafts
 
 
 def _hash_int(text: str) -> int:
@@ -108,6 +122,7 @@ def vllm_config(work: Workload, *, lora: bool = True):
         DeviceConfig,
         LoRAConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
@@ -121,9 +136,14 @@ def vllm_config(work: Workload, *, lora: bool = True):
                                        async_scheduling=work.async_scheduling)
     cache_config = CacheConfig(block_size=work.block_size, enable_prefix_caching=work.prefix_caching)
     speculative_config = None
-    if work.num_speculative_tokens:
+    if work.num_speculative_tokens and work.spec_method == "ngram":
         speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=work.num_speculative_tokens,
                                                prompt_lookup_min=2, prompt_lookup_max=3)
+    elif work.num_speculative_tokens:  # an EAGLE head read from the same tiny config: never loaded
+        speculative_config = SpeculativeConfig(method=work.spec_method, model=model_config.model,
+                                               num_speculative_tokens=work.num_speculative_tokens,
+                                               target_model_config=model_config,
+                                               target_parallel_config=ParallelConfig())
     lora_config = LoRAConfig(max_loras=work.num_loras, max_lora_rank=8) if work.num_loras and lora else None
     config = VllmConfig(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
                         device_config=DeviceConfig(device="cpu"), speculative_config=speculative_config,
@@ -219,12 +239,12 @@ def cpu_platform_stubs():
     from vllm.v1.worker import gpu_model_runner
 
     one_rank = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1, rank_in_group=0)
-    with mock.patch.object(torch.cuda, "Event", _NoEvent), \
+    with mock.patch.object(torch.cuda, "Event", NoEvent), \
             mock.patch.object(gpu_model_runner, "get_pp_group", lambda: one_rank):
         yield
 
 
-class _NoEvent:
+class NoEvent:
     def __init__(self, *args, **kwargs):
         pass
 

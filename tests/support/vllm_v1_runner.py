@@ -6,7 +6,12 @@ buffers) is built from the workload's `VllmConfig`, its persistent `InputBatch` 
 `GPUModelRunner.execute_model` runs before the forward pass: ``_update_states(scheduler_output)`` and
 ``_prepare_inputs(scheduler_output, num_scheduled_tokens)``, and after sampling
 ``_bookkeeping_sync`` with the fake model's tokens (so its token table and, under async scheduling, its
-``prev_sampled_token_ids`` hold what a real sampler would have left).
+``prev_sampled_token_ids`` hold what a real sampler would have left). Under async scheduling with drafts
+(an EAGLE drafter, `support.vllm_scheduler.fake_drafts`) it first does what
+``GPUModelRunner.propose_draft_token_ids`` leaves on the device: ``_draft_token_ids`` and, from vLLM's own
+``EagleProposer.prepare_next_token_ids_padded`` kernel, ``prev_sampled_token_ids`` and
+``valid_sampled_token_count_gpu``, which the next ``_prepare_inputs`` uses to correct the scheduler's
+optimistic ``num_computed_tokens`` (`vllm/v1/spec_decode/utils.py::update_num_computed_tokens_for_batch_change`).
 
 `V1Runner.prepare` returns the step per request id, in the runner's batch order: every field the
 adapter test compares.
@@ -21,7 +26,14 @@ import numpy as np
 import torch
 
 from support.vllm_ngram import load_vllm_ngram
-from support.vllm_scheduler import Workload, cpu_platform_stubs, fake_token, kv_cache_config, vllm_config
+from support.vllm_scheduler import (
+    NoEvent,
+    Workload,
+    cpu_platform_stubs,
+    fake_token,
+    kv_cache_config,
+    vllm_config,
+)
 
 
 def numba_stand_in() -> None:
@@ -53,7 +65,7 @@ class V1Runner:
             self.runner.kv_cache_config = config
             self.runner.may_reinitialize_input_batch(config)
         self.num_groups = len(config.kv_cache_groups)
-        self.ngram = load_vllm_ngram() if work.num_speculative_tokens else None
+        self.ngram = load_vllm_ngram() if work.num_speculative_tokens and work.spec_method == "ngram" else None
 
     def update_only(self, scheduler_output, v2_mode: bool = False) -> None:
         """A step that schedules nothing: ``execute_model`` runs ``_update_states`` and returns."""
@@ -69,18 +81,22 @@ class V1Runner:
             self.forget(scheduler_output.preempted_req_ids or ())
         runner, batch = self.runner, self.runner.input_batch
         with cpu_platform_stubs():
-            runner._update_states(scheduler_output)
+            corrections = runner._update_states(scheduler_output)
             req_ids = list(batch.req_ids)
             scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], np.int32)
             logits_indices, spec, _ = runner._prepare_inputs(scheduler_output, scheduled)
+            if corrections:  # execute_model runs them after the forward pass
+                corrections()
         num_reqs, num_tokens = len(req_ids), int(scheduled.sum())
         step = {
             "req_ids": req_ids,
-            "input_ids": runner.input_ids.gpu[:num_tokens].numpy().copy(),
+            # as the model gets them: _preprocess clamps the placeholders no step filled (-1) to 0
+            "input_ids": runner.input_ids.gpu[:num_tokens].numpy().clip(min=0),
             "positions": runner.positions[:num_tokens].numpy().copy(),
             "query_start_loc": runner.query_start_loc.cpu[:num_reqs + 1].numpy().copy(),
             "seq_lens": runner.seq_lens[:num_reqs].numpy().copy(),
-            "num_computed_tokens": batch.num_computed_tokens_cpu[:num_reqs].copy(),
+            # the device's count (async spec decode: the scheduler's, corrected for last step's rejections)
+            "num_computed_tokens": runner.num_computed_tokens[:num_reqs].numpy().copy(),
             "logits_indices": logits_indices.numpy().copy(),
             "discard": runner.discard_request_mask.np[:num_reqs].copy(),
             "lora_ids": batch.request_lora_mapping[:num_reqs].copy(),
@@ -125,8 +141,11 @@ class V1Runner:
             out.append(tokens)
         return out
 
-    def record(self, scheduler_output, step: dict, sampled: list[list[int]]) -> None:
-        """``_bookkeeping_sync`` with ``sampled`` as the sampler's output ([num_reqs, 1 + K], -1 padded)."""
+    def record(self, scheduler_output, step: dict, sampled: list[list[int]], drafts: list[list[int]] | None = None,
+               ) -> None:
+        """``_bookkeeping_sync`` with ``sampled`` as the sampler's output ([num_reqs, 1 + K], -1 padded);
+        ``drafts``: the drafter's proposals per request (async scheduling), set first as
+        ``propose_draft_token_ids`` sets them."""
         from vllm.v1.outputs import SamplerOutput
 
         width = 1 + self.work.num_speculative_tokens
@@ -140,7 +159,23 @@ class V1Runner:
         self.runner._draft_token_ids = None
         self.runner.valid_sampled_token_count_gpu = None
         self.runner.input_batch.prev_sampled_token_ids = None
+        if drafts is not None:
+            self.keep_drafts(torch.from_numpy(table), drafts)
         self.runner._bookkeeping_sync(scheduler_output, output, None, torch.zeros(num_tokens, 1), num_tokens)
+
+    def keep_drafts(self, sampled: torch.Tensor, drafts: list[list[int]]) -> None:
+        """What ``propose_draft_token_ids`` leaves for the next step under async scheduling (EAGLE, padded
+        drafter batch): the drafts, and from ``prepare_next_token_ids_padded`` (vLLM's Triton kernel) the last
+        valid token and the valid count of each request, as ``_copy_valid_sampled_token_count`` keeps them."""
+        runner = self.runner
+        next_token_ids, valid_count = runner.drafter.prepare_next_token_ids_padded(
+            sampled, runner.requests, runner.input_batch, runner.discard_request_mask.gpu)
+        runner.valid_sampled_token_count_event = NoEvent()
+        runner.valid_sampled_token_count_cpu = valid_count.clone()
+        runner.valid_sampled_token_count_gpu = valid_count
+        runner.input_batch.prev_sampled_token_ids = next_token_ids.unsqueeze(1)
+        runner._draft_token_ids = torch.tensor(drafts, dtype=torch.int32).reshape(len(drafts),
+                                                                                 self.work.num_speculative_tokens)
 
     def propose_drafts(self, step: dict, sampled: list[list[int]]) -> tuple[list[str], list[list[int]]]:
         """vLLM's n-gram proposer (`vllm/v1/spec_decode/ngram_proposer.py::NgramProposer.propose`) on the
