@@ -211,7 +211,10 @@ def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool
 
 
 def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
-    """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule."""
+    """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule; a
+    buffer whose header claims more than it holds sets ``ERROR_BITS["packed_counts"]``."""
+    bad = jnp.where(updates.bad_counts, ERROR_BITS["packed_counts"], 0)
+    state = dataclasses.replace(state, errors=state.errors | bad)
     state = finish_body(state, updates.finish_rows)
     state = add_body(state, updates.add)
     state = resume_body(state, updates.resume)
