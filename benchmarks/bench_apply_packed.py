@@ -7,8 +7,10 @@ The update is a small decode step that fits the ``--words`` rung: a dense schedu
 rows (one token each) and one appended block, packed by `packing.pack_step` and padded to the rung.
 The state is donated and threaded through the calls, as `ServingBatch` runs it. Reported per size:
 the median µs per call (best of ``--rounds`` rounds of ``--repeats`` calls, compile time apart) and
-the counts of ``stablehlo.`` ops, gathers and scatters in ``apply_packed.lower(...).as_text()``, and
-the bytes XLA's cost analysis of the compiled program counts as accessed.
+the counts of ``stablehlo.`` ops, gathers and scatters in ``apply_packed.lower(...).as_text()``, the
+elements those gathers read and scatters write (from the jaxpr), the instructions of the compiled
+entry computation (XLA:CPU's fusions: a proxy for GPU kernels), and the bytes XLA's cost analysis
+counts as accessed (on XLA:CPU a scatter counts its whole operand, so this grows with the state).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from common import add_timing_arguments, configure_benchmark_runtime, load_line,
 RUNTIME = configure_benchmark_runtime()
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxprep  # noqa: E402
@@ -56,15 +59,42 @@ def decode_buffer(config: ServingConfig, words: int) -> np.ndarray:
     return pad_to(buffer, words)
 
 
+def indexed_elements(jaxpr) -> int:
+    """Elements every gather reads and every scatter writes (its updates), sub-jaxprs included: the
+    threads those ops launch on a GPU, whatever the size of the array they index."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "gather":
+            total += int(np.prod(eqn.outvars[0].aval.shape))
+        elif eqn.primitive.name.startswith("scatter"):
+            total += int(np.prod(eqn.invars[2].aval.shape))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += indexed_elements(sub)
+    return total
+
+
+def entry_kernels(hlo: str) -> int:
+    """Instructions of the compiled program's entry computation that run (fusions, scatters, copies...;
+    not parameters, constants, tuples): one kernel each on a GPU."""
+    entry = hlo[hlo.index("ENTRY"):]
+    ops = re.findall(r"= \S+ ([a-z\-]+)\(", entry[: entry.index("\n}")])
+    return sum(op not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast") for op in ops)
+
+
 def op_counts(config: ServingConfig, buffer: np.ndarray) -> dict[str, int]:
-    """Ops of the lowered program, and XLA's cost analysis of the compiled one (bytes accessed)."""
-    lowered = apply_packed.lower(ServingState.empty(config), buffer, config=config)
+    """Ops of the lowered program, elements its gathers and scatters index, and XLA's cost analysis
+    of the compiled program (bytes accessed; on XLA:CPU a scatter counts its whole operand)."""
+    state = ServingState.empty(config)
+    elements = indexed_elements(jax.make_jaxpr(lambda s, b: apply_packed(s, b, config=config))(state, buffer).jaxpr)
+    lowered = apply_packed.lower(state, buffer, config=config)
     ops = re.findall(r"stablehlo\.([a-z_]+)", lowered.as_text())
     start = time.perf_counter()
-    cost = lowered.compile().cost_analysis()
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - start
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return dict(ops=len(ops), gather=ops.count("gather"), scatter=ops.count("scatter"),
+    return dict(ops=len(ops), gather=ops.count("gather"), scatter=ops.count("scatter"), elements=elements,
+                kernels=entry_kernels(compiled.as_text()),
                 bytes=int(cost.get("bytes accessed", -1)), compile_s=compile_s)
 
 
@@ -93,15 +123,17 @@ def main() -> None:
     print(machine_line())
     print(RUNTIME)
     print(f"rung {args.words} words, sampling {'on' if args.sampling else 'off'}")
-    print("| max_num_reqs | apply_packed us | compile s | stablehlo ops | gathers | scatters | bytes accessed |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| max_num_reqs | apply_packed us | compile s | stablehlo ops | gathers | scatters | elements indexed | "
+          "compiled kernels | bytes accessed |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (int(s) for s in args.sizes.split(",")):
         config = serving_config(rows, args.sampling)
         buffer = decode_buffer(config, args.words)
         counts = op_counts(config, buffer)
         us = time_us(config, buffer, args.repeats, args.rounds)
         print(f"| {rows} | {us:.1f} | {counts['compile_s']:.2f} | {counts['ops']} | {counts['gather']} | "
-              f"{counts['scatter']} | {counts['bytes']} |", flush=True)
+              f"{counts['scatter']} | {counts['elements']} | {counts['kernels']} | "
+              f"{counts['bytes']} |", flush=True)
     print(load_line())
 
 
