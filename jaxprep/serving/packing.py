@@ -380,7 +380,8 @@ class DeviceUpdates:
     data_col: jax.Array  # [sizes.data]
     data_value: jax.Array  # [sizes.data]
     segment_end: dict  # kind, row, end column of each segment [sizes.add * runs + sizes.resume * runs + sizes.segments]
-    schedule: dict  # num_scheduled_tokens, num_draft_tokens [R], draft_token_ids [R, K], grammar_index [R]
+    schedule: dict  # num_scheduled_tokens, num_draft_tokens, grammar_index [R]; per entry: entry_rows [sizes.schedule]
+    #                 (R past the count), draft_token_ids [sizes.schedule, K]
     has_lora_slots: jax.Array  # []
     lora_slots: jax.Array  # [max_loras]
     has_schedule: jax.Array  # [] 0: the schedule section is absent, the counts are kept
@@ -458,14 +459,15 @@ def _read(blob: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _read_schedule(blob, head, start, lay: Layout, rows: int, size: int) -> dict:
-    """Every row's schedule [rows] from the section's first ``size`` entries (rows not listed: 0).
+    """Every row's counts [rows] from the section's first ``size`` entries (rows not listed: 0), and
+    each entry's state row and drafts [size] (drafts are written per entry, not per row).
     Dense: field f of row i at start + f * n + i; sparse: a row field first."""
     dense, count = head["schedule_dense"], head["n_schedule"]
     index = jnp.arange(size, dtype=jnp.int32)
     valid = index < count
     fields = lay.schedule_fields
     row = jnp.where(dense == 1, index, _read(blob, start + index))
-    row = jnp.where(valid, row, rows)
+    row = jnp.where(valid & (row >= 0) & (row < rows), row, rows)  # the sentinel: a -1 would wrap in a scatter
 
     def column(name):  # field position counted without the row field in dense mode
         f = fields.index(name) - dense
@@ -477,8 +479,9 @@ def _read_schedule(blob, head, start, lay: Layout, rows: int, size: int) -> dict
     out = dict(num_scheduled_tokens=scatter("num_scheduled_tokens", 0))
     k = lay.num_drafts
     out["num_draft_tokens"] = scatter("num_draft_tokens", 0) if k else jnp.zeros((rows,), jnp.int32)
-    drafts = [scatter(f"draft_{i}", 0) for i in range(k)]
-    out["draft_token_ids"] = jnp.stack(drafts, axis=1) if k else jnp.zeros((rows, 0), jnp.int32)
+    out["entry_rows"] = row
+    drafts = [column(f"draft_{i}") for i in range(k)]
+    out["draft_token_ids"] = jnp.stack(drafts, axis=1) if k else jnp.zeros((size, 0), jnp.int32)
     if lay.grammar:
         grammar = jnp.where(valid, _read(blob, start + (fields.index("grammar_index") - dense) * count + index),
                             NO_GRAMMAR)

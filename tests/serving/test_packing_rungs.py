@@ -205,3 +205,27 @@ def test_a_header_claiming_more_than_its_buffer_sets_the_error_bit(count, value)
     assert int(state.errors[0]) == ERROR_BITS["packed_counts"]
     clean = apply_packed(busy_batch().state, np.zeros(64, np.int32), config=PLAIN)
     assert int(clean.errors[0]) == 0
+
+
+def test_drafts_of_a_sparse_schedule_at_the_smallest_rung_match_the_reference():
+    """24 decoding rows, drafts for rows 3 and 20 only: a sparse schedule in the 64-word rung, which
+    reads 10 schedule entries; each entry's drafts land after its row's tokens, as the oracle has it."""
+    batch = ServingBatch(RICH)
+    adds = [dict(row=r, token_ids=[r + 1] * 4, num_computed_tokens=3, block_ids=[2 * r + 1, 2 * r + 2])
+            for r in range(ROWS)]
+    batch.apply_updates(StepUpdates.build(RICH, add=adds))
+    expected = {name: value.copy() for name, value in batch.state.to_numpy().items()}
+    scheduled, drafts = np.zeros(ROWS, np.int64), np.zeros(ROWS, np.int64)
+    scheduled[[3, 20]], drafts[[3, 20]] = 3, 2
+    draft_ids = np.arange(ROWS * 2).reshape(ROWS, 2) % VOCAB
+    updates = StepUpdates.build(RICH, num_scheduled_tokens=scheduled, num_draft_tokens=drafts,
+                                draft_token_ids=draft_ids)
+    buffer = batch.pack(updates).step
+    assert len(buffer) == 64 and header(buffer)["schedule_dense"] == 0 and section_sizes(RICH, 64).schedule < ROWS
+    batch.apply_updates(updates)
+    expected = ref.schedule(expected, updates.schedule)
+    got = batch.state.to_numpy()
+    for name in ("token_ids", "num_draft_tokens", "num_scheduled_tokens"):
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    np.testing.assert_array_equal(got["token_ids"][20, 4:6], draft_ids[20])
+    assert not got["token_ids"][[2, 4, 19, 21], 4:6].any()  # negative control: no other row gets drafts
