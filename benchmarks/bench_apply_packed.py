@@ -1,7 +1,7 @@
 """`transitions.apply_packed` alone at one payload rung, for several ``max_num_reqs``: its time and
 the ops of its lowered program (a proxy for the kernels it launches on a GPU).
 
-    PYTHONPATH=. python benchmarks/bench_apply_packed.py [--sizes 64,256,1024] [--words 64] [--sampling]
+    PYTHONPATH=. python benchmarks/bench_apply_packed.py [--sizes 64,256,1024] [--words 64] [--sampling] [--drafts K]
 
 The update is a small decode step that fits the ``--words`` rung: a dense schedule of the first
 rows (one token each) and one appended block, packed by `packing.pack_step` and padded to the rung.
@@ -34,23 +34,25 @@ import numpy as np  # noqa: E402
 import jaxprep  # noqa: E402
 from jaxprep.features import FeatureConfig, SamplingConfig  # noqa: E402
 from jaxprep.serving import ServingConfig, StepUpdates, pack_step  # noqa: E402
-from jaxprep.serving.packing import HEADER_WORDS, pad_to  # noqa: E402
+from jaxprep.serving.packing import HEADER_WORDS, pad_to, payload_layout  # noqa: E402
 from jaxprep.serving.state import ServingState  # noqa: E402
 from jaxprep.serving.transitions import apply_packed  # noqa: E402
 
 
-def serving_config(rows: int, sampling: bool) -> ServingConfig:
-    """The configuration of benchmarks/bench_vllm_adapter.py at ``rows`` requests (+ sampling)."""
-    features = FeatureConfig(sampling=SamplingConfig(vocab_size=1000)) if sampling else FeatureConfig()
+def serving_config(rows: int, sampling: bool, drafts: int = 0) -> ServingConfig:
+    """The configuration of benchmarks/bench_vllm_adapter.py at ``rows`` requests (+ sampling, + K drafts)."""
+    features = FeatureConfig(sampling=SamplingConfig(vocab_size=1000) if sampling else None,
+                             num_speculative_tokens=drafts)
     prep = jaxprep.PrepConfig(max_num_reqs=rows, max_model_len=256, max_num_batched_tokens=max(1024, 2 * rows),
                               block_size=16, num_blocks=rows * 16 + 64, features=features)
-    return ServingConfig(prep=prep, vocab_size=1000)
+    return ServingConfig(prep=prep, vocab_size=1000, num_speculative_tokens=drafts)
 
 
 def decode_buffer(config: ServingConfig, words: int) -> np.ndarray:
     """A decode step that fits ``words``: one block appended to row 0 (5 words), a dense schedule of
-    the first rows (one token each), padded to ``words``."""
-    scheduled = min(config.max_num_reqs, words - HEADER_WORDS - 5)
+    the first rows (one token each, no drafts), padded to ``words``."""
+    width = len(payload_layout(config).schedule_fields) - 1  # a dense entry: no row field
+    scheduled = min(config.max_num_reqs, (words - HEADER_WORDS - 5) // width)
     updates = StepUpdates.build(config, append={0: [7]},
                                 num_scheduled_tokens=[1] * scheduled + [0] * (config.max_num_reqs - scheduled))
     buffer = pack_step(config, updates, np.ones((config.max_num_reqs, 1), np.int64)).step
@@ -118,16 +120,17 @@ def main() -> None:
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--words", type=int, default=64, help="the payload rung (buffer length in words)")
     parser.add_argument("--sampling", action="store_true", help="FeatureConfig.sampling on (penalty bins)")
+    parser.add_argument("--drafts", type=int, default=0, help="num_speculative_tokens (draft fields in the schedule)")
     add_timing_arguments(parser)
     args = parser.parse_args()
     print(machine_line())
     print(RUNTIME)
-    print(f"rung {args.words} words, sampling {'on' if args.sampling else 'off'}")
+    print(f"rung {args.words} words, sampling {'on' if args.sampling else 'off'}, {args.drafts} draft tokens")
     print("| max_num_reqs | apply_packed us | compile s | stablehlo ops | gathers | scatters | elements indexed | "
           "compiled kernels | bytes accessed |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (int(s) for s in args.sizes.split(",")):
-        config = serving_config(rows, args.sampling)
+        config = serving_config(rows, args.sampling, args.drafts)
         buffer = decode_buffer(config, args.words)
         counts = op_counts(config, buffer)
         us = time_us(config, buffer, args.repeats, args.rounds)

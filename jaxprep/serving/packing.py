@@ -24,7 +24,9 @@ blocks come as explicit segments. A run of kind ``TOKENS`` writes ``token_ids[ro
 The schedule section is dense (rows 0..n-1, no row field) or sparse (a row field), whichever is
 shorter. The buffer is padded with zeros to a rung of the ladder `payload_buckets` (64, 128, ...
 words): the device reads only what the header counts, so the same executable serves every update
-of its rung, and the rungs are compiled at warm-up. An update that does not fit the serving step's
+of its rung, and the rungs are compiled at warm-up. It reads each section at a static size bounded
+by what the rung's words can hold (`section_sizes`), so its gathers and scatters grow with the rung,
+not with max_num_reqs. An update that does not fit the serving step's
 rungs (`step_payload_words`) is split: leading buffers are applied by `transitions.apply_packed`,
 the last one (the schedule) goes with the step (`pack_step`).
 """
