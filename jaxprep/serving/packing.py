@@ -24,7 +24,9 @@ blocks come as explicit segments. A run of kind ``TOKENS`` writes ``token_ids[ro
 The schedule section is dense (rows 0..n-1, no row field) or sparse (a row field), whichever is
 shorter. The buffer is padded with zeros to a rung of the ladder `payload_buckets` (64, 128, ...
 words): the device reads only what the header counts, so the same executable serves every update
-of its rung, and the rungs are compiled at warm-up. An update that does not fit the serving step's
+of its rung, and the rungs are compiled at warm-up. It reads each section at a static size bounded
+by what the rung's words can hold (`section_sizes`), so its gathers and scatters grow with the rung,
+not with max_num_reqs. An update that does not fit the serving step's
 rungs (`step_payload_words`) is split: leading buffers are applied by `transitions.apply_packed`,
 the last one (the schedule) goes with the step (`pack_step`).
 """
@@ -336,32 +338,65 @@ def _encode(config: ServingConfig, chunk: _Chunk, decode_steps: int) -> np.ndarr
 # --- device side -------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class SectionSizes:
+    """The static entries `unpack_updates` reads of each section of a buffer of ``words`` words: no
+    more than the words after the header can hold, since every entry takes at least one word per
+    field (a dense schedule entry has no row field, an appended segment at least one block id), and
+    no more than max_num_reqs rows. `_encode` writes exactly ``HEADER_WORDS`` + the words of its
+    sections and `bucket_for` never picks a rung below that, so a packed buffer's counts never
+    exceed the sizes of its rung; a header that claims more sets `DeviceUpdates.bad_counts`.
+    # max_num_reqs 256, 6 add fields, words 64: body 54 -> finish 54, add 9, schedule 54, segments 10
+    """
+
+    finish: int
+    add: int
+    resume: int
+    segments: int
+    schedule: int
+    data: int
+
+
+@functools.lru_cache(maxsize=256)
+def section_sizes(config: ServingConfig, words: int) -> SectionSizes:
+    lay, rows, body = payload_layout(config), config.max_num_reqs, max(words - HEADER_WORDS, 0)
+
+    def fit(entry_words: int, cap: int = rows) -> int:  # at least 1: a zero-size section would not trace
+        return max(min(cap, body // entry_words), 1)
+
+    return SectionSizes(finish=fit(1), add=fit(len(lay.add_fields)), resume=fit(len(resume_fields(config))),
+                        segments=fit(len(SEGMENT_FIELDS) + 1, body), schedule=fit(len(lay.schedule_fields) - 1),
+                        data=fit(1, body))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeviceUpdates:
-    """A buffer read back inside the jit, every section at its static size; rows past a section's
-    count read as -1 (nothing)."""
+    """A buffer read back inside the jit, every section at its static size (`section_sizes` of the
+    buffer's length); rows past a section's count read as -1 (nothing)."""
 
     decode_steps: jax.Array  # [] int32
-    finish_rows: jax.Array  # [R]
-    add: dict  # name -> [R] (add_fields)
-    resume: dict  # name -> [R] (RESUME_FIELDS)
-    data_kind: jax.Array  # [L] segment kind of each data word; -1 past n_data
-    data_row: jax.Array  # [L]
-    data_col: jax.Array  # [L]
-    data_value: jax.Array  # [L]
-    segment_end: dict  # kind, row, end column of each segment [S]
-    schedule: dict  # num_scheduled_tokens, num_draft_tokens [R], draft_token_ids [R, K], grammar_index [R]
+    finish_rows: jax.Array  # [sizes.finish]
+    add: dict  # name -> [sizes.add] (add_fields)
+    resume: dict  # name -> [sizes.resume] (RESUME_FIELDS)
+    data_kind: jax.Array  # [sizes.data] segment kind of each data word; -1 past n_data
+    data_row: jax.Array  # [sizes.data]
+    data_col: jax.Array  # [sizes.data]
+    data_value: jax.Array  # [sizes.data]
+    segment_end: dict  # kind, row, end column of each segment [sizes.add * runs + sizes.resume * runs + sizes.segments]
+    schedule: dict  # num_scheduled_tokens, num_draft_tokens, grammar_index [R]; per entry: entry_rows [sizes.schedule]
+    #                 (R past the count), draft_token_ids [sizes.schedule, K]
     has_lora_slots: jax.Array  # []
     lora_slots: jax.Array  # [max_loras]
     has_schedule: jax.Array  # [] 0: the schedule section is absent, the counts are kept
+    bad_counts: jax.Array  # [] bool: the header claims more entries than the buffer holds (the excess is not read)
 
 
 def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
     """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather)."""
-    lay, rows = payload_layout(config), config.max_num_reqs
+    lay = payload_layout(config)
     blob = jnp.asarray(blob, jnp.int32)
-    length = blob.shape[0]
+    sizes = section_sizes(config, blob.shape[0])
     head = {name: blob[i] for i, name in enumerate(HEADER)}
     start = jnp.int32(HEADER_WORDS)
 
@@ -373,22 +408,37 @@ def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
         start = start + len(fields) * count
         return out
 
-    finish = section(head["n_finish"], ("row",), rows)["row"]
-    add = section(head["n_add"], lay.add_fields, rows)
-    resume = section(head["n_resume"], resume_fields(config), rows)
-    num_segments = max(length // (len(SEGMENT_FIELDS) + 1), 1)
-    segments = section(head["n_segments"], SEGMENT_FIELDS, num_segments)
-    schedule = _read_schedule(blob, head, start, lay, rows)
+    finish = section(head["n_finish"], ("row",), sizes.finish)["row"]
+    add = section(head["n_add"], lay.add_fields, sizes.add)
+    resume = section(head["n_resume"], resume_fields(config), sizes.resume)
+    segments = section(head["n_segments"], SEGMENT_FIELDS, sizes.segments)
+    schedule = _read_schedule(blob, head, start, lay, config.max_num_reqs, sizes.schedule)
     start = start + head["n_schedule"] * (len(lay.schedule_fields) - head["schedule_dense"])
     lora_slots = _read(blob, start + jnp.arange(max(lay.max_loras, 1), dtype=jnp.int32))[: lay.max_loras]
     start = start + head["has_lora_slots"] * lay.max_loras
     segments = _all_segments(config, add, resume, segments)
-    kind, row, col, value = _read_data(blob, start, head["n_data"], segments, length)
+    kind, row, col, value = _read_data(blob, start, head["n_data"], segments, sizes.data)
     ends = dict(kind=segments["kind"], row=segments["row"], end=segments["col"] + segments["len"])
     return DeviceUpdates(decode_steps=head["decode_steps"], finish_rows=finish, add=add, resume=resume, data_kind=kind,
                          data_row=row, data_col=col, data_value=value, segment_end=ends, schedule=schedule,
                          has_lora_slots=head["has_lora_slots"], lora_slots=lora_slots,
-                         has_schedule=head["has_schedule"])
+                         has_schedule=head["has_schedule"], bad_counts=_bad_counts(head, config, sizes, blob.shape[0]))
+
+
+def _bad_counts(head: dict, config: ServingConfig, sizes: SectionSizes, words: int) -> jax.Array:
+    """Whether a header count is negative, over its static size, or the counts need more than
+    ``words`` words (a buffer `pack_step` did not write: `SectionSizes`).
+    # 6 add fields, words 64: n_add 9 -> 10 + 54 words, fine; n_add 10 -> over sizes.add 9
+    """
+    lay = payload_layout(config)
+    counts = jnp.stack([head[name] for name in ("n_finish", "n_add", "n_resume", "n_segments", "n_schedule", "n_data")])
+    size = jnp.array([sizes.finish, sizes.add, sizes.resume, sizes.segments, sizes.schedule, sizes.data], jnp.int32)
+    entry_words = jnp.array([1, len(lay.add_fields), len(resume_fields(config)), len(SEGMENT_FIELDS),
+                             len(lay.schedule_fields), 1], jnp.int32)
+    clipped = jnp.clip(counts, 0, size)  # no int32 overflow below
+    needed = (HEADER_WORDS + jnp.sum(clipped * entry_words) + jnp.clip(head["has_lora_slots"], 0, 1) * lay.max_loras
+              - clipped[4] * jnp.clip(head["schedule_dense"], 0, 1))  # a dense schedule entry has no row field
+    return jnp.any((counts < 0) | (counts > size)) | (needed > words)
 
 
 def _all_segments(config: ServingConfig, add: dict, resume: dict, explicit: dict) -> dict:
@@ -412,14 +462,16 @@ def _read(blob: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(blob, index, mode="fill", fill_value=0)
 
 
-def _read_schedule(blob, head, start, lay: Layout, rows: int) -> dict:
-    """Dense: field f of row i at start + f * n + i; sparse: a row field first."""
+def _read_schedule(blob, head, start, lay: Layout, rows: int, size: int) -> dict:
+    """Every row's counts [rows] from the section's first ``size`` entries (rows not listed: 0), and
+    each entry's state row and drafts [size] (drafts are written per entry, not per row).
+    Dense: field f of row i at start + f * n + i; sparse: a row field first."""
     dense, count = head["schedule_dense"], head["n_schedule"]
-    index = jnp.arange(rows, dtype=jnp.int32)
+    index = jnp.arange(size, dtype=jnp.int32)
     valid = index < count
     fields = lay.schedule_fields
     row = jnp.where(dense == 1, index, _read(blob, start + index))
-    row = jnp.where(valid, row, rows)
+    row = jnp.where(valid & (row >= 0) & (row < rows), row, rows)  # the sentinel: a -1 would wrap in a scatter
 
     def column(name):  # field position counted without the row field in dense mode
         f = fields.index(name) - dense
@@ -431,8 +483,9 @@ def _read_schedule(blob, head, start, lay: Layout, rows: int) -> dict:
     out = dict(num_scheduled_tokens=scatter("num_scheduled_tokens", 0))
     k = lay.num_drafts
     out["num_draft_tokens"] = scatter("num_draft_tokens", 0) if k else jnp.zeros((rows,), jnp.int32)
-    drafts = [scatter(f"draft_{i}", 0) for i in range(k)]
-    out["draft_token_ids"] = jnp.stack(drafts, axis=1) if k else jnp.zeros((rows, 0), jnp.int32)
+    out["entry_rows"] = row
+    drafts = [column(f"draft_{i}") for i in range(k)]
+    out["draft_token_ids"] = jnp.stack(drafts, axis=1) if k else jnp.zeros((size, 0), jnp.int32)
     if lay.grammar:
         grammar = jnp.where(valid, _read(blob, start + (fields.index("grammar_index") - dense) * count + index),
                             NO_GRAMMAR)
@@ -441,7 +494,7 @@ def _read_schedule(blob, head, start, lay: Layout, rows: int) -> dict:
 
 
 def _read_data(blob, start, n_data, segments, length: int):
-    """Per data word j: its segment's kind and row, and its column ``col + j - segment start``.
+    """Per data word j < ``length``: its segment's kind and row, and its column ``col + j - segment start``.
     # segments len [3, 1], cols [0, 4] -> words 0..3 in segments [0, 0, 0, 1], columns [0, 1, 2, 4]
     """
     lengths = jnp.maximum(segments["len"], 0)

@@ -193,10 +193,11 @@ def admit_sampling_body(state: ServingState, updates: DeviceUpdates) -> ServingS
 
 
 def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool = True) -> ServingState:
-    """Sets every row's scheduled and draft counts (in ``batch.num_draft_tokens``), writes the draft
-    ids after ``num_tokens`` and the step's grammar rows; nothing where ``present`` is false.
+    """Sets every row's scheduled and draft counts (in ``batch.num_draft_tokens``), writes each
+    schedule entry's drafts after its row's ``num_tokens`` and the step's grammar rows; nothing where
+    ``present`` is false.
 
-    # num_tokens [5], num_draft [2], drafts [[41, 42, 0]] -> token_ids[0, 5:7] = [41, 42]
+    # entry_rows [0], num_tokens [5], num_draft [2], drafts [[41, 42, 0]] -> token_ids[0, 5:7] = [41, 42]
     """
     num_rows, max_model_len = state.batch.token_ids.shape
     present = jnp.asarray(present)
@@ -205,14 +206,14 @@ def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool
         return jnp.where(present, new, old)
 
     num_draft = chosen(schedule["num_draft_tokens"], state.batch.num_draft_tokens)
-    drafts = schedule["draft_token_ids"]
+    drafts = schedule["draft_token_ids"]  # [entries, K]
     token_ids = state.batch.token_ids
     if drafts.shape[1]:
+        rows = row_index(schedule["entry_rows"], num_rows)  # [entries]
         offsets = jnp.arange(drafts.shape[1], dtype=jnp.int32)[None, :]
-        columns = jnp.where(present & (offsets < num_draft[:, None]), state.num_tokens[:, None] + offsets,
-                            max_model_len)
-        rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], columns.shape)
-        token_ids = token_ids.at[rows, columns].set(drafts, mode="drop")
+        columns = jnp.where(present & (offsets < _gather(num_draft, rows)[:, None]),
+                            _gather(state.num_tokens, rows)[:, None] + offsets, max_model_len)
+        token_ids = token_ids.at[rows[:, None], columns].set(drafts, mode="drop")
     fields = dict(token_ids=token_ids, num_draft_tokens=num_draft,
                   num_scheduled_tokens=chosen(schedule["num_scheduled_tokens"], state.batch.num_scheduled_tokens))
     if state.batch.grammar_index is not None:
@@ -221,7 +222,10 @@ def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool
 
 
 def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
-    """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule."""
+    """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule; a
+    buffer whose header claims more than it holds sets ``ERROR_BITS["packed_counts"]``."""
+    bad = jnp.where(updates.bad_counts, ERROR_BITS["packed_counts"], 0)
+    state = dataclasses.replace(state, errors=state.errors | bad)
     state = finish_body(state, updates.finish_rows)
     state = add_body(state, updates.add)
     state = resume_body(state, updates.resume)

@@ -161,7 +161,8 @@ def test_record_sampled_reads_nothing_back():
     with jax.transfer_guard_device_to_host("disallow"):  # row 0 keeps one draft, then its bonus token
         batch.record_sampled(jnp.array([0, 1, -1, -1]), jnp.array([[21, 30, 0], [1000, 0, 0], [0] * 3, [0] * 3]),
                              jnp.array([2, 1, 0, 0]))
-    assert batch.errors() == {"sampled_token_id": True, "num_sampled": False, "idx_mapping": False}
+    assert batch.errors() == {"sampled_token_id": True, "num_sampled": False, "idx_mapping": False,
+                              "packed_counts": False}
     assert int(batch.state.batch.token_ids[1, 3]) == 0  # the bad token is not written
     with pytest.raises(InvalidUpdateError, match="pending"):
         batch.apply_updates(StepUpdates.build(SPEC, num_scheduled_tokens=[1, 0, 0, 0]))
