@@ -79,6 +79,16 @@ def _serving_args(config: ServingConfig):
     return ServingState.empty(config), kv_cache, init_params(MODEL, 0), np.zeros(packed_size(config), np.int32)
 
 
+def _record_prev_tokens_case():
+    """What async scheduling keeps for the next step (FeatureConfig.async_tokens, 2 drafts)."""
+    features = FeatureConfig(num_speculative_tokens=2, async_tokens=True)
+    config = _serving_config(dataclasses.replace(SMALL, features=features))
+    rows = SMALL.max_num_reqs
+    return ("serving.record_prev_tokens", transitions.record_prev_tokens,
+            (ServingState.empty(config), np.zeros(rows, np.int32), np.zeros((rows, 3), np.int32),
+             np.zeros(rows, np.int32), np.zeros((rows, 2), np.int32)), {})
+
+
 def _cases():
     """(name, jitted function, args, kwargs) for every executable jaxprep builds."""
     serving = _serving_config(SMALL)
@@ -107,6 +117,7 @@ def _cases():
         ("serving.apply_packed", transitions.apply_packed, (state, packed), dict(config=serving)),
         ("serving.record_sampled", transitions.record_sampled,
          (state, np.zeros(5, np.int32), np.zeros((5, 1), np.int32), np.zeros(5, np.int32)), {}),
+        _record_prev_tokens_case(),
         ("serving.dense_logits", workload.dense_logits, (params, np.zeros(16, np.int32)), dict(model=MODEL)),
         # the streamed loader writes each chunk of a stacked parameter in place (a dynamic_update_slice)
         ("models.load._write_rows", load._write_rows,
@@ -192,7 +203,8 @@ COVERED = {
     "jaxprep.prepare.prepare_padded", "jaxprep.prepare.prepare_packed", "jaxprep.serving.step.serve_step",
     "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.step.update_and_prepare_donated",
     "jaxprep.serving.transitions.apply_packed",
-    "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.workload.dense_logits",
+    "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.transitions.record_prev_tokens",
+    "jaxprep.serving.workload.dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
     "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
     "jaxprep.serving.sharded.update_and_prepare_sharded_donated",
