@@ -245,6 +245,13 @@ def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfi
     return apply_updates_body(state, unpack_updates(packed, config))
 
 
+def _discarded(state: ServingState, rows: jax.Array) -> jax.Array:
+    """Per batch row: a prefill chunk short of the row's known tokens (C + S < num_tokens), whose
+    sampled token is thrown away (the sentinel row ``num_rows`` reads 0s: not discarded)."""
+    seq_lens = _gather(state.batch.num_computed_tokens, rows) + _gather(state.batch.num_scheduled_tokens, rows)
+    return seq_lens < _gather(state.num_tokens, rows)
+
+
 def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
                         num_sampled: jax.Array, vocab_bound: int | None = None) -> ServingState:
     """Post-update of one step (vLLM V2 ``_post_update_kernel``): advances the device counters.
@@ -267,9 +274,8 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     rows = row_index(idx_mapping, num_rows)
     bad_row = jnp.any((idx_mapping < -1) | (idx_mapping >= num_rows))
     scheduled = _gather(state.batch.num_scheduled_tokens, rows)
-    computed = _gather(state.batch.num_computed_tokens, rows)
     num_tokens, num_draft = _gather(state.num_tokens, rows), _gather(state.num_draft_tokens, rows)
-    discarded = computed + scheduled < num_tokens
+    discarded = _discarded(state, rows)
     requested = jnp.asarray(num_sampled, jnp.int32)
     width = sampled_token_ids.shape[1]
     bound = jnp.minimum(num_draft + 1, width)
@@ -322,14 +328,12 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
     num_rows, width = batch.prev_sampled_token_ids.shape[0], sampled_token_ids.shape[1]
     idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
     rows = row_index(idx_mapping, num_rows)
-    discarded = (_gather(batch.num_computed_tokens, rows) + _gather(batch.num_scheduled_tokens, rows)
-                 < _gather(state.num_tokens, rows))
     counts = jnp.asarray(num_sampled, jnp.int32)
-    discarded = discarded | (counts <= 0)
+    discarded = _discarded(state, rows) | (counts <= 0)
     last = jnp.clip(counts - 1, 0, width - 1)
     sampled = jnp.take_along_axis(jnp.asarray(sampled_token_ids, jnp.int32), last[:, None], axis=1)[:, 0]
     batch_rows = jnp.arange(idx_mapping.shape[0], dtype=jnp.int32)
-    fields = dict(prev_batch_rows=prev_batch_rows_from_step(idx_mapping, discarded, num_rows),
+    fields = dict(prev_batch_rows=prev_batch_rows_from_step(rows, discarded, num_rows),
                   prev_sampled_token_ids=_set(jnp.zeros(num_rows, jnp.int32), batch_rows, sampled))
     if batch.prev_draft_token_ids is not None:
         drafts = jnp.full(batch.prev_draft_token_ids.shape, PLACEHOLDER_TOKEN_ID, jnp.int32)

@@ -244,3 +244,22 @@ def test_record_past_max_model_len_raises():
     batch.schedule(Schedule.build(CONFIG, [0, 1, 0, 0]))
     with pytest.raises(InvalidUpdateError, match="record_sampled.num_sampled"):
         batch.record_sampled([1, -1, -1, -1], np.zeros((4, 3), np.int32), [2, 0, 0, 0])
+
+
+def test_record_prev_tokens_skips_an_idx_mapping_entry_outside_the_rows():
+    """Async scheduling's last-step links: an ``idx_mapping`` entry below -1 links no row (as
+    `record_sampled` skips it), never a row it would wrap to."""
+    from jaxprep import FeatureConfig
+    from jaxprep._constants import NO_PREV_ROW
+    from jaxprep.serving.state import ServingState
+    from jaxprep.serving.transitions import record_prev_tokens
+
+    features = FeatureConfig(num_speculative_tokens=2, async_tokens=True)
+    config = ServingConfig(prep=dataclasses.replace(PREP, features=features), num_speculative_tokens=2)
+    sampled, counts = np.array([[7, -1, -1], [8, -1, -1], [9, -1, -1]], np.int32), np.ones(3, np.int32)
+    expected = np.full(PREP.max_num_reqs, NO_PREV_ROW)
+    expected[1] = 0
+    control = np.where(np.arange(PREP.max_num_reqs) == 2, 1, expected)  # an in-range entry does link its row
+    for idx_mapping, links in [([1, -3, -1], expected), ([1, 2, -1], control)]:
+        state = record_prev_tokens(ServingState.empty(config), np.array(idx_mapping, np.int32), sampled, counts)
+        np.testing.assert_array_equal(np.asarray(state.batch.prev_batch_rows), links, err_msg=str(idx_mapping))
