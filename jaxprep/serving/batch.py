@@ -23,6 +23,8 @@ from jaxprep.serving.state import (
     Schedule,
     ServingState,
     StepUpdates,
+    check_token_ids,
+    draft_width,
 )
 from jaxprep.serving.step import AppendedTokens, serve_step
 
@@ -125,8 +127,28 @@ class ServingBatch:
         if self.state.batch.prev_sampled_token_ids is None:
             raise ValueError("record_prev_tokens needs FeatureConfig.async_tokens")
         idx_mapping, sampled_token_ids, num_sampled = _device_shapes(idx_mapping, sampled_token_ids, num_sampled)
+        if draft_token_ids is not None:
+            draft_token_ids = self._checked_drafts(draft_token_ids, idx_mapping.shape[0])
         self.state = transitions.record_prev_tokens(self.state, idx_mapping, sampled_token_ids, num_sampled,
-                                                    draft_token_ids)
+                                                    draft_token_ids, vocab_bound=self.config.vocab_size)
+
+    def _checked_drafts(self, draft_token_ids, num_batch_rows: int):
+        """The drafter's proposals [B, <= K]: shape and dtype always; the ids too when they are on the host
+        (-1 allowed: a placeholder). Device ids are not read: the device sets ``ERROR_BITS["draft_token_id"]``."""
+        on_device = isinstance(draft_token_ids, jax.Array)
+        drafts = draft_token_ids if on_device else np.asarray(draft_token_ids)
+        width = draft_width(self.config)
+        if drafts.ndim != 2 or drafts.shape[0] != num_batch_rows or drafts.shape[1] > width:
+            raise checks.InvalidUpdateError(f"record_prev_tokens.draft_token_ids has shape {drafts.shape}, expected "
+                                            f"[B={num_batch_rows}, <= num_speculative_tokens={width}]")
+        if on_device:
+            if not jax.numpy.issubdtype(drafts.dtype, jax.numpy.integer):
+                raise checks.InvalidUpdateError(f"record_prev_tokens.draft_token_ids must hold integers, got dtype "
+                                                f"{drafts.dtype}")
+            return drafts
+        check_token_ids("record_prev_tokens.draft_token_ids", drafts, self.config.token_id_bound,
+                        checks.InvalidUpdateError, allow_placeholder=True)
+        return drafts.astype(np.int32)
 
     def errors(self) -> dict[str, bool]:
         """The device's error word read back (a host read): which `ERROR_BITS` are set."""

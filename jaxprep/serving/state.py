@@ -69,10 +69,12 @@ class ServingState:
         return host
 
 
-ERROR_BITS = {"sampled_token_id": 1, "num_sampled": 2, "idx_mapping": 4, "packed_counts": 8}
+ERROR_BITS = {"sampled_token_id": 1, "num_sampled": 2, "idx_mapping": 4, "packed_counts": 8, "draft_token_id": 16}
 """Bits of `ServingState.errors`, set by `record_sampled` on device inputs it could not take:
 a sampled token outside [0, vocab_size) (written as 0), a ``num_sampled`` outside
 [0, num_draft_tokens + 1] (clamped), an ``idx_mapping`` entry outside [-1, max_num_reqs) (skipped);
+by `transitions.record_prev_tokens` on a drafter's proposal outside [-1, vocab_size) (written as -1,
+a placeholder never accepted) or a last sampled token outside [0, vocab_size) (kept as 0);
 and by `transitions.apply_updates_body` on a packed buffer whose header claims more entries than
 its length holds (`packing.SectionSizes`: the entries past the static sizes are not read)."""
 

@@ -312,7 +312,8 @@ def record_sampled(state: ServingState, idx_mapping, sampled_token_ids, num_samp
 
 
 def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
-                            num_sampled: jax.Array, draft_token_ids: jax.Array | None) -> ServingState:
+                            num_sampled: jax.Array, draft_token_ids: jax.Array | None,
+                            vocab_bound: int | None = None) -> ServingState:
     """`FeatureConfig.async_tokens`' inputs of the next step from this one, before `record_sampled_body`:
     what V1 keeps on the device under async scheduling (``prev_req_id_to_index``,
     ``prev_sampled_token_ids``, ``_draft_token_ids``) for `jaxprep.features.async_tokens.write_prev_tokens`.
@@ -321,6 +322,10 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
     discarded prefill chunk); ``prev_sampled_token_ids[b]``: batch row b's last kept token;
     ``prev_draft_token_ids[b]``: the drafter's proposals after this step (``draft_token_ids`` [B, <= K]),
     -1 where none (a placeholder no step fills, never accepted).
+
+    Ids it cannot take set a bit of ``state.errors`` and are never written as given: a last sampled
+    token outside [0, ``vocab_bound``) is kept as 0 (``sampled_token_id``), a proposal outside
+    [-1, ``vocab_bound``) as -1 (``draft_token_id``).
     # idx_mapping [1, 0], sampled [[7, 8, -1], [9, -1, -1]], num_sampled [2, 1], drafts [[5, 6], [3, 4]]
     #   -> prev_batch_rows [1, 0, ...], prev_sampled_token_ids [8, 9, ...], prev_draft_token_ids [[5, 6], [3, 4], ...]
     """
@@ -332,20 +337,28 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
     discarded = _discarded(state, rows) | (counts <= 0)
     last = jnp.clip(counts - 1, 0, width - 1)
     sampled = jnp.take_along_axis(jnp.asarray(sampled_token_ids, jnp.int32), last[:, None], axis=1)[:, 0]
+    limit = jnp.iinfo(jnp.int32).max if vocab_bound is None else vocab_bound
+    bad_sampled = (rows < num_rows) & ~discarded & ((sampled < 0) | (sampled >= limit))
     batch_rows = jnp.arange(idx_mapping.shape[0], dtype=jnp.int32)
     fields = dict(prev_batch_rows=prev_batch_rows_from_step(rows, discarded, num_rows),
-                  prev_sampled_token_ids=_set(jnp.zeros(num_rows, jnp.int32), batch_rows, sampled))
+                  prev_sampled_token_ids=_set(jnp.zeros(num_rows, jnp.int32), batch_rows,
+                                              jnp.where(bad_sampled, 0, sampled)))
+    errors = jnp.where(jnp.any(bad_sampled), ERROR_BITS["sampled_token_id"], 0)
     if batch.prev_draft_token_ids is not None:
         drafts = jnp.full(batch.prev_draft_token_ids.shape, PLACEHOLDER_TOKEN_ID, jnp.int32)
         if draft_token_ids is not None:
             given = jnp.asarray(draft_token_ids, jnp.int32)[:, :drafts.shape[1]]
-            drafts = drafts.at[batch_rows, :given.shape[1]].set(given, mode="drop")
+            bad_draft = (given < PLACEHOLDER_TOKEN_ID) | (given >= limit)
+            errors = errors | jnp.where(jnp.any(bad_draft), ERROR_BITS["draft_token_id"], 0)
+            drafts = drafts.at[batch_rows, :given.shape[1]].set(jnp.where(bad_draft, PLACEHOLDER_TOKEN_ID, given),
+                                                               mode="drop")
         fields["prev_draft_token_ids"] = drafts
-    return _replace_batch(state, **fields)
+    state = _replace_batch(state, **fields)
+    return dataclasses.replace(state, errors=state.errors | errors)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def record_prev_tokens(state: ServingState, idx_mapping, sampled_token_ids, num_sampled,
-                       draft_token_ids=None) -> ServingState:
+@functools.partial(jax.jit, static_argnames=("vocab_bound",), donate_argnames=("state",))
+def record_prev_tokens(state: ServingState, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids=None,
+                       vocab_bound: int | None = None) -> ServingState:
     """`record_prev_tokens_body`, jitted, the state donated."""
-    return record_prev_tokens_body(state, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
+    return record_prev_tokens_body(state, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids, vocab_bound)

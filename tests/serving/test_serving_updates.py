@@ -5,6 +5,7 @@ negative controls."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -162,7 +163,7 @@ def test_record_sampled_reads_nothing_back():
         batch.record_sampled(jnp.array([0, 1, -1, -1]), jnp.array([[21, 30, 0], [1000, 0, 0], [0] * 3, [0] * 3]),
                              jnp.array([2, 1, 0, 0]))
     assert batch.errors() == {"sampled_token_id": True, "num_sampled": False, "idx_mapping": False,
-                              "packed_counts": False}
+                              "packed_counts": False, "draft_token_id": False}
     assert int(batch.state.batch.token_ids[1, 3]) == 0  # the bad token is not written
     with pytest.raises(InvalidUpdateError, match="pending"):
         batch.apply_updates(StepUpdates.build(SPEC, num_scheduled_tokens=[1, 0, 0, 0]))
@@ -316,3 +317,39 @@ def test_append_bounds_name_the_segment_and_change_nothing():
             np.testing.assert_array_equal(getattr(batch.rows, field), getattr(before, field), err_msg=name)
     batch.append_block_ids(AppendBlocks.build(FULL, {1: [[2, 4], [5]]}))
     assert batch.rows.table_blocks[1, :2].tolist() == [3, 2]
+
+
+ASYNC_SPEC = dataclasses.replace(SPEC, prep=dataclasses.replace(
+    SPEC.prep, features=FeatureConfig(num_speculative_tokens=2, async_tokens=True)))
+
+
+@pytest.mark.parametrize("drafts, message", [
+    ([[64, 3], [1, 2]], r"record_prev_tokens.draft_token_ids\[0\] = 64 is outside \[0, vocab_size=64\)"),
+    ([[1, -2], [1, 2]], r"record_prev_tokens.draft_token_ids\[1\] = -2 is outside \[0, vocab_size=64\)"),
+    ([[1, 2, 3], [1, 2, 3]], r"draft_token_ids has shape \(2, 3\), expected \[B=2, <= num_speculative_tokens=2\]"),
+    ([[1, 2]], r"draft_token_ids has shape \(1, 2\), expected \[B=2"),
+])
+def test_host_draft_proposals_get_named_errors_and_leave_the_state(drafts, message):
+    batch = ServingBatch(ASYNC_SPEC)
+    before = batch.state.to_numpy()
+    with pytest.raises(InvalidUpdateError, match=message):
+        batch.record_prev_tokens(np.array([0, 1]), np.array([[5], [6]]), np.array([1, 1]), np.array(drafts))
+    for name, value in batch.state.to_numpy().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_device_draft_proposals_outside_the_vocabulary_set_a_bit_and_become_placeholders():
+    """Read-free: a proposal outside [-1, vocab_size) is kept as -1 (never accepted) and flags
+    ``draft_token_id``; a last sampled token outside the vocabulary is kept as 0. Control: good ids pass."""
+    for drafts, sampled, stored, bits in [
+        ([[7, 64], [-1, 9]], [[5], [6]], [[7, -1], [-1, 9]], {"draft_token_id"}),
+        ([[7, 8], [-1, 9]], [[5], [99]], [[7, 8], [-1, 9]], {"sampled_token_id"}),
+        ([[7, 8], [-1, 9]], [[5], [6]], [[7, 8], [-1, 9]], set()),
+    ]:
+        batch = ServingBatch(ASYNC_SPEC)
+        with jax.transfer_guard_device_to_host("disallow"):
+            batch.record_prev_tokens(jnp.array([0, 1]), jnp.array(sampled), jnp.array([1, 1]), jnp.array(drafts))
+        np.testing.assert_array_equal(np.asarray(batch.state.batch.prev_draft_token_ids)[:2], stored)
+        prev = np.asarray(batch.state.batch.prev_sampled_token_ids)[:2]
+        np.testing.assert_array_equal(prev, [5, 0 if sampled[1][0] >= VOCAB else sampled[1][0]])
+        assert {name for name, on in batch.errors().items() if on} == bits
