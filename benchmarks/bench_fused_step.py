@@ -11,7 +11,7 @@ step before it is timed:
 - jaxprep XLA: `prepare_padded` with ``kernel="xla"``; jaxprep Pallas: ``kernel="pallas"`` (the two
   Triton kernels of jaxprep/kernels/prepare_pallas.py; Pallas' interpreter without a GPU);
 - vLLM V1 + copies: its host preparation into pinned buffers and the ``CpuGpuBuffer`` copies
-  (`bench_gpu.VllmV1WithCopies`; without CUDA, NumPy and one ``jax.device_put``);
+  (`vllm_v1_copies.VllmV1WithCopies`; without CUDA, NumPy and one ``jax.device_put``);
 - MRV2 real kernels: V2's own Triton kernels and host part (`mrv2_triton_baseline`, sources from
   ``.vllm_src``: `vllm_sources.py`), on CUDA only;
 - MRV2 torch ops: the same step in torch ops (`mrv2_torch_baseline`).
@@ -57,10 +57,11 @@ import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_gpu import VllmV1WithCopies, has_cuda, synchronize, torch  # noqa: E402
+from bench_gpu import has_cuda, synchronize, torch  # noqa: E402
 from bench_prepare import make_batch, v1_baseline  # noqa: E402
 from common import assert_same_step, load_line, machine_line  # noqa: E402
 from profile_gpu import dispatch_us, end_to_end_us, kernel_profile  # noqa: E402
+from vllm_v1_copies import VllmV1WithCopies  # noqa: E402
 
 from jaxprep import BatchState, prepare_padded  # noqa: E402
 
@@ -77,6 +78,8 @@ def on_gpu() -> bool:
 
 def jax_row(path: str, call, args) -> dict:
     launches, device_us = (kernel_profile(call, args.steps)[:2]) if on_gpu() else (None, None)
+    if launches == 0:  # a GPU step always runs something: the trace lost its device events (n/a, not 0)
+        launches = device_us = None
     return dict(path=path, launches=launches, device_us=device_us, thread_us=dispatch_us(call, args.repeats),
                 e2e_us=end_to_end_us(call, args.repeats))
 
@@ -132,34 +135,56 @@ def best_median_us(call, repeats: int) -> float:
     return best
 
 
-def step_rows(name: str, num_reqs: int, num_tokens: int, decode_only: bool, args) -> list[dict]:
-    config, arrays = make_batch(num_reqs, num_tokens, MAX_MODEL_LEN, BLOCK_SIZE, decode_only)
-    state = jax.device_put(BatchState.from_numpy(**arrays))
-    bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
-    num_reqs_padded = config.num_reqs_padded(bucket)
+@dataclasses.dataclass
+class StepCase:
+    """One step's batch, its padded bucket and jaxprep's XLA step (the reference every path must equal)."""
+    name: str
+    config: object
+    arrays: dict
+    state: BatchState
+    bucket: int
+    reference: object
+
+    @classmethod
+    def make(cls, name: str, num_reqs: int, num_tokens: int, decode_only: bool) -> StepCase:
+        config, arrays = make_batch(num_reqs, num_tokens, MAX_MODEL_LEN, BLOCK_SIZE, decode_only)
+        state = jax.device_put(BatchState.from_numpy(**arrays))
+        bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
+        return cls(name, config, arrays, state, bucket, jax.device_get(prepare_padded(state, config, bucket)))
+
+
+def jax_rows(case: StepCase, args) -> list[dict]:
+    """jaxprep's XLA and Pallas paths. All of them run before any torch profile: once torch.profiler has
+    held CUPTI in a process, jax.profiler's later traces come back without device events."""
+    config, state, bucket = case.config, case.state, case.bucket
     fused = dataclasses.replace(config, kernel="pallas")
-    reference = jax.device_get(prepare_padded(state, config, bucket))
     rows = [jax_row("jaxprep XLA", lambda: prepare_padded(state, config, bucket), args)]
-    problem = fused_problem(reference, state, fused, bucket)
+    problem = fused_problem(case.reference, state, fused, bucket)
     rows.append(dict(path="jaxprep Pallas", note=problem) if problem else
                 jax_row("jaxprep Pallas", lambda: prepare_padded(state, fused, bucket), args))
-    scheduled = arrays["num_scheduled_tokens"]
+    return [dict(row, step=case.name) for row in rows]
+
+
+def torch_rows(case: StepCase, args) -> list[dict]:
+    """vLLM's paths: V1's host preparation and its copies, MRV2's real kernels and its torch-ops twin."""
+    config, arrays, bucket = case.config, case.arrays, case.bucket
+    num_reqs_padded, scheduled = config.num_reqs_padded(bucket), arrays["num_scheduled_tokens"]
     if has_cuda():
         v1 = VllmV1WithCopies(config, arrays, torch.device("cuda"))
-        try:
-            assert_same_step(reference, v1.prepare_on_device(scheduled, bucket, num_reqs_padded))
+        try:  # what landed on the device, read back
+            assert_same_step(case.reference, v1.landed(v1.prepare_on_device(scheduled, bucket, num_reqs_padded)))
         except AssertionError as error:  # reported in the table, not timed: the other rows still run
-            rows.append(dict(path="vLLM V1 + CpuGpuBuffer copies", note=f"differs from jaxprep: {error}"[:200]))
+            rows = [dict(path="vLLM V1 + CpuGpuBuffer copies", note=f"differs from jaxprep: {error}")]
         else:
-            rows.append(torch_row("vLLM V1 + CpuGpuBuffer copies", lambda: v1.prepare_on_device(
-                scheduled, bucket, num_reqs_padded), args))
+            rows = [torch_row("vLLM V1 + CpuGpuBuffer copies", lambda: v1.prepare_on_device(
+                scheduled, bucket, num_reqs_padded), args)]
     else:
         v1 = v1_baseline(config, arrays)
-        rows.append(torch_row("vLLM V1 + device_put", lambda: jax.block_until_ready(jax.device_put(np.concatenate(
+        rows = [torch_row("vLLM V1 + device_put", lambda: jax.block_until_ready(jax.device_put(np.concatenate(
             [np.asarray(v, np.int32).ravel() for k, v in v1.prepare(scheduled, bucket, num_reqs_padded).items()
-             if hasattr(v, "shape")]))), args))
-    rows += mrv2_rows(config, arrays, reference, bucket, args)
-    return [dict(row, step=name) for row in rows]
+             if hasattr(v, "shape")]))), args)]
+    rows += mrv2_rows(config, arrays, case.reference, bucket, args)
+    return [dict(row, step=case.name) for row in rows]
 
 
 def fused_problem(reference, state, fused, bucket: int) -> str | None:
@@ -233,6 +258,11 @@ def goals(row: dict, rows: list[dict]) -> str:
     return "; ".join(f"{name}: {'n/a' if ok is None else 'met' if ok else 'missed'}" for name, ok in checks)
 
 
+def one_line(note: str, limit: int = 300) -> str:
+    """A note as one table cell: its lines joined, no column bars, at most ``limit`` characters."""
+    return " ".join(note.split()).replace("|", "/")[:limit]
+
+
 def cell(value, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
@@ -242,7 +272,7 @@ def print_step_table(rows: list[dict]) -> None:
     print("|---|---:|---:|---:|---:|---:|---|")
     for row in rows:
         if "e2e_us" not in row:
-            print(f"| {row['step']} / {row['path']} | n/a | n/a | n/a | n/a | n/a | {row['note']} |")
+            print(f"| {row['step']} / {row['path']} | n/a | n/a | n/a | n/a | n/a | {one_line(row['note'])} |")
             continue
         v1 = next((r for r in rows if r["step"] == row["step"] and r["path"].startswith("vLLM V1")
                    and "e2e_us" in r), None)
@@ -294,10 +324,13 @@ def main() -> int:
     print(f"machine: {machine_line()}; {load_line()}")
     print(f"measured: {jax.default_backend()} ({jax.devices()[0].device_kind}); torch CUDA: {has_cuda()}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    rows = [row for shape in (DRY_RUN_SHAPES if args.dry_run else SHAPES) for row in step_rows(*shape, args)]
-    print_step_table(rows)
+    cases = [StepCase.make(*shape) for shape in (DRY_RUN_SHAPES if args.dry_run else SHAPES)]
+    ours = [row for case in cases for row in jax_rows(case, args)]
+    served = serve_rows(args)  # jax.profiler too: before the first torch profile
+    theirs = [row for case in cases for row in torch_rows(case, args)]
+    print_step_table([row for case in cases for row in ours + theirs if row["step"] == case.name])
     print()
-    print_serve_table(serve_rows(args), args.command_buffers)
+    print_serve_table(served, args.command_buffers)
     return 0
 
 

@@ -48,12 +48,12 @@ import numpy as np  # noqa: E402
 from bench_features import batch as feature_batch  # noqa: E402
 from bench_prepare import make_batch, v1_baseline  # noqa: E402
 from common import add_runtime_argument, assert_same_step, interleaved_us, load_line, machine_line  # noqa: E402
-from vllm_v1_baseline import VllmV1HostPrep  # noqa: E402
 
 from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_padded, validate  # noqa: E402
 
 try:
     import torch
+    from vllm_v1_copies import VllmV1WithCopies
 except ImportError:  # torch is an optional extra: the V1 path then copies with jax.device_put
     torch = None
 
@@ -88,51 +88,6 @@ def device_us_per_step(fn, compiled_text: str, steps: int) -> float | None:
 
 def has_cuda() -> bool:
     return torch is not None and torch.cuda.is_available()
-
-
-class CpuGpuBuffers:
-    """`vllm/v1/utils.py::CpuGpuBuffer` per name: a zeroed pinned host tensor, whose NumPy view the
-    baseline writes, and its device twin. Used as `VllmV1HostPrep`'s ``make_buffer``."""
-
-    def __init__(self, device):
-        self.device, self.pairs = device, {}
-
-    def __call__(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-        cpu = torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype, pin_memory=has_cuda())
-        self.pairs[name] = (cpu, torch.zeros_like(cpu, device=self.device))
-        return cpu.numpy()
-
-    def copy_to_gpu(self, name: str, n: int):
-        cpu, gpu = self.pairs[name]
-        return gpu[:n].copy_(cpu[:n], non_blocking=True)
-
-
-class VllmV1WithCopies(VllmV1HostPrep):
-    """The V1 host path on pinned buffers, its results copied to the device as vLLM copies them.
-
-    vLLM 0.33.0 copies ``req_indices``/``query_pos`` and rebuilds positions, ``seq_lens`` and the
-    slot mapping on the GPU; this copies the host-built fields instead (the same bytes or fewer).
-    """
-
-    def __init__(self, config, arrays: dict, device):
-        self.buffers = CpuGpuBuffers(device)
-        block_table = self.buffers("block_table", arrays["block_table"].shape, np.int32)
-        block_table[:] = arrays["block_table"]
-        super().__init__(arrays["token_ids"], block_table, arrays["num_computed_tokens"], config.block_size,
-                         config.max_num_batched_tokens, make_buffer=self.buffers)
-
-    def commit_block_table(self, num_reqs: int) -> None:
-        self.buffers.copy_to_gpu("block_table", num_reqs)
-
-    def prepare_on_device(self, num_scheduled_tokens, num_tokens_padded: int, num_reqs_padded: int) -> dict:
-        step = self.prepare(num_scheduled_tokens, num_tokens_padded, num_reqs_padded)
-        for name in ("input_ids", "positions", "slot_mapping"):
-            self.buffers.copy_to_gpu(name, num_tokens_padded)
-        for name in ("seq_lens", "logits_indices"):
-            self.buffers.copy_to_gpu(name, num_reqs_padded)
-        self.buffers.copy_to_gpu("query_start_loc", num_reqs_padded + 1)
-        self.buffers.pairs["block_table"][1][step["num_reqs"]:num_reqs_padded].fill_(0)  # the null block
-        return step
 
 
 def synchronize() -> None:

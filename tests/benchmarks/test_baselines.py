@@ -181,3 +181,21 @@ def test_v1_baseline_sees_in_place_table_updates():
     want = expected(arrays, config, 8)
     assert step["input_ids"][0] == 999 == want["input_ids"][0]
     assert step["slot_mapping"][0] == want["slot_mapping"][0] == 11 * 2 + 1
+
+
+def test_v1_with_copies_lands_the_reference_on_the_device():
+    """The GPU benchmarks' V1 path (`vllm_v1_copies.VllmV1WithCopies`, here with CPU tensors as the device
+    twins): every field as copied to the device equals the reference, the null block on the padded rows
+    included. Control: the host step's block table is V1's staging buffer, never filled on this path
+    (vLLM copies ``block_table.cpu`` rows to the device directly), so it does not."""
+    from vllm_v1_copies import VllmV1WithCopies
+
+    config = CONFIGS["small_blocks"]
+    arrays = next(numpy_batches(config, seed=7))
+    tables, scheduled = condensed(arrays)
+    bucket = config.bucket_for(int(scheduled.sum()))
+    want = expected(arrays, config, bucket)
+    v1 = VllmV1WithCopies(config, tables, torch.device("cpu"))
+    step = v1.prepare_on_device(scheduled, bucket, config.num_reqs_padded(bucket))
+    assert_matches(v1.landed(step), want)
+    assert want["block_table"].any() and not step["block_table"].any()
