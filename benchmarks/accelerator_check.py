@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+from pytest_failure_log import ENV, failed_tests
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_BRIDGE_TESTS = ["tests/torch_bridge/test_cuda.py", "tests/torch_bridge/test_to_torch.py",
                      "tests/torch_bridge/test_lifetime.py", "tests/torch_bridge/test_from_torch.py"]
@@ -49,13 +51,21 @@ bench_gpu.py, the CUDA torch_bridge tests, the whole suite."""
 MIN_STEP_S = 30
 """A step is not started with less than this left of ``--budget-s``."""
 TABLE_FILE = "runbook.md"
+FAILURE_LOG = "failures.md"
+
+
+def default_workers() -> int:
+    """The suite's xdist workers: the machine's cores less 4 (for XLA's and torch's own threads), 1 to 12
+    (a 16-core GPU machine runs the suite with 12 in about 5.5 minutes)."""
+    return max(1, min(12, (os.cpu_count() or 1) - 4))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU path: one test file, a short benchmark")
     parser.add_argument("--wheels", help="directory of wheels for test packages the machine lacks")
-    parser.add_argument("--workers", type=int, default=6, help="pytest-xdist workers for the suite (0: none)")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="pytest-xdist workers for the suite (0: none; default: the cores less 4, at most 12)")
     parser.add_argument("--repeats", type=int, default=200, help="benchmark calls per round")
     parser.add_argument("--log-dir", help="write each step's full output here")
     parser.add_argument("--skip-install", action="store_true", help="the project is importable already")
@@ -93,12 +103,13 @@ class Runner:
         self.add(name, "skipped", f"--budget-s spent ({max(self.seconds_left(), 0):.0f} s left)")
         return False
 
-    def run(self, name: str, command: list[str], timeout: float = 1800) -> tuple[int, str]:
+    def run(self, name: str, command: list[str], timeout: float = 1800, env: dict | None = None) -> tuple[int, str]:
         timeout = max(1.0, min(timeout, self.seconds_left()))
         print(f"[runbook] {name}: {' '.join(command)}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            result = subprocess.run(command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+            result = subprocess.run(command, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True,
+                                    text=True, timeout=timeout)
             code, output = result.returncode, result.stdout + result.stderr
         except subprocess.TimeoutExpired as error:
             code, output = 124, f"{as_text(error.stdout)}{as_text(error.stderr)}\ntimed out after {timeout:.0f} s"
@@ -180,6 +191,8 @@ def timed_out_summary(output: str) -> str:
 
 
 def run_suite(runner: Runner, args) -> None:
+    """The whole suite; each failure's report goes to ``LOG_DIR/failures.md`` as it happens
+    (`pytest_failure_log`), so a suite the budget cuts off still names its failures."""
     if not runner.can_start("test suite"):
         return
     if args.dry_run:
@@ -187,17 +200,27 @@ def run_suite(runner: Runner, args) -> None:
         runner.add("tests (dry run, CPU)", "ok" if code == 0 else "FAILED", pytest_summary(output))
         return
     workers = ["-n", str(args.workers)] if args.workers and has_xdist(runner) else []
-    code, output = runner.run("test suite", PYTEST + workers)
+    failure_log = os.path.join(args.log_dir or ROOT, FAILURE_LOG)
+    if os.path.exists(failure_log):
+        os.remove(failure_log)
+    code, output = runner.run("test suite", PYTEST + ["-p", "pytest_failure_log"] + workers,
+                              env={ENV: failure_log, "PYTHONPATH": with_benchmarks_on_path(runner.env)})
     if code == 124:
         runner.add("test suite, JAX on the GPU", "cut off", timed_out_summary(output))
-        return
-    runner.add("test suite, JAX on the GPU", "ok" if code == 0 else "FAILED", pytest_summary(output))
-    reasons = skip_reasons(output)
-    if reasons:
-        runner.add("skipped tests", "reported", reasons)
-    failed = re.findall(r"^FAILED (\S+)", output, flags=re.MULTILINE)
+    else:
+        runner.add("test suite, JAX on the GPU", "ok" if code == 0 else "FAILED", pytest_summary(output))
+        reasons = skip_reasons(output)
+        if reasons:
+            runner.add("skipped tests", "reported", reasons)
+    failed = failed_tests(failure_log)
     if failed:
-        runner.add("failed tests", "FAILED", ", ".join(failed[:20]) + (" ..." if len(failed) > 20 else ""))
+        runner.add("failed tests", "FAILED", ", ".join(failed[:20]) + (" ..." if len(failed) > 20 else "")
+                   + f" (reports: {FAILURE_LOG})")
+
+
+def with_benchmarks_on_path(env: dict) -> str:
+    """PYTHONPATH with benchmarks/ added, for ``-p pytest_failure_log``."""
+    return os.pathsep.join(p for p in (os.path.join(ROOT, "benchmarks"), env.get("PYTHONPATH")) if p)
 
 
 def run_bridge_tests(runner: Runner, args) -> None:
@@ -258,21 +281,28 @@ def run_fused_benchmark(runner: Runner, args) -> None:
 
 
 def add_table_rows(runner: Runner, prefix: str, output: str) -> None:
-    """One runbook row per result row of every Markdown table in ``output``, named by its first cell."""
-    header = None  # each table opens with its own header row; any line outside a table ends it
-    for line in output.splitlines():
-        if not line.startswith("|"):
+    """One runbook row per result row of every Markdown table in ``output``, named by its first cell.
+    A table's header is the row just above a ``|---|`` line; a blank line ends the table, and a line that
+    is not a row inside one (a note broken over lines) is passed over."""
+    lines = output.splitlines()
+    header = None
+    for line, after in zip(lines, lines[1:] + [""]):
+        if not line.strip():
             header = None
-            continue
-        if set(line) <= set("|-: "):
+        if not line.startswith("|") or is_separator(line):
             continue
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if header is None:
+        if is_separator(after):
             header = cells
             continue
+        if header is None:  # a row outside any table: not a result
+            continue
         detail = "; ".join(f"{name}: {value}" for name, value in zip(header[1:], cells[1:]))
-        missed = "missed" in line
-        runner.add(f"{prefix}: {cells[0]}", "goal missed" if missed else "ok", detail)
+        runner.add(f"{prefix}: {cells[0]}", "goal missed" if "missed" in line else "ok", detail)
+
+
+def is_separator(line: str) -> bool:
+    return line.startswith("|") and "-" in line and set(line) <= set("|-: ")
 
 
 def last_line(output: str) -> str:

@@ -88,3 +88,39 @@ def test_a_suite_cut_off_by_the_budget_reports_how_far_it_got():
     output = "..F.s...     [ 10%]\n.E......     [ 20%]\n....\ntimed out after 60 s"
     assert timed_out_summary(output) == "cut off by --budget-s at 20% of the tests, 2 failed or errored so far"
     assert timed_out_summary("timed out after 1 s").startswith("cut off by --budget-s at 0%")
+
+
+def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
+    """The suite's failures reach LOG_DIR/failures.md one by one (a run the budget kills prints no
+    summary): the failing test with its assertion; the passing one not at all."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from pytest_failure_log import failed_tests
+
+    (tmp_path / "test_two.py").write_text("def test_fine():\n    assert 1\n\n"
+                                          "def test_broken():\n    assert 2 + 2 == 5, 'arithmetic'\n")
+    log = tmp_path / "failures.md"
+    env = dict(os.environ, JAXPREP_FAILURE_LOG=str(log),
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_failure_log",
+                             "test_two.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert failed_tests(str(log)) == ["test_two.py::test_broken"]
+    assert "arithmetic" in log.read_text() and "test_fine" not in log.read_text()
+    assert failed_tests(str(tmp_path / "none.md")) == []
+
+
+def test_table_rows_keep_their_columns_when_a_note_spans_lines():
+    """A benchmark note broken over lines must not turn the next result row into a header."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from accelerator_check import Runner, add_table_rows
+
+    output = ("| step / path | launches | device µs |\n|---|---:|---:|\n| a / XLA | 19 | 29.0 |\n"
+              "| a / V1 | n/a | differs:\nArrays are not equal\n [0, 1]: 5 |\n| a / MRV2 | 7 | 9.7 |\n\n"
+              "| serve_step | launches | thread µs |\n|---|---:|---:|\n| serve, xla | 3 | 866.6 |\n")
+    runner = Runner({}, None)
+    add_table_rows(runner, "fused", output)
+    details = {check: detail for check, _, detail in runner.rows}
+    assert details == {"fused: a / XLA": "launches: 19; device µs: 29.0",
+                       "fused: a / V1": "launches: n/a; device µs: differs:",
+                       "fused: a / MRV2": "launches: 7; device µs: 9.7",
+                       "fused: serve, xla": "launches: 3; thread µs: 866.6"}
