@@ -70,7 +70,8 @@ def serve_greedy(model: TorchDecoder, prompts: list[list[int]], max_tokens: int,
         for request in scheduler.running:
             num_tokens[request.row] = request.num_tokens
         state = batch_state(scheduler, out.num_scheduled_tokens, prep)
-        inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, prep))
+        # on the model's device: JAX's arrays may live elsewhere (a GPU) than the weights (the CPU)
+        inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, prep), device=model.device)
         if edit_inputs is not None:
             inputs = edit_inputs(inputs)
         next_ids = greedy_sample(model.forward(inputs, kv_caches), inputs)

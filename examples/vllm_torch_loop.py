@@ -80,7 +80,7 @@ def serve(directory: str, prompts: list[list[int]], max_tokens: int, *, block_si
         scheduler_output = scheduler.schedule()
         counts["preempted"] += len(scheduler_output.preempted_req_ids or ())
         step = adapter.step(scheduler_output)
-        inputs = torch_bridge.to_torch(step.inputs)
+        inputs = torch_bridge.to_torch(step.inputs, device=model.device)  # where the weights are
         next_ids = greedy_sample(model.forward(inputs, kv_caches), inputs).tolist()
         # a prefill chunk that stops short of the request's tokens samples nothing (vLLM discards it)
         sampled = [[] if scheduler.requests[req_id].is_prefill_chunk else [token]

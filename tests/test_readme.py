@@ -11,6 +11,7 @@ transcript), or a ``bash`` block marked ``<!-- run: ci (...) -->`` (`.ci/run` ru
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import subprocess
@@ -87,7 +88,7 @@ def cpu_runs(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)
     running = {}
-    for block in PYTHON:
+    for block in (b for b in PYTHON if not missing_packages(b.code)):
         path = folder / f"{block.where.replace('/', '_').replace(':', '_line_')}.py"
         path.write_text(block.code, encoding="utf-8")
         running[block.where] = subprocess.Popen([sys.executable, str(path)], cwd=folder, env=env, text=True,
@@ -95,10 +96,26 @@ def cpu_runs(tmp_path_factory):
     return {line: (process.wait(BLOCK_TIMEOUT_S), process.stdout.read()) for line, process in running.items()}
 
 
+def test_a_block_that_imports_a_missing_package_is_named():
+    """What lets the README's vLLM block skip where vLLM is not installed, and nothing else skip."""
+    assert missing_packages("import numpy as np\nfrom no_such_package_here import x\n") == ["no_such_package_here"]
+    assert missing_packages("import numpy\nimport jax.numpy as jnp\nfrom jaxprep import PrepConfig\n") == []
+
+
+IMPORTED = re.compile(r"^(?:from|import) (\w+)", re.M)
+
+
+def missing_packages(code: str) -> list[str]:
+    """The top-level packages a block imports that this machine lacks (a GPU machine has no vLLM)."""
+    imported = set(IMPORTED.findall(code)) | ({"torch"} if "torch_bridge" in code else set())
+    return sorted(name for name in imported if importlib.util.find_spec(name) is None)
+
+
 @pytest.mark.parametrize("block", PYTHON, ids=[b.where for b in PYTHON])
 def test_python_block_runs(block, cpu_runs):
-    if "import torch" in block.code or "torch_bridge" in block.code:
-        pytest.importorskip("torch")
+    missing = missing_packages(block.code)
+    if missing:
+        pytest.skip(f"{block.where} imports {', '.join(missing)}, which this machine lacks")
     status, output = cpu_runs[block.where]
     assert status == 0, f"{block.where} failed:\n{output}"
 

@@ -77,6 +77,7 @@ class TorchDecoder:
         """One step over the padded token batch of ``inputs`` (a `TorchStepInputs`): writes every
         layer's K/V at ``slot_mapping`` into ``kv_caches`` (in place) and returns the logits
         [num_reqs_padded, vocab_size] float32 at ``logits_indices`` (rows past ``num_reqs`` are padding)."""
+        self._check_device(inputs)
         meta = inputs.attn_metadata
         x = self.weights["model.embed_tokens.weight"][inputs.input_ids.long()]  # [T_pad, D]
         cos, sin = self._rope_tables(inputs.positions)
@@ -88,6 +89,19 @@ class TorchDecoder:
             x = x + self._mlp(layer, x)
         last = x[inputs.logits_indices.long()]  # [R_pad, D]
         return _rms_norm(last, self.weights["model.norm.weight"], self.config.rms_norm_eps) @ self.lm_head.T
+
+    def _check_device(self, inputs) -> None:
+        """The step's device-side fields must be where the weights are (JAX may hold the step on a GPU
+        while the weights are on the CPU): a ValueError naming the field and both devices."""
+        meta = inputs.attn_metadata
+        fields = (("input_ids", inputs.input_ids), ("positions", inputs.positions),
+                  ("logits_indices", inputs.logits_indices), ("attn_metadata.slot_mapping", meta.slot_mapping),
+                  ("attn_metadata.block_table_tensor", meta.block_table_tensor))
+        for name, tensor in fields:
+            if tensor.device.type != self.device.type:
+                raise ValueError(f"TorchDecoder.forward: inputs.{name} is on {tensor.device}, the model's weights on "
+                                 f"{self.device}: bridge the step to the model's device "
+                                 "(torch_bridge.to_torch(step, device=model.device))")
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T_pad, 1, head_dim] of each token's position (transformers' ``cat(freqs, freqs)``)."""

@@ -65,9 +65,10 @@ def ragged_reference(case, inputs):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
     meta = inputs.attn_metadata
-    out = ref_ragged_paged_attention(case.q, to_tpu_kv_pages(case.k_cache, case.v_cache, B), meta.seq_lens,
-                                     meta.block_table, meta.query_start_loc, meta.num_reqs.reshape(1),
-                                     sm_scale=case.q.shape[-1] ** -0.5)
+    with jax.default_matmul_precision("highest"):  # its einsums carry no precision: TF32 on a recent GPU
+        out = ref_ragged_paged_attention(case.q, to_tpu_kv_pages(case.k_cache, case.v_cache, B), meta.seq_lens,
+                                         meta.block_table, meta.query_start_loc, meta.num_reqs.reshape(1),
+                                         sm_scale=case.q.shape[-1] ** -0.5)
     return np.asarray(out)
 
 

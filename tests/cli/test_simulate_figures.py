@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from cli.test_simulate import ROOT, SMALL
 
 FACTOR = 4.0
@@ -44,21 +45,34 @@ def run_python(*args: str, cache_home: str) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def test_prepare_figure_matches_the_benchmark_and_the_cache_serves_the_second_warmup(tmp_path):
-    first, second = (json.loads(run_python("-m", "jaxprep", "--json", *SMALL, cache_home=str(tmp_path)))
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """The CLI run twice at SMALL's shape with one cache folder: (folder, first figures, second figures)."""
+    cache_home = tmp_path_factory.mktemp("cache_home")
+    first, second = (json.loads(run_python("-m", "jaxprep", "--json", *SMALL, cache_home=str(cache_home)))
                      for _ in range(2))
-    assert first["compile_cache"] == second["compile_cache"] == str(tmp_path / "jaxprep")
+    return cache_home, first, second
+
+
+def test_the_cache_serves_the_second_warmup(two_runs):
+    cache_home, first, second = two_runs
+    assert first["compile_cache"] == second["compile_cache"] == str(cache_home / "jaxprep")
     # the updates at 2 payload rungs + the step at buckets 8 and 16
-    assert first["warmup_compiles"] == 4 and first["warmup_cache_hits"] == 0
-    assert second["warmup_compiles"] == second["warmup_cache_hits"] == 4
+    assert first["warmup_compiles"] == 4 and first["warmup_cache_hits"] == 0, first
+    assert second["warmup_compiles"] == second["warmup_cache_hits"] == 4, second
     assert second["compiles_after_warmup"] == 0
     for name in ("step_us", "dispatch_us", "prepare_us"):
         assert 0 < second[f"{name}_median"] <= second[f"{name}_p99"]
-    assert second["prepare_us_median"] < second["dispatch_us_median"] < second["step_us_median"]
     assert set(second["figures"]) == {"step_us", "dispatch_us", "prepare_us", "tokens_per_s", "prefill_tokens_per_s",
                                       "warmup_s"}
 
-    bench_us = float(run_python("-c", BENCHMARK, cache_home=str(tmp_path)))
+
+@pytest.mark.cpu_only("the band is set for the CPU, where both figures end on the host; on a GPU the "
+                      "benchmark's figure adds a device-to-host fetch the CLI's does not wait for")
+def test_prepare_figure_matches_the_benchmark(two_runs):
+    cache_home, _, second = two_runs
+    assert second["prepare_us_median"] < second["dispatch_us_median"] < second["step_us_median"]
+    bench_us = float(run_python("-c", BENCHMARK, cache_home=str(cache_home)))
     assert 1 / FACTOR <= second["prepare_us_median"] / bench_us <= FACTOR, (second["prepare_us_median"], bench_us)
     # negative control: the dispatch figure, which adds the model's forward pass, falls outside the band
     assert second["dispatch_us_median"] / bench_us > FACTOR, (second["dispatch_us_median"], bench_us)

@@ -102,9 +102,24 @@ def test_prefill_logits_equal_transformers(checkpoint):
         token_ids[0, :11] = prompt
         state = jaxprep.BatchState.from_numpy(token_ids=token_ids, block_table=[[1, 2, 3, 4]],
                                               num_computed_tokens=[0], num_scheduled_tokens=[11])
-        inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, config))
+        inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, config), device=model.device)
         return model.forward(inputs, model.new_kv_caches(5, 4))[0].numpy()
 
     np.testing.assert_allclose(last_logits(model), expected, rtol=1e-4, atol=1e-4)
     default_rope = TorchDecoder(dataclasses.replace(model.config, rope=type(model.config.rope)()), model.weights)
     assert np.abs(last_logits(default_rope) - expected).max() > 1e-3
+
+
+def test_a_step_on_another_device_than_the_weights_is_named(checkpoint):
+    """JAX may hold the step on a GPU while the weights are on the CPU: forward names the field and both
+    devices instead of failing deep in an index op (here the step's input_ids moved to the meta device)."""
+    model = TorchDecoder.from_pretrained(checkpoint("llama-llama3-rope"))
+    config = jaxprep.PrepConfig(max_num_reqs=1, max_model_len=16, max_num_batched_tokens=16, block_size=4,
+                                num_blocks=5)
+    state = jaxprep.BatchState.from_numpy(token_ids=np.arange(1, 17, dtype=np.int32)[None], block_table=[[1, 2, 3, 4]],
+                                          num_computed_tokens=[0], num_scheduled_tokens=[3])
+    inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, config), device=model.device)
+    assert model.forward(inputs, model.new_kv_caches(5, 4)).shape[-1] == model.config.vocab_size  # control
+    elsewhere = dataclasses.replace(inputs, input_ids=inputs.input_ids.to("meta"))
+    with pytest.raises(ValueError, match=r"inputs.input_ids is on meta, the model's weights on cpu"):
+        model.forward(elsewhere, model.new_kv_caches(5, 4))
