@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="steps in each profiler trace")
     parser.add_argument("--command-buffers", choices=("default", *COMMAND_BUFFERS), default="default")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes: checks the script, not the GPU")
+    parser.add_argument("--default-runtime", action="store_true",
+                        help="keep JAX's CPU defaults (read by common.configure_benchmark_runtime)")
     return parser.parse_args(argv)
 
 
@@ -57,7 +59,7 @@ import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_gpu import has_cuda, synchronize, torch  # noqa: E402
+from bench_gpu import RUNTIME, has_cuda, synchronize, torch  # noqa: E402
 from bench_prepare import make_batch, v1_baseline  # noqa: E402
 from common import assert_same_step, load_line, machine_line  # noqa: E402
 from profile_gpu import dispatch_us, end_to_end_us, kernel_profile  # noqa: E402
@@ -322,6 +324,7 @@ def print_serve_table(rows: list[dict], command_buffers: str) -> None:
 def main() -> int:
     args = ARGS or parse_args()
     print(f"machine: {machine_line()}; {load_line()}")
+    print(RUNTIME)
     print(f"measured: {jax.default_backend()} ({jax.devices()[0].device_kind}); torch CUDA: {has_cuda()}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     cases = [StepCase.make(*shape) for shape in (DRY_RUN_SHAPES if args.dry_run else SHAPES)]

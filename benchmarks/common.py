@@ -18,13 +18,35 @@ def uses_default_runtime() -> bool:
     return DEFAULT_RUNTIME_FLAG in sys.argv[1:]
 
 
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def has_cuda_plugin() -> bool:
+    """Whether jax's CUDA plugin is installed (JAX then starts on the GPU unless JAX_PLATFORMS says
+    otherwise); found without starting JAX."""
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return False
+    for name in CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:  # the parent package (jax_plugins) is not there
+            continue
+    return False
+
+
 def configure_benchmark_runtime() -> str:
     """Call before JAX starts. `jaxprep.cli.configure_runtime()` (one XLA:CPU thread, synchronous
     dispatch, as the CLI) unless ``--default-runtime`` is on the command line, which keeps JAX's
-    defaults (XLA:CPU's thread pool over every core, asynchronous dispatch). Returns a line naming
-    the settings, for the report."""
+    defaults (XLA:CPU's thread pool over every core, asynchronous dispatch), or jax's CUDA plugin is
+    installed: ``PJRT_NPROC`` also sizes the GPU client's thread pool, so on a GPU machine JAX keeps
+    its defaults, as a serving process would. Returns a line naming the settings, for the report."""
     if uses_default_runtime():
         return "runtime: JAX defaults (XLA:CPU thread pool, async dispatch; --default-runtime)"
+    if has_cuda_plugin():
+        return "runtime: JAX defaults (jax's CUDA plugin is installed: PJRT_NPROC left alone)"
     from jaxprep.cli import configure_runtime
 
     configure_runtime()

@@ -124,3 +124,20 @@ def test_table_rows_keep_their_columns_when_a_note_spans_lines():
                        "fused: a / V1": "launches: n/a; device µs: differs:",
                        "fused: a / MRV2": "launches: 7; device µs: 9.7",
                        "fused: serve, xla": "launches: 3; thread µs: 866.6"}
+
+
+def test_a_gpu_machine_keeps_jax_runtime_defaults(tmp_path, monkeypatch):
+    """The benchmarks set PJRT_NPROC=1 for XLA:CPU; it also sizes the GPU client's thread pool, so where
+    jax's CUDA plugin is installed they leave JAX's defaults (unless JAX_PLATFORMS=cpu)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import common
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(common, "CUDA_PLUGINS", ("jaxprep_fake_cuda_plugin", "jax_plugins.jaxprep_fake_cuda"))
+    assert not common.has_cuda_plugin()  # control: neither is installed
+    (tmp_path / "jaxprep_fake_cuda_plugin").mkdir()
+    (tmp_path / "jaxprep_fake_cuda_plugin" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert common.has_cuda_plugin()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not common.has_cuda_plugin()
