@@ -23,8 +23,8 @@ step and the wait for its results. Without a GPU the device columns read n/a.
 
 A second table runs `serve_step` (tiny model, one iteration) with the plain step on XLA and on the
 kernels: its launches, those of the two prepare kernels, and its times. ``--command-buffers``
-sets XLA's CUDA-graph flags before JAX starts (off: none; on: fusions, cuBLAS and custom calls,
-graphs of any size); the runbook runs both.
+sets XLA's CUDA-graph flags before JAX starts (off: none; on: fusions, cuBLAS, custom calls, while
+loops and conditionals, graphs of any size); the runbook runs both.
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ import sys
 import time
 
 COMMAND_BUFFERS = {"off": "--xla_gpu_enable_command_buffer=",
-                   "on": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"}
+                   "on": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL "
+                         "--xla_gpu_graph_min_graph_size=1"}
+"""XLA's command buffers (CUDA graphs). "on" includes WHILE and CONDITIONAL: without them each iteration of a
+loop whose trip count is data-dependent (serve_step's decode loop, the paged attention's chunk loop) copies
+its condition to the host and the calling thread waits for it."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
