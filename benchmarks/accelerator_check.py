@@ -2,7 +2,7 @@
 torch_bridge tests and every test with JAX on the GPU, and print one table.
 
     benchmarks/accelerator_check.sh [--wheels DIR] [--workers N] [--repeats N] [--log-dir DIR]
-                                    [--budget-s S] [--steps fused,gpu,bridge,suite]
+                                    [--budget-s S] [--steps fused,floor,gpu,bridge,suite]
     benchmarks/accelerator_check.sh --dry-run    # on a machine without a GPU: the CPU path
 
 The steps run in that order, most wanted first: a lent machine's time is short (the device tool
@@ -45,9 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_BRIDGE_TESTS = ["tests/torch_bridge/test_cuda.py", "tests/torch_bridge/test_to_torch.py",
                      "tests/torch_bridge/test_lifetime.py", "tests/torch_bridge/test_from_torch.py"]
 DRY_RUN_TESTS = ["tests/core/test_worked_examples.py"]
-STEPS = ("fused", "gpu", "bridge", "suite")
+STEPS = ("fused", "floor", "gpu", "bridge", "suite")
 """The runbook's steps in the order they run: the fused-step benchmark (command buffers off, then on),
-bench_gpu.py, the CUDA torch_bridge tests, the whole suite."""
+the call floor (call_floor.py with PJRT_NPROC unset, then 1), bench_gpu.py, the CUDA torch_bridge tests,
+the whole suite."""
 MIN_STEP_S = 30
 """A step is not started with less than this left of ``--budget-s``."""
 TABLE_FILE = "runbook.md"
@@ -103,12 +104,15 @@ class Runner:
         self.add(name, "skipped", f"--budget-s spent ({max(self.seconds_left(), 0):.0f} s left)")
         return False
 
-    def run(self, name: str, command: list[str], timeout: float = 1800, env: dict | None = None) -> tuple[int, str]:
+    def run(self, name: str, command: list[str], timeout: float = 1800, env: dict | None = None,
+            replace_env: bool = False) -> tuple[int, str]:
+        """``env`` adds to the runner's environment, or with ``replace_env`` is the whole of it."""
         timeout = max(1.0, min(timeout, self.seconds_left()))
         print(f"[runbook] {name}: {' '.join(command)}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            result = subprocess.run(command, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True,
+            full_env = env if replace_env else {**self.env, **(env or {})}
+            result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True,
                                     text=True, timeout=timeout)
             code, output = result.returncode, result.stdout + result.stderr
         except subprocess.TimeoutExpired as error:
@@ -264,6 +268,26 @@ def vllm_sources(runner: Runner, dry_run: bool) -> str:
         return f"vLLM {version.read().strip()} (.vllm_src)"
 
 
+def run_call_floor(runner: Runner, args) -> None:
+    """call_floor.py with PJRT_NPROC unset, then set to 1: whether the CPU setting the benchmarks once
+    used also slows a GPU client's calls (dry run: once, as the environment has it)."""
+    settings = [("", ["--dry-run", "--repeats", "5"])] if args.dry_run else [
+        ("unset", ["--repeats", str(args.repeats)]), ("1", ["--repeats", str(args.repeats)])]
+    for nproc, extra in settings:
+        label = "call floor" + (f" (PJRT_NPROC {nproc})" if nproc else "")
+        if not runner.can_start(label):
+            continue
+        env = {key: value for key, value in runner.env.items() if key != "PJRT_NPROC"}
+        if nproc == "1":
+            env["PJRT_NPROC"] = "1"
+        code, output = runner.run(label, [sys.executable, "benchmarks/call_floor.py", *extra],
+                                  env=env if nproc else None, replace_env=bool(nproc))
+        if code:
+            runner.add(label, "FAILED", last_line(output))
+            continue
+        add_table_rows(runner, label, output)
+
+
 def run_fused_benchmark(runner: Runner, args) -> None:
     """bench_fused_step.py with XLA's command buffers off and on (dry run: once, tiny shapes)."""
     runner.add("MRV2 kernel sources", "-", vllm_sources(runner, args.dry_run))
@@ -316,7 +340,7 @@ def format_table(rows, header: str) -> str:
     return "\n".join(lines)
 
 
-STEP_FUNCTIONS = {"fused": run_fused_benchmark, "gpu": run_benchmark, "bridge": run_bridge_tests, "suite": run_suite}
+STEP_FUNCTIONS = {"fused": run_fused_benchmark, "floor": run_call_floor, "gpu": run_benchmark, "bridge": run_bridge_tests, "suite": run_suite}
 
 
 def main(argv=None) -> int:

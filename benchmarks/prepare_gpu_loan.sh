@@ -4,7 +4,7 @@
 #   .vllm_src  vLLM 0.33.0's model-runner-V2 sources (MRV2's real Triton kernels, no compiled extension)
 #   .whl       wheels of the test-only packages its image lacks (beartype: the suite's conftest needs it)
 # Then, on the lent machine (one call, about 9 minutes of its 15):
-#   bash benchmarks/accelerator_check.sh --wheels .whl --budget-s 520 --log-dir "$OUT"
+#   bash benchmarks/accelerator_check.sh --wheels .whl --budget-s 540 --log-dir "$OUT"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

@@ -40,7 +40,8 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     assert checks["MRV2 kernel sources"] == "-"
     assert sorted(os.listdir(tmp_path))  # each step's log was written
     order = [name.split(":")[0].split(" (")[0] for name in checks]  # the most wanted table first, the suite last
-    assert order.index("bench_fused") < order.index("bench_gpu") < order.index("tests")
+    assert order.index("bench_fused") < order.index("call floor") < order.index("bench_gpu") < order.index("tests")
+    assert details["call floor: x + 1 over 13 int32[256]"].startswith("thread µs: ")
 
 
 @pytest.mark.parametrize("args, message", [(["--workers", "-1"], "--workers must be >= 0"),
@@ -67,7 +68,7 @@ def test_a_spent_budget_skips_every_step_and_still_writes_the_table(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in result.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| check")}
-    skipped = {"bench_fused", "bench_gpu", "test suite"}
+    skipped = {"bench_fused", "call floor", "bench_gpu", "test suite"}
     assert rows.pop("install jaxprep") == "skipped"  # a dry run installs nothing
     assert {name for name, outcome in rows.items() if outcome == "skipped"} == skipped, rows
     with open(tmp_path / "runbook.md") as table:

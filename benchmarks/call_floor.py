@@ -1,0 +1,67 @@
+"""What one jitted call costs the calling thread, with no work to speak of and with the prepared step, under
+this process's runtime settings: the floor under the fused step's thread time.
+
+    PYTHONPATH=. python benchmarks/call_floor.py [--repeats 200]
+    PJRT_NPROC=1 PYTHONPATH=. python benchmarks/call_floor.py     # the setting the CPU benchmarks use
+
+XLA reads ``PJRT_NPROC`` to size its clients' thread pools, the GPU client's included, so the runbook runs
+this script twice, with it unset and with it set to 1. Rows: a jitted ``x + 1`` over 1 and 13 int32[256]
+arrays (13: the prepared step's outputs); `prepare_padded` at 256 decoding requests on the XLA path and,
+on a GPU, on the fused Pallas path. *thread µs*: calls queued back to back; *e2e µs*: one call and its wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_prepare import RUNTIME, make_batch  # noqa: E402 (sets the runtime before JAX starts)
+
+import argparse  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from common import machine_line  # noqa: E402
+from profile_gpu import dispatch_us, end_to_end_us  # noqa: E402
+
+from jaxprep import BatchState, prepare_padded  # noqa: E402
+
+
+def calls(num_reqs: int) -> dict:
+    """{row name: a call that starts one jitted computation and returns its outputs}."""
+    rows = {}
+    for count in (1, 13):
+        arrays = [jnp.full((256,), i, jnp.int32) for i in range(count)]
+        rows[f"x + 1 over {count} int32[256]"] = functools.partial(jax.jit(lambda *xs: tuple(x + 1 for x in xs)),
+                                                                     *arrays)
+    config, arrays = make_batch(num_reqs, num_reqs, 4096, 16, True)
+    state = jax.device_put(BatchState.from_numpy(**arrays))
+    bucket = config.bucket_for(num_reqs)
+    rows[f"prepare_padded, {num_reqs} decode, XLA"] = functools.partial(prepare_padded, state, config, bucket)
+    if jax.default_backend() == "gpu":
+        fused = dataclasses.replace(config, kernel="pallas")
+        rows[f"prepare_padded, {num_reqs} decode, Pallas"] = functools.partial(prepare_padded, state, fused, bucket)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200, help="calls per timing round (best of 5 rounds)")
+    parser.add_argument("--dry-run", action="store_true", help="16 requests, for a check of the script")
+    parser.add_argument("--default-runtime", action="store_true", help="read by common.configure_benchmark_runtime")
+    args = parser.parse_args(argv)
+    print(f"machine: {machine_line()}")
+    print(f"{RUNTIME}; PJRT_NPROC={os.environ.get('PJRT_NPROC', 'unset')}; backend {jax.default_backend()}")
+    print("| call | thread µs | e2e µs |")
+    print("|---|---:|---:|")
+    for name, call in calls(16 if args.dry_run else 256).items():
+        print(f"| {name} | {dispatch_us(call, args.repeats):.1f} | {end_to_end_us(call, args.repeats):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
