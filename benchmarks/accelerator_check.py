@@ -340,7 +340,8 @@ def format_table(rows, header: str) -> str:
     return "\n".join(lines)
 
 
-STEP_FUNCTIONS = {"fused": run_fused_benchmark, "floor": run_call_floor, "gpu": run_benchmark, "bridge": run_bridge_tests, "suite": run_suite}
+STEP_FUNCTIONS = {"fused": run_fused_benchmark, "floor": run_call_floor, "gpu": run_benchmark,
+                  "bridge": run_bridge_tests, "suite": run_suite}
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,7 @@ on a GPU, on the fused Pallas path. *thread µs*: calls queued back to back; *e2
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import os
@@ -19,13 +20,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_prepare import RUNTIME, make_batch  # noqa: E402 (sets the runtime before JAX starts)
+from common import configure_benchmark_runtime, machine_line
 
-import argparse  # noqa: E402
+RUNTIME = configure_benchmark_runtime()  # before JAX starts: a GPU machine keeps JAX's defaults
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import machine_line  # noqa: E402
+from bench_prepare import make_batch  # noqa: E402
 from profile_gpu import dispatch_us, end_to_end_us  # noqa: E402
 
 from jaxprep import BatchState, prepare_padded  # noqa: E402

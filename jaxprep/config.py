@@ -9,7 +9,7 @@ import math
 from jaxprep._checks import cdiv, check_positive_int, max_block_id
 from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig
-from jaxprep.kernels import KERNEL_CHOICES
+from jaxprep.kernels import KERNEL_CHOICES, TRITON_BACKEND, triton_backend_available
 
 MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
@@ -104,6 +104,9 @@ class PrepConfig:
     def _check_kernel(self):
         if self.kernel not in KERNEL_CHOICES:
             raise ValueError(f"PrepConfig.kernel must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        if self.kernel == "pallas" and not triton_backend_available():
+            raise ValueError(f"PrepConfig.kernel='pallas' needs Pallas' Triton backend ({TRITON_BACKEND}), which this "
+                             "jax does not ship: use kernel='auto' (XLA where the kernels cannot run) or 'xla'")
         if self.kernel == "pallas" and self.features.any_on:
             raise ValueError("PrepConfig.kernel='pallas' fuses the plain step only: turn the features off, or use "
                              "kernel='auto' (the features then run on XLA)")

@@ -25,7 +25,7 @@ from jaxprep.features import with_features
 from jaxprep.features.flags import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, safe_block_table, token_flags
 from jaxprep.features.masks import compressed_causal_mask
 from jaxprep.features.reorder import reordered_rows
-from jaxprep.kernels import prepare_pallas
+from jaxprep.kernels import uses_kernels
 from jaxprep.metadata import (
     STEP_FIELDS,
     AttentionMetadata,
@@ -79,7 +79,9 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     ``num_tokens_padded`` is not a rung of ``config.token_buckets``.
     """
     check_static(state, config, num_tokens_padded)
-    if prepare_pallas.uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
+    if uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
+        from jaxprep.kernels import prepare_pallas  # imported here: jax 0.11 deprecates its Triton backend
+
         return prepare_pallas.plain_step(state, config, num_tokens_padded)  # the kernels flag and drop rows
     state, row_errors = flag_rows(state, config, num_tokens_padded)  # flagged rows leave the batch
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)

@@ -9,5 +9,32 @@
 (the kernels; Pallas' interpreter off CUDA) or ``"auto"`` (the kernels on CUDA, XLA elsewhere).
 """
 
+import functools
+import importlib
+import warnings
+
 KERNEL_CHOICES = ("xla", "pallas", "auto")
 """Values of `PrepConfig.kernel`."""
+TRITON_BACKEND = "jax.experimental.pallas.triton"
+"""Pallas' Triton backend, which the kernels are written for. jax 0.11 deprecates it: `prepare_pallas`
+is imported only when a config asks for the kernels, so ``import jaxprep`` never needs it."""
+
+
+@functools.cache
+def triton_backend_available() -> bool:
+    """Whether this jax still ships Pallas' Triton backend (without it ``"auto"`` keeps XLA)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            importlib.import_module(TRITON_BACKEND)
+    except ImportError:
+        return False
+    return True
+
+
+def uses_kernels(config) -> bool:
+    """Whether `PrepConfig.kernel` routes ``config``'s step to the kernels: the plain step only, and
+    ``"auto"`` only where this jax has the Triton backend."""
+    if config.kernel == "xla" or config.features.any_on:
+        return False
+    return config.kernel == "pallas" or triton_backend_available()

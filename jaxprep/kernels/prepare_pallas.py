@@ -296,11 +296,6 @@ def fused_step(state, config, num_tokens_padded: int, *, interpret: bool) -> Ste
 
 # --- the choice of path -------------------------------------------------------------------------
 
-def uses_kernels(config) -> bool:
-    """Whether `PrepConfig.kernel` routes ``config``'s step here (the plain step only)."""
-    return config.kernel != "xla" and not config.features.any_on
-
-
 def xla_twin(state, config, num_tokens_padded: int) -> StepInputs:
     """The same step on XLA: `jaxprep.prepare.prepare_body` with ``kernel="xla"``."""
     from jaxprep.prepare import prepare_body  # the twin lives there; imported late (no cycle)

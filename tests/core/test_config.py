@@ -70,3 +70,12 @@ def test_the_pallas_kernel_refuses_features_and_auto_keeps_them_on_xla():
                       features=features)
     text = prepare_padded.trace(BatchState.empty(auto), auto, 8).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" not in text and "stablehlo.gather" in text
+
+
+def test_importing_jaxprep_does_not_import_the_triton_backend():
+    import subprocess
+    import sys
+
+    code = "import sys, jaxprep, jaxprep.serving; print('jax.experimental.pallas.triton' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

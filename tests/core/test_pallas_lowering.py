@@ -98,3 +98,19 @@ def test_the_kernels_do_integer_math_only():
         names = set(ir.split("\\00"))
         assert {"addi", "muli", "cmpi", "load", "store"} <= names  # the table is read: positive control
         assert not names & set(FLOAT_OPS), names & set(FLOAT_OPS)
+
+
+def test_a_jax_without_the_triton_backend_keeps_auto_on_xla_and_refuses_pallas(monkeypatch):
+    """jax 0.11 deprecates Pallas' Triton backend: where it is gone, ``"auto"`` lowers the XLA step even for
+    CUDA and ``"pallas"`` is refused naming the backend. Control: with the backend, ``"auto"`` lowers the
+    Triton kernels for CUDA. (Two shapes: a traced step is cached by its config.)"""
+    import jaxprep.config
+    import jaxprep.kernels
+
+    assert TRITON_CALL in _lowered("auto", 8, 64, 64)
+    monkeypatch.setattr(jaxprep.kernels, "triton_backend_available", lambda: False)
+    monkeypatch.setattr(jaxprep.config, "triton_backend_available", lambda: False)
+    text = _lowered("auto", 8, 32, 32)
+    assert TRITON_CALL not in text and "stablehlo.gather" in text
+    with pytest.raises(ValueError, match=r"'pallas' needs Pallas' Triton backend \(jax.experimental.pallas.triton\)"):
+        PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="pallas")
