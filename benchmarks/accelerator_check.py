@@ -274,14 +274,14 @@ def run_call_floor(runner: Runner, args) -> None:
     settings = [("", ["--dry-run", "--repeats", "5"])] if args.dry_run else [
         ("unset", ["--repeats", str(args.repeats)]), ("1", ["--repeats", str(args.repeats)])]
     for nproc, extra in settings:
-        label = "call floor" + (f" (PJRT_NPROC {nproc})" if nproc else "")
+        label = "call floor" + (f" (PJRT_NPROC={nproc})" if nproc else "")
         if not runner.can_start(label):
             continue
-        env = {key: value for key, value in runner.env.items() if key != "PJRT_NPROC"}
+        env = {key: value for key, value in runner.env.items() if key != "PJRT_NPROC" or not nproc}
         if nproc == "1":
             env["PJRT_NPROC"] = "1"
-        code, output = runner.run(label, [sys.executable, "benchmarks/call_floor.py", *extra],
-                                  env=env if nproc else None, replace_env=bool(nproc))
+        code, output = runner.run(label, [sys.executable, "benchmarks/call_floor.py", *extra], env=env,
+                                  replace_env=True)
         if code:
             runner.add(label, "FAILED", last_line(output))
             continue
