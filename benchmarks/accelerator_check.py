@@ -241,15 +241,25 @@ def has_xdist(runner: Runner) -> bool:
     return runner.run("xdist?", [sys.executable, "-c", "import xdist"])[0] == 0
 
 
-def run_benchmark(runner: Runner, args) -> None:
-    if not runner.can_start("bench_gpu"):
-        return
-    repeats = ["--repeats", "5", "--profile-steps", "3"] if args.dry_run else ["--repeats", str(args.repeats)]
-    code, output = runner.run("benchmark", [sys.executable, "benchmarks/bench_gpu.py", *repeats])
+def run_table_step(runner: Runner, label: str, script: list[str], log_name: str | None = None,
+                   **run_options) -> str | None:
+    """Runs a benchmark script (``script``: its path and arguments) whose output holds Markdown tables:
+    a runbook row per result row, named ``label: ...``, or one FAILED row. Its output, or None."""
+    if not runner.can_start(label):
+        return None
+    code, output = runner.run(log_name or label, [sys.executable, *script], **run_options)
     if code:
-        runner.add("bench_gpu", "FAILED", last_line(output))
+        runner.add(label, "FAILED", last_line(output))
+        return None
+    add_table_rows(runner, label, output)
+    return output
+
+
+def run_benchmark(runner: Runner, args) -> None:
+    repeats = ["--repeats", "5", "--profile-steps", "3"] if args.dry_run else ["--repeats", str(args.repeats)]
+    output = run_table_step(runner, "bench_gpu", ["benchmarks/bench_gpu.py", *repeats], log_name="benchmark")
+    if output is None:
         return
-    add_table_rows(runner, "bench_gpu", output)
     machine = [line for line in output.splitlines() if line.startswith(("machine:", "measured:"))]
     runner.add("bench_gpu machine", "-", " / ".join(machine))
 
@@ -274,18 +284,11 @@ def run_call_floor(runner: Runner, args) -> None:
     settings = [("", ["--dry-run", "--repeats", "5"])] if args.dry_run else [
         ("unset", ["--repeats", str(args.repeats)]), ("1", ["--repeats", str(args.repeats)])]
     for nproc, extra in settings:
-        label = "call floor" + (f" (PJRT_NPROC={nproc})" if nproc else "")
-        if not runner.can_start(label):
-            continue
         env = {key: value for key, value in runner.env.items() if key != "PJRT_NPROC" or not nproc}
         if nproc == "1":
             env["PJRT_NPROC"] = "1"
-        code, output = runner.run(label, [sys.executable, "benchmarks/call_floor.py", *extra], env=env,
-                                  replace_env=True)
-        if code:
-            runner.add(label, "FAILED", last_line(output))
-            continue
-        add_table_rows(runner, label, output)
+        run_table_step(runner, "call floor" + (f" (PJRT_NPROC={nproc})" if nproc else ""),
+                       ["benchmarks/call_floor.py", *extra], env=env, replace_env=True)
 
 
 def run_fused_benchmark(runner: Runner, args) -> None:
@@ -295,13 +298,7 @@ def run_fused_benchmark(runner: Runner, args) -> None:
         ["--repeats", str(args.repeats), "--command-buffers", mode] for mode in ("off", "on")]
     for extra in settings:
         label = "bench_fused" + ("" if args.dry_run else f" (command buffers {extra[-1]})")
-        if not runner.can_start(label):
-            continue
-        code, output = runner.run(label, [sys.executable, "benchmarks/bench_fused_step.py", *extra])
-        if code:
-            runner.add(label, "FAILED", last_line(output))
-            continue
-        add_table_rows(runner, label, output)
+        run_table_step(runner, label, ["benchmarks/bench_fused_step.py", *extra])
 
 
 def add_table_rows(runner: Runner, prefix: str, output: str) -> None:
