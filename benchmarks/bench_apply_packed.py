@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import add_timing_arguments, configure_benchmark_runtime, load_line, machine_line
+from common import add_timing_arguments, configure_benchmark_runtime, load_line, machine_line, median_us
 
 RUNTIME = configure_benchmark_runtime()
 
@@ -102,17 +102,12 @@ def op_counts(config: ServingConfig, buffer: np.ndarray) -> dict[str, int]:
 
 def time_us(config: ServingConfig, buffer: np.ndarray, repeats: int, rounds: int) -> float:
     """The best round's median µs of apply_packed, the state threaded through the calls."""
-    state, device_buffer = ServingState.empty(config), jax.device_put(buffer)
-    state = jax.block_until_ready(apply_packed(state, device_buffer, config=config))  # compiles
-    best = float("inf")
-    for _ in range(rounds):
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            state = jax.block_until_ready(apply_packed(state, device_buffer, config=config))
-            samples.append(time.perf_counter() - start)
-        best = min(best, float(np.median(samples)) * 1e6)
-    return best
+    state, device_buffer = [ServingState.empty(config)], jax.device_put(buffer)
+
+    def call():  # the state is donated: each call hands it to the next
+        state[0] = jax.block_until_ready(apply_packed(state[0], device_buffer, config=config))
+
+    return min(median_us(call, repeats) for _ in range(rounds))
 
 
 def main() -> None:

@@ -25,20 +25,15 @@ from common import configure_benchmark_runtime, machine_line
 RUNTIME = configure_benchmark_runtime()  # before JAX starts: a GPU machine keeps JAX's defaults
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from bench_prepare import make_batch  # noqa: E402
-from profile_gpu import dispatch_us, end_to_end_us  # noqa: E402
+from profile_gpu import dispatch_us, end_to_end_us, noop_call  # noqa: E402
 
 from jaxprep import BatchState, prepare_padded  # noqa: E402
 
 
 def calls(num_reqs: int) -> dict:
     """{row name: a call that starts one jitted computation and returns its outputs}."""
-    rows = {}
-    for count in (1, 13):
-        arrays = [jnp.full((256,), i, jnp.int32) for i in range(count)]
-        rows[f"x + 1 over {count} int32[256]"] = functools.partial(jax.jit(lambda *xs: tuple(x + 1 for x in xs)),
-                                                                     *arrays)
+    rows = {f"x + 1 over {count} int32[256]": noop_call(count) for count in (1, 13)}
     config, arrays = make_batch(num_reqs, num_reqs, 4096, 16, True)
     state = jax.device_put(BatchState.from_numpy(**arrays))
     bucket = config.bucket_for(num_reqs)

@@ -101,13 +101,18 @@ def scan_variants(steps: int) -> None:
         print("| " + " | ".join(map(str, row)) + " |")
 
 
+def noop_call(count: int):
+    """A call of a jitted ``x + 1`` over ``count`` int32[256] arrays: ``count`` in, ``count`` out."""
+    arrays = [jnp.full((256,), i, jnp.int32) for i in range(count)]
+    return functools.partial(jax.jit(lambda *xs: tuple(x + 1 for x in xs)), *arrays)
+
+
 def call_floor(steps: int) -> None:
     """What a jitted call costs with no work to speak of, by its number of array inputs and outputs."""
     print("| jitted call | dispatch µs | end to end µs |")
     print("|---|---:|---:|")
     for count in (1, 4, 13, 32):
-        arrays = [jnp.full((256,), i, jnp.int32) for i in range(count)]
-        call = functools.partial(jax.jit(lambda *xs: tuple(x + 1 for x in xs)), *arrays)
+        call = noop_call(count)
         print(f"| {count} int32[256] in, {count} out | {dispatch_us(call, 100):.1f} "
               f"| {end_to_end_us(call, steps):.1f} |")
     call = functools.partial(jax.jit(lambda *xs: sum(xs)), *[jnp.full((256,), i, jnp.int32) for i in range(13)])
