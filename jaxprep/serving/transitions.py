@@ -245,6 +245,12 @@ def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfi
     return apply_updates_body(state, unpack_updates(packed, config))
 
 
+def _outside_vocab(token_ids: jax.Array, vocab_bound: int | None, low: int = 0) -> jax.Array:
+    """Per id: outside [``low``, ``vocab_bound``) (no upper bound when ``vocab_bound`` is None)."""
+    limit = jnp.iinfo(jnp.int32).max if vocab_bound is None else vocab_bound
+    return (token_ids < low) | (token_ids >= limit)
+
+
 def _discarded(state: ServingState, rows: jax.Array) -> jax.Array:
     """Per batch row: a prefill chunk short of the row's known tokens (C + S < num_tokens), whose
     sampled token is thrown away (the sentinel row ``num_rows`` reads 0s: not discarded)."""
@@ -284,8 +290,7 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     advance = jnp.where(discarded, scheduled, scheduled - (num_draft + 1 - num_sampled))
     offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
     kept = offsets < num_sampled[:, None]
-    limit = jnp.iinfo(jnp.int32).max if vocab_bound is None else vocab_bound
-    bad_token = kept & ((sampled_token_ids < 0) | (sampled_token_ids >= limit))
+    bad_token = kept & _outside_vocab(sampled_token_ids, vocab_bound)
     sampled_token_ids = jnp.where(bad_token, 0, sampled_token_ids)
     columns = jnp.where(kept, num_tokens[:, None] + offsets, max_model_len)
     token_ids = state.batch.token_ids.at[rows[:, None], columns].set(sampled_token_ids, mode="drop")
@@ -337,8 +342,7 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
     discarded = _discarded(state, rows) | (counts <= 0)
     last = jnp.clip(counts - 1, 0, width - 1)
     sampled = jnp.take_along_axis(jnp.asarray(sampled_token_ids, jnp.int32), last[:, None], axis=1)[:, 0]
-    limit = jnp.iinfo(jnp.int32).max if vocab_bound is None else vocab_bound
-    bad_sampled = (rows < num_rows) & ~discarded & ((sampled < 0) | (sampled >= limit))
+    bad_sampled = (rows < num_rows) & ~discarded & _outside_vocab(sampled, vocab_bound)
     batch_rows = jnp.arange(idx_mapping.shape[0], dtype=jnp.int32)
     fields = dict(prev_batch_rows=prev_batch_rows_from_step(rows, discarded, num_rows),
                   prev_sampled_token_ids=_set(jnp.zeros(num_rows, jnp.int32), batch_rows,
@@ -348,7 +352,7 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
         drafts = jnp.full(batch.prev_draft_token_ids.shape, PLACEHOLDER_TOKEN_ID, jnp.int32)
         if draft_token_ids is not None:
             given = jnp.asarray(draft_token_ids, jnp.int32)[:, :drafts.shape[1]]
-            bad_draft = (given < PLACEHOLDER_TOKEN_ID) | (given >= limit)
+            bad_draft = _outside_vocab(given, vocab_bound, low=PLACEHOLDER_TOKEN_ID)
             errors = errors | jnp.where(jnp.any(bad_draft), ERROR_BITS["draft_token_id"], 0)
             drafts = drafts.at[batch_rows, :given.shape[1]].set(jnp.where(bad_draft, PLACEHOLDER_TOKEN_ID, given),
                                                                mode="drop")
