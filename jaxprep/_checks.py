@@ -7,6 +7,7 @@ feature module can import it without an import cycle.
 
 from __future__ import annotations
 
+import importlib.util
 import numbers
 
 import numpy as np
@@ -114,3 +115,12 @@ def expect_bucket(function: str, num_tokens_padded, optional: bool = True) -> No
         return
     raise TypeError(f"{function}: num_tokens_padded must be {allowed} (a bucket of config.token_buckets, "
                     f"e.g. config.bucket_for(total)), got {type_name(num_tokens_padded)}")
+
+
+def module_available(name: str) -> bool:
+    """Whether module ``name`` (dotted) can be imported, found without importing it (its parents are):
+    jax 0.11 deprecates the Pallas modules jaxprep's kernel choices use, and a later jax may drop them."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is gone
+        return False

@@ -20,12 +20,12 @@ here), the TPU one takes ``sm_scale``.
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import jax
 import jax.numpy as jnp
 
+from jaxprep._checks import module_available
 from jaxprep.attention.paged import token_kv_lens
 from jaxprep.metadata import StepInputs
 from jaxprep.storage import as_compute
@@ -70,10 +70,7 @@ GPU_KERNEL_MODULE = "jax.experimental.pallas.ops.gpu.paged_attention"
 
 def gpu_kernel_available() -> bool:
     """Whether this jax still ships the GPU kernel (jax 0.11 deprecates it; ``auto`` then falls back)."""
-    try:
-        return importlib.util.find_spec(GPU_KERNEL_MODULE) is not None
-    except ModuleNotFoundError:
-        return False
+    return module_available(GPU_KERNEL_MODULE)
 
 
 def _gpu_kernel():

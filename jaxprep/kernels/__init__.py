@@ -9,9 +9,7 @@
 (the kernels; Pallas' interpreter off CUDA) or ``"auto"`` (the kernels on CUDA, XLA elsewhere).
 """
 
-import functools
-import importlib
-import warnings
+from jaxprep._checks import module_available
 
 KERNEL_CHOICES = ("xla", "pallas", "auto")
 """Values of `PrepConfig.kernel`."""
@@ -20,16 +18,9 @@ TRITON_BACKEND = "jax.experimental.pallas.triton"
 is imported only when a config asks for the kernels, so ``import jaxprep`` never needs it."""
 
 
-@functools.cache
 def triton_backend_available() -> bool:
     """Whether this jax still ships Pallas' Triton backend (without it ``"auto"`` keeps XLA)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            importlib.import_module(TRITON_BACKEND)
-    except ImportError:
-        return False
-    return True
+    return module_available(TRITON_BACKEND)
 
 
 def uses_kernels(config) -> bool:
