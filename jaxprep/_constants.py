@@ -32,6 +32,10 @@ PAD_LOGITS_INDEX = 0
 MROPE_MISSING_POSITION = -1
 """`BatchState.mrope_positions` entry not filled in yet: reading it for a scheduled token is an error."""
 
+MROPE_POSITION_LIMIT = 2**24
+"""M-RoPE positions lie in ``[0, MROPE_POSITION_LIMIT)``: a rotary embedding turns a position into an
+angle in float32 (``position * inv_freq``), which holds every integer exactly only below 2**24."""
+
 PAD_EMBEDS_INDEX = 0
 """``prompt_embeds.embeds_indices`` entry of a token id (or padded) token: a safe in-bounds index, unused."""
 

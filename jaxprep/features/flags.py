@@ -91,8 +91,9 @@ def feature_messages(config) -> dict[int, str]:
                             f"lora_slots holds it",
         LORA_SLOTS_INVALID: f"lora_slots holds a value that is neither {EMPTY_LORA_SLOT} (empty) nor an adapter "
                             f"id >= 1, or one adapter in two slots",
-        MROPE_POSITION_MISSING: "mrope_positions is missing (-1) or negative at a scheduled prompt position, or a "
-                                "completion position (position + mrope_position_delta) leaves [0, INT32_MAX]",
+        MROPE_POSITION_MISSING: "mrope_positions is missing (-1) or outside [0, MROPE_POSITION_LIMIT=2**24) at a "
+                                "scheduled prompt position, or a completion position (position + "
+                                "mrope_position_delta) leaves [0, 2**24)",
         PREFILL_LEN_OUT_OF_RANGE: f"prefill_len is outside [0, max_model_len={m}]",
         PROMPT_EMBEDS_START_OUT_OF_RANGE: f"prompt_embeds_start of a scheduled row is outside "
                                           f"[0, {INT32_MAX - m}] (INT32_MAX - max_model_len: int32 pool rows)",

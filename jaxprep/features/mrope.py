@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._checks import InvalidBatchError
-from jaxprep._constants import INT32_MAX, MROPE_MISSING_POSITION, PAD_POSITION
+from jaxprep._constants import MROPE_MISSING_POSITION, MROPE_POSITION_LIMIT, PAD_POSITION
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.flags import MROPE_POSITION_MISSING
@@ -28,9 +28,9 @@ def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len
                     token_rows: Int32[Array, " num_tokens_padded"], positions: Int32[Array, " num_tokens_padded"],
                     is_real_token: Bool[Array, " num_tokens_padded"]):
     """``(positions [3, T_pad], error bits)``: the M-RoPE positions of the scheduled tokens; padded
-    tokens `PAD_POSITION`, and so are (on bad input) tokens whose position would be negative: a
-    missing prompt position (-1) or a completion ``p + delta`` below 0, which sets
-    `MROPE_POSITION_MISSING`.
+    tokens `PAD_POSITION`, and so are (on bad input) tokens whose position would leave
+    ``[0, MROPE_POSITION_LIMIT)``: a missing prompt position (-1), a negative or too large one, or a
+    completion ``p + delta`` outside it, which sets `MROPE_POSITION_MISSING`.
 
     # P=9, delta=-2, positions [7, 8, 9, 10] -> table columns 7 and 8, then [7, 8] on every row
     """
@@ -38,7 +38,7 @@ def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len
     from_prompt = prompt_positions[token_rows, :, positions].T  # [3, T_pad]
     completion = positions + position_delta[token_rows]
     out = jnp.where(in_prompt[None, :], from_prompt, completion[None, :])
-    bad = is_real_token & jnp.any(out < 0, axis=0)
+    bad = is_real_token & jnp.any((out < 0) | (out >= MROPE_POSITION_LIMIT), axis=0)
     errors = jnp.where(jnp.any(bad), jnp.int32(MROPE_POSITION_MISSING), 0)
     return jnp.where((is_real_token & ~bad)[None, :], out, PAD_POSITION), errors
 
@@ -91,8 +91,9 @@ def _feature_positions(segment, spatial_merge_size: int, tokens_per_second: floa
 
 
 def check_prompt_positions(table: np.ndarray, prompt, computed, scheduled, delta=None) -> None:
-    """Host check: the prompt columns a step reads (``[C, min(C + S, P))``) are filled (>= 0) on every
-    row, and the completion positions ``p + delta`` of the tokens past the prompt are >= 0."""
+    """Host check: the prompt columns a step reads (``[C, min(C + S, P))``) are filled (>= 0) and below
+    `MROPE_POSITION_LIMIT` on every row, and so are the completion positions ``p + delta`` of the
+    tokens past the prompt."""
     columns = np.arange(table.shape[2])
     read = ((scheduled > 0)[:, None] & (columns[None, :] >= computed[:, None])
             & (columns[None, :] < np.minimum(computed + scheduled, prompt)[:, None]))
@@ -103,13 +104,20 @@ def check_prompt_positions(table: np.ndarray, prompt, computed, scheduled, delta
         what = f"missing ({value})" if value == MROPE_MISSING_POSITION else f"negative ({value})"
         raise InvalidBatchError(f"mrope_positions[{row}, :, {column}] is {what}, but row {row} schedules prompt "
                                 f"position {column}: fill its prompt positions (text-only: arange)")
+    too_large = read & (table >= MROPE_POSITION_LIMIT).any(axis=1)
+    if too_large.any():
+        row, column = (int(i[0]) for i in np.nonzero(too_large))
+        raise InvalidBatchError(f"mrope_positions[{row}, :, {column}] is {int(table[row, :, column].max())}, at or "
+                                f"past MROPE_POSITION_LIMIT={MROPE_POSITION_LIMIT} (float32 rotary angles)")
     if delta is None:
         return
     first_completion = np.maximum(computed, prompt)  # the first scheduled position past the prompt
     last = computed + scheduled - 1
-    outside = ((scheduled > 0) & (last >= prompt)
-               & ((first_completion + delta < 0) | (last + delta > INT32_MAX)))
+    # a row past max_model_len (the table's width) is the core check's to name (`jaxprep.validate`)
+    outside = ((scheduled > 0) & (last >= prompt) & (last < table.shape[2])
+               & ((first_completion + delta < 0) | (last + delta >= MROPE_POSITION_LIMIT)))
     if outside.any():
         row = int(np.flatnonzero(outside)[0])
         raise InvalidBatchError(f"mrope_position_delta at row {row} is {int(delta[row])}: the completion positions "
-                                f"{int(first_completion[row])}..{int(last[row])} + delta leave [0, {INT32_MAX}]")
+                                f"{int(first_completion[row])}..{int(last[row])} + delta leave "
+                                f"[0, MROPE_POSITION_LIMIT={MROPE_POSITION_LIMIT})")

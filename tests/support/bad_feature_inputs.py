@@ -146,6 +146,8 @@ BAD_KINDS = {
     # M-RoPE and the prefill length
     "M-RoPE -1 at a scheduled token": BadKind(_set("mrope_positions", (0, 1, 2), -1), bits.MROPE_POSITION_MISSING,
                                               r"mrope_positions\[0, :, 2\] is missing"),
+    "M-RoPE past the limit": BadKind(_set("mrope_positions", (0, 2, 1), 2**31 - 1), bits.MROPE_POSITION_MISSING,
+                                     r"mrope_positions\[0, :, 1\] is 2147483647, at or past MROPE_POSITION_LIMIT"),
     "M-RoPE negative completion": BadKind(_set("mrope_position_delta", 4, -30), bits.MROPE_POSITION_MISSING,
                                           r"mrope_position_delta at row 4 is -30"),
     "prefill_len 99": BadKind(_set("prefill_len", 2, 99), bits.PREFILL_LEN_OUT_OF_RANGE,
