@@ -5,6 +5,7 @@
 - jaxprep is imported under jaxtyping's import hook with beartype, so every annotated function
   checks the shapes and dtypes written in its signature;
 - XLA's CPU client runs on one thread (as the CLI and benchmarks do): faster on small hosts;
+- one persistent compilation cache serves the run's processes (xdist workers, subprocesses);
 - a test marked ``cpu_only(reason)`` is skipped, with its reason, when JAX runs on an accelerator
   (the GPU runbook runs the whole suite there): nothing is silently run on another backend.
 """
@@ -15,14 +16,27 @@ import shutil
 import tempfile
 
 os.environ.setdefault("PJRT_NPROC", "1")
-# `jaxprep simulate` keeps JAX's persistent compilation cache in a user cache folder by default: the
-# suite's runs (their subprocesses inherit the variable) share one folder of their own instead
-os.environ["JAXPREP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxprep-test-cache-")
+# One persistent JAX compilation cache for the whole run: the first process of the run (pytest itself,
+# or xdist's controller, whose environment its workers inherit) makes the folder and removes it at
+# exit; every worker and every subprocess a test starts reads and fills the same folder, so an
+# executable that two workers (or a test and the CLI it runs) need is compiled once. Every executable
+# is written, however fast it compiled (JAX's default writes only those over 1 s). `jaxprep simulate`'s
+# default cache (JAXPREP_CACHE_DIR) is the same folder; tests of the cache itself pass their own.
+RUN_CACHE_VARIABLE = "JAXPREP_TEST_RUN_CACHE"
+if RUN_CACHE_VARIABLE not in os.environ:
+    os.environ[RUN_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jaxprep-test-cache-")
+    atexit.register(shutil.rmtree, os.environ[RUN_CACHE_VARIABLE], ignore_errors=True)
+os.environ["JAXPREP_CACHE_DIR"] = os.environ[RUN_CACHE_VARIABLE]
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[RUN_CACHE_VARIABLE]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# The suite compiles a few thousand small executables (op by op under jax.disable_jit, one per config and
+# bucket under jit) and runs each a few times: LLVM's optimizations cost more than they save here.
+# Subprocesses inherit the flag; a test that sets XLA_FLAGS itself keeps what it sets.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-import jax
-import pytest
-
-atexit.register(shutil.rmtree, os.environ["JAXPREP_CACHE_DIR"], ignore_errors=True)
+import jax  # noqa: E402  (after the environment above: JAX reads it at import)
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

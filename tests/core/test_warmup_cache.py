@@ -28,6 +28,7 @@ print(json.dumps(dict(buckets=len(config.token_buckets), hits=hits.count("/jax/c
 
 def warm_in_fresh_process(cache_dir: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # only the cache under test (tests/conftest.py sets a run-wide one)
     out = subprocess.run([sys.executable, "-c", CHILD.format(cache_dir=cache_dir)], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -45,8 +46,9 @@ def test_second_process_warms_up_from_the_cache(tmp_path):
 
 
 def test_library_import_leaves_the_cache_off():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the suite's own run-wide cache (tests/conftest.py)
     out = subprocess.run([sys.executable, "-c", "import jax, jaxprep; print(jax.config.jax_compilation_cache_dir)"],
-                         capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"

@@ -128,11 +128,13 @@ def test_all_features_at_once_match_each_feature_alone(runner, data):
                   lora_slots=np.array([9, -1, 4], np.int32),
                   **dict(empty_sampling_rows(5, ALL.sampling), temperature=np.array([0, 0.5, 1, 0.7, 2], np.float32),
                          top_k=np.array([100, 3, 100, 7, 100], np.int32)))
-    step = run_step(arrays, config, "jit")
+    # one bucket (the top) for every example: one executable per config instead of one per config and
+    # bucket; the padding of each bucket is the padding contract's own test
+    step = run_step(arrays, config, "jit", base.max_num_batched_tokens)
     for name, features in SINGLES.items():
         if runner == "v2":  # V2's order reads the drafts (decode_query_len = 1 + K): give every step the same
             features = dataclasses.replace(features, runner=runner, num_speculative_tokens=2)
-        alone = run_step(arrays, dataclasses.replace(base, features=features), "jit")
+        alone = run_step(arrays, dataclasses.replace(base, features=features), "jit", base.max_num_batched_tokens)
         want, got = jax.tree_util.tree_leaves(getattr(alone, name)), jax.tree_util.tree_leaves(getattr(step, name))
         assert len(want) == len(got) > 0, name
         for leaf_want, leaf_got in zip(want, got):

@@ -51,7 +51,8 @@ def test_worked_examples():
 
 @st.composite
 def token_tables(draw):
-    rows, width = draw(st.integers(1, 5)), draw(st.integers(1, 24))
+    # shapes from a few values: the drafter runs op by op, and each new shape compiles every op again
+    rows, width = 5, draw(st.sampled_from([1, 4, 11, 24]))
     vocab = draw(st.integers(1, 4))
     table = np.asarray(draw(st.lists(st.integers(0, vocab - 1), min_size=rows * width, max_size=rows * width)),
                        np.int32).reshape(rows, width)

@@ -21,9 +21,12 @@ from jaxprep.serving.scheduler import Request
 LOOKUP = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=3)
 
 
-def make_config(model: ModelConfig, *, k: int, max_num_reqs: int = 4, budget: int = 16) -> ServingConfig:
+def make_config(model: ModelConfig, *, k: int, max_num_reqs: int = 4, budget: int = 16,
+                one_bucket: bool = False) -> ServingConfig:
+    """``one_bucket``: every step padded to ``budget`` (one executable per payload rung instead of one per
+    token bucket and rung: for the long sampling runs, whose statistics do not depend on the padding)."""
     prep = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=32, max_num_batched_tokens=budget, block_size=4,
-                      num_blocks=max_num_reqs * 8 + 1,
+                      num_blocks=max_num_reqs * 8 + 1, token_buckets=(budget,) if one_bucket else None,
                       features=FeatureConfig(sampling=SamplingConfig(vocab_size=model.vocab_size)))
     return ServingConfig(prep=prep, eos_token_id=-1, num_speculative_tokens=k, ngram=LOOKUP if k else None,
                          decode_steps=1)
@@ -79,7 +82,7 @@ def test_sampled_tokens_follow_the_same_distribution_with_and_without_drafts(tem
     params = [(4, SamplingParams(temperature=temperature, seed=1000 + i)) for i in range(n)]
     tokens = {}
     for k in (0, 3):
-        config = make_config(model, k=k, max_num_reqs=16, budget=64)
+        config = make_config(model, k=k, max_num_reqs=16, budget=64, one_bucket=True)
         out, engine = serve(config, model, requests_of([prompt] * n, params))
         tokens[k] = np.array([out[i] for i in range(n)])
         if k:

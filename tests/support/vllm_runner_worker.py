@@ -45,7 +45,10 @@ from support.feature_batches import build_feature_batch, run_step
 SENTINEL = -7777
 VOCAB = 80
 NUM_BATCHES = int(os.environ.get("PARITY_BATCHES", "8"))
-CORRUPT = os.environ.get("PARITY_CORRUPT", "")  # negative control: items whose jaxprep values are shifted by 1
+CONTROL_BATCHES = int(os.environ.get("PARITY_CONTROL_BATCHES", "1"))
+"""Batches per configuration of the negative control, run after the real comparison in the same process."""
+ITEMS = ("drafter", "grammar", "hybrid", "ubatch")
+CORRUPT: tuple[str, ...] = ()  # negative control: items whose jaxprep values are shifted by 1 (`corrupted`)
 CONFIGS = {
     "eagle, K 3, hybrid none + checkpoints": FeatureConfig(
         num_speculative_tokens=3, reorder="v2", drafter=DrafterConfig(), structured_outputs=True, num_ubatches=2,
@@ -65,7 +68,7 @@ def t(values, dtype=torch.int32) -> torch.Tensor:
 def compare(report: list, item: str, name: str, got, want, written=None) -> None:
     """``got`` (jaxprep) equals ``want`` (vLLM) where vLLM wrote; elsewhere ``got`` is checked by the caller."""
     got, want = np.asarray(got), np.asarray(want)
-    if item in CORRUPT.split(","):
+    if item in CORRUPT:
         got = got + 1
     mask = np.ones(want.shape, bool) if written is None else written
     if got.shape != want.shape or not np.array_equal(got[mask], want[mask]):
@@ -373,14 +376,30 @@ def no_pinned_memory() -> None:
 
 
 def main() -> int:
+    """Prints ``REPORT`` + JSON: the comparison over ``NUM_BATCHES`` batches per configuration, and under
+    ``control`` the same over ``CONTROL_BATCHES`` batches with every item's jaxprep values shifted by one
+    (each item must then differ). One process runs both: vLLM's import and jaxprep's compiles once."""
+    global CORRUPT
     no_pinned_memory()
+    report = compare_batches(NUM_BATCHES)
+    CORRUPT = ITEMS
+    try:
+        report["control"] = compare_batches(CONTROL_BATCHES)
+    finally:
+        CORRUPT = ()
+    print("REPORT " + json.dumps(report))
+    return 0
+
+
+def compare_batches(num_batches: int) -> dict:
+    """Every configuration of `CONFIGS` over ``num_batches`` random batches against vLLM's code."""
     report = {"cases": {}, "mismatches": [], "covered": {"chunks": 0, "rejections": 0, "invalid": 0, "straddles": 0,
                                                        "checkpoints": 0, "prefill_chunks": 0}}
     for label, features in CONFIGS.items():
         config = PrepConfig(max_num_reqs=6, max_model_len=48, max_num_batched_tokens=40, block_size=4,
                             features=features)
         rng = np.random.default_rng(sum(map(ord, label)))
-        for _ in range(NUM_BATCHES):
+        for _ in range(num_batches):
             arrays = batch_arrays(config, rng)
             step = run_step(arrays, config, "jit")
             view = StepView(step, arrays, config)
@@ -393,8 +412,7 @@ def main() -> int:
             report["mismatches"] += [f"[{label}] {m}" for m in mismatches]
             report["cases"][label] = report["cases"].get(label, 0) + 1
             count_coverage(report["covered"], step, arrays, view)
-    print("REPORT " + json.dumps(report))
-    return 0
+    return report
 
 
 def count_coverage(covered: dict, step, arrays: dict, view: StepView) -> None:
