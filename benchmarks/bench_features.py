@@ -17,7 +17,6 @@ ratio to the vLLM V1 baseline.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -32,7 +31,14 @@ RUNTIME = configure_benchmark_runtime()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_prepare import v1_baseline  # noqa: E402
-from common import add_runtime_argument, assert_same_step, interleaved_us, load_line, machine_line  # noqa: E402
+from common import (  # noqa: E402
+    add_runtime_argument,
+    assert_same_step,
+    interleaved_us,
+    load_line,
+    machine_line,
+    unchecked_step,
+)
 
 from jaxprep import (  # noqa: E402
     BatchState,
@@ -43,6 +49,7 @@ from jaxprep import (  # noqa: E402
     PrepConfig,
     SamplingConfig,
     prepare_inputs,
+    prepare_padded,
     validate,
 )
 from jaxprep.config import block_table_width, cdiv  # noqa: E402
@@ -50,7 +57,6 @@ from jaxprep.features import DrafterConfig, HybridConfig  # noqa: E402
 from jaxprep.features.drafter import draft_decode_start, draft_prefill  # noqa: E402
 from jaxprep.features.grammar import apply_grammar_bitmask, grammar_invalid_drafts  # noqa: E402
 from jaxprep.features.sampling import empty_sampling_rows  # noqa: E402
-from jaxprep.prepare import prepare_body  # noqa: E402
 
 K = 3  # draft tokens per decode when spec decode is on
 LORA = LoRAConfig(max_loras=8, vocab_size=32000)  # requests cycle through 6 loaded adapters and none
@@ -193,6 +199,15 @@ def setup_step(state, config, num_tokens: int):
     return time.perf_counter() - start, call
 
 
+def checked_step(state, config, num_tokens: int):
+    """`prepare_padded` called directly (no `prepare_inputs` wrapper), compiled; returns the timed call."""
+    def call():
+        return jax.block_until_ready(prepare_padded(state, config, num_tokens))
+
+    call()
+    return call
+
+
 def baseline_step(config: PrepConfig, num_tokens: int, plain_call):
     """vLLM V1's host path over the plain batch, checked equal to jaxprep's plain step."""
     arrays = batch(config, config.max_num_reqs, num_tokens, np.random.default_rng(0))
@@ -230,29 +245,6 @@ def post_step_calls(base: PrepConfig, num_reqs: int, num_tokens: int) -> dict:
 EVERY_INPUT = dataclasses.replace(EVERY, runner="v2", lora=LORA, sampling=SAMPLING, structured_outputs=True,
                                   hybrid=HybridConfig(chunk_size=256, num_speculative_blocks=K, checkpoints=True))
 """Every feature that reads a `BatchState` input: all of them carry bits of the error word."""
-UNCHECKED = ("jaxprep.prepare.flag_rows", "jaxprep.prepare.safe_block_table", "jaxprep.prepare.token_flags",
-             "jaxprep.features.dispatch.safe_block_table", "jaxprep.features.dispatch.token_flags")
-
-
-def unchecked_step(state, config, num_tokens: int):
-    """The same step with the fast-path checks traced out (no error word, no dropped rows, no clamped
-    tables): jaxprep's own check functions replaced by identities while one fresh jit traces, for this
-    benchmark only. The M-RoPE bit (one reduction inside its own output) stays."""
-    from unittest import mock
-
-    identities = {
-        "flag_rows": lambda state, config, num_tokens_padded: (state, jax.numpy.int32(0)),
-        "safe_block_table": lambda table, *args: (table, jax.numpy.int32(0)),
-        "token_flags": lambda *args: jax.numpy.int32(0),
-    }
-    with contextlib.ExitStack() as stack:
-        for target in UNCHECKED:
-            stack.enter_context(mock.patch(target, identities[target.rsplit(".", 1)[1]]))
-        step = jax.jit(prepare_body, static_argnames=("config", "num_tokens_padded"))
-        jax.block_until_ready(step(state, config, num_tokens))  # traced and compiled under the patch
-    return lambda: jax.block_until_ready(step(state, config, num_tokens))
-
-
 def checks_cost(base: PrepConfig, args) -> None:
     """The fast-path checks' cost: each step with and without them, timed in the same rounds."""
     calls = {}
@@ -260,7 +252,7 @@ def checks_cost(base: PrepConfig, args) -> None:
         config = dataclasses.replace(base, features=features)
         state = BatchState.from_numpy(**batch(config, args.reqs, args.tokens, np.random.default_rng(0)))
         validate(state, config)
-        checked = setup_step(state, config, args.tokens)[1]
+        checked = checked_step(state, config, args.tokens)  # the jitted step itself, as the unchecked one
         unchecked = unchecked_step(state, config, args.tokens)
         assert int(checked().errors) == 0
         calls[f"{name}, checked"], calls[f"{name}, unchecked"] = checked, unchecked

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -162,3 +163,39 @@ def machine_line() -> str:
         torch_version = ""
     return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, jax {jax.__version__}, "
             f"numpy {np.__version__}{torch_version}, backend {jax.default_backend()}; commit {commit}")
+
+
+UNCHECKED = ("jaxprep.prepare.flag_rows", "jaxprep.prepare.safe_block_table", "jaxprep.prepare.token_flags",
+             "jaxprep.features.dispatch.safe_block_table", "jaxprep.features.dispatch.token_flags")
+"""jaxprep's fast-path check functions, as the step's modules import them."""
+
+
+def unchecked_step(state, config, num_tokens: int):
+    """The same step with the fast-path checks traced out (no error word, no dropped rows, no nulled
+    block ids): jaxprep's own check functions replaced by identities while one fresh jit traces, for
+    the benchmarks only (the block table is gathered as before the checks: the null block for a
+    padded row). The M-RoPE bit (one reduction inside its own output) stays. Returns the timed call."""
+    from unittest import mock
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxprep._constants import NULL_BLOCK_ID
+    from jaxprep._ragged import take_rows
+    from jaxprep.prepare import prepare_body
+
+    identities = {
+        "flag_rows": lambda state, config, num_tokens_padded: (state, jnp.int32(0)),
+        "safe_block_table": lambda table, rows, *args: (take_rows(table, rows, fill_value=NULL_BLOCK_ID),
+                                                        jnp.int32(0)),
+        "token_flags": lambda *args: jnp.int32(0),
+    }
+    def body(state, config, num_tokens_padded):  # a new function: JAX's trace cache holds none of its traces
+        return prepare_body(state, config, num_tokens_padded)
+
+    with contextlib.ExitStack() as stack:
+        for target in UNCHECKED:
+            stack.enter_context(mock.patch(target, identities[target.rsplit(".", 1)[1]]))
+        step = jax.jit(body, static_argnames=("config", "num_tokens_padded"))
+        jax.block_until_ready(step(state, config, num_tokens))  # traced and compiled under the patch
+    return lambda: jax.block_until_ready(step(state, config, num_tokens))

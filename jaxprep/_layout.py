@@ -30,6 +30,7 @@ class Layout(NamedTuple):
     token_rows: Int32[Array, " num_tokens_padded"]  # state row of each token; pad: 0
     token_shift: Int32[Array, " num_tokens_padded"]  # position - token index, per token (tail: any)
     is_real_token: Bool[Array, " num_tokens_padded"]  # False for the padded tail
+    row_seq_lens: Int32[Array, " max_num_reqs"]  # per state row: computed + scheduled if in the batch, else 0
 
 
 def batch_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int,
@@ -44,11 +45,20 @@ def batch_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total:
     return _state_order_layout(state, num_reqs_padded, num_tokens_padded, max_total)
 
 
-def _layout(*, token_rows, num_actual_tokens, num_tokens_padded: int, **batch_rows) -> Layout:
+def state_seq_lens(state) -> Int32[Array, " max_num_reqs"]:
+    """Each state row's sequence length if it has work (it is then in the batch), else 0.
+
+    # computed [4, 9, 7], scheduled [2, 0, 1] -> [6, 0, 8]
+    """
+    scheduled = state.num_scheduled_tokens
+    return jnp.where(scheduled > 0, state.num_computed_tokens + scheduled, 0)
+
+
+def _layout(state, *, token_rows, num_actual_tokens, num_tokens_padded: int, **batch_rows) -> Layout:
     """A `Layout` whose padded tokens read state row 0 (``token_rows`` may hold any row past the end)."""
     is_real_token = token_mask(num_actual_tokens, num_tokens_padded)
     return Layout(token_rows=jnp.where(is_real_token, token_rows, 0), is_real_token=is_real_token,
-                  num_actual_tokens=num_actual_tokens, **batch_rows)
+                  num_actual_tokens=num_actual_tokens, row_seq_lens=state_seq_lens(state), **batch_rows)
 
 
 def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int) -> Layout:
@@ -75,8 +85,9 @@ def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max
     # a token's owner counts the state-row ends at or before it; rows without work end where the last one did
     token_rows = token_request_index(ends_state, num_tokens_padded)
     token_shift = (computed - (ends_state - scheduled))[token_rows]
-    return _layout(rows=rows, scheduled=batch_scheduled, computed=batch_computed, ends=ends, is_real_req=is_real_req,
-                   num_reqs=jnp.minimum(counts[-1], num_reqs_padded), num_actual_tokens=ends_state[-1],
+    return _layout(state, rows=rows, scheduled=batch_scheduled, computed=batch_computed, ends=ends,
+                   is_real_req=is_real_req, num_reqs=jnp.minimum(counts[-1], num_reqs_padded),
+                   num_actual_tokens=ends_state[-1],
                    token_rows=token_rows, token_shift=token_shift, num_tokens_padded=num_tokens_padded)
 
 
@@ -94,6 +105,6 @@ def _reordered_layout(state, rows, num_tokens_padded: int, max_total: int) -> La
     owners = stack([computed - (ends - scheduled), jnp.minimum(rows, max_num_reqs - 1)], axis=1)
     token_owners = owners[token_request_index(ends, num_tokens_padded)]
     token_shift, token_rows = token_owners[:, 0], token_owners[:, 1]
-    return _layout(rows=rows, scheduled=scheduled, computed=computed, ends=ends, is_real_req=is_real_req,
+    return _layout(state, rows=rows, scheduled=scheduled, computed=computed, ends=ends, is_real_req=is_real_req,
                    num_reqs=jnp.sum(is_real_req, dtype=jnp.int32), num_actual_tokens=ends[-1],
                    token_rows=token_rows, token_shift=token_shift, num_tokens_padded=num_tokens_padded)

@@ -11,7 +11,7 @@ StepArray = _DeviceArray | np.ndarray
 """A field of a prepared step: a device array, or a host view after `jaxprep.prepare_to_host`."""
 
 try:
-    from jaxtyping import Array, Bool, Float32, Int32
+    from jaxtyping import Array, Bool, Float32, Int32, UInt32
 except ImportError:  # pragma: no cover - exercised only without the test extra
     Array = _DeviceArray
 
@@ -19,6 +19,6 @@ except ImportError:  # pragma: no cover - exercised only without the test extra
         def __getitem__(self, item):
             return Array
 
-    Bool = Float32 = Int32 = _ShapeAlias()
+    Bool = Float32 = Int32 = UInt32 = _ShapeAlias()
 
-__all__ = ["Array", "Bool", "Float32", "Int32", "StepArray"]
+__all__ = ["Array", "Bool", "Float32", "Int32", "StepArray", "UInt32"]

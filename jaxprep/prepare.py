@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._checks import expect_bucket, expect_state_and_config
-from jaxprep._constants import NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_STATE_ROW
+from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_STATE_ROW
 from jaxprep._layout import batch_layout
 from jaxprep._ragged import slot_mapping as _slot_mapping
-from jaxprep._ragged import stack, take_rows, token_blocks
+from jaxprep._ragged import stack, token_blocks
 from jaxprep._typing import Array, Int32
 from jaxprep.config import PrepConfig
 from jaxprep.features import with_features
@@ -103,10 +103,10 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     blocks = token_blocks(state.block_table, layout.token_rows, positions,
                           config.block_size * config.features.dcp_world_size)
     seq_lens = layout.computed + layout.scheduled  # padded rows: 0 + 0 = PAD_SEQ_LEN
-    block_table, table_errors = safe_block_table(take_rows(state.block_table, layout.rows, fill_value=NULL_BLOCK_ID),
-                                                 seq_lens, config.block_size * features.dcp_world_size,
+    block_table, table_errors = safe_block_table(state.block_table, layout.rows, layout.row_seq_lens,
+                                                 config.block_size * features.dcp_world_size,
                                                  config.max_block_id, BLOCK_ID_OUT_OF_RANGE)
-    maxima = _maxima(state)
+    maxima = _maxima(state.num_scheduled_tokens, layout.row_seq_lens)
     attn_metadata = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
@@ -123,8 +123,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
         logits_indices=jnp.where(layout.is_real_req, layout.ends - 1, PAD_LOGITS_INDEX),
         idx_mapping=jnp.where(layout.is_real_req, layout.rows, PAD_STATE_ROW),
         attn_metadata=attn_metadata,
-        errors=row_errors | table_errors | token_flags(blocks, is_real_token, config.max_block_id,
-                                                                        BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK),
+        errors=row_errors | table_errors | token_flags(blocks, is_real_token, NULL_BLOCK),
         num_tokens_padded=num_tokens_padded,
     )
     if not features.any_on:
@@ -132,7 +131,8 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     return with_features(step, state, config, layout)
 
 
-def _maxima(state: BatchState) -> Int32[Array, " 2"]:
+def _maxima(scheduled: Int32[Array, " max_num_reqs"],
+            row_seq_lens: Int32[Array, " max_num_reqs"]) -> Int32[Array, " 2"]:
     """[max_query_len, max_seq_len] over the rows with work, read from the state rows directly.
 
     Equal to the maxima over the batch rows (every row with work is in the batch), but ready as
@@ -140,9 +140,7 @@ def _maxima(state: BatchState) -> Int32[Array, " 2"]:
     more than 8 ready at once would hand work to the thread pool (a costly hand-off on a small host:
     BENCHMARKS.md, "thread-pool hand-offs").
     """
-    scheduled = state.num_scheduled_tokens
-    seq_lens = jnp.where(scheduled > 0, state.num_computed_tokens + scheduled, 0)
-    return jnp.max(stack([scheduled, seq_lens]), axis=1)  # one reduction for both
+    return jnp.max(stack([scheduled, row_seq_lens]), axis=1)  # one reduction for both
 
 
 prepare_padded = jax.jit(prepare_body, static_argnames=("config", "num_tokens_padded"))

@@ -25,14 +25,16 @@ block tables handed to the kernel (`safe_block_table`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxprep import features
 from jaxprep._checks import InvalidBatchError, check_blocks, check_row_bound, expect_bucket, expect_state_and_config
 from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep._ragged import stack
 from jaxprep.config import PrepConfig
 from jaxprep.features.flags import (
     BLOCK_ID_OUT_OF_RANGE,
@@ -181,21 +183,23 @@ def flag_rows(state, config, num_tokens_padded: int):
     # computed [3, -1], scheduled [2, 1] -> NEGATIVE_COUNT, scheduled [2, 0]
     """
     computed, scheduled = state.num_computed_tokens, state.num_scheduled_tokens
-    # the total of counts clipped to [0, T + 1] exceeds T exactly when the true total does (no int32 wrap)
-    over_bucket = jnp.sum(jnp.clip(scheduled, 0, num_tokens_padded + 1)) > num_tokens_padded
     flags = [
         (NEGATIVE_COUNT, (computed < 0) | (scheduled < 0)),
         # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
         (PAST_MAX_MODEL_LEN, scheduled > config.max_model_len - computed),
-        (OVER_BUCKET, jnp.broadcast_to(over_bucket, scheduled.shape)),
         *feature_row_flags(state, config),
     ]
-    bad = stack([mask for _, mask in flags])  # [num_flags, max_num_reqs]
-    bits = np.array([bit for bit, _ in flags], np.int32)
-    word = jnp.sum(jnp.where(jnp.any(bad, axis=1), bits, 0), dtype=jnp.int32)  # distinct bits: sum == or
+    row_bits = functools.reduce(operator.or_, [jnp.where(mask, jnp.int32(bit), 0) for bit, mask in flags])
+    # one reduction for the or of the rows' bits and the total of the counts clipped to [0, T + 1],
+    # which exceeds T exactly when the true total does (no int32 wrap)
+    bits, clipped_total = jax.lax.reduce(
+        (row_bits, jnp.clip(scheduled, 0, num_tokens_padded + 1)), (np.int32(0), np.int32(0)),
+        lambda a, b: (a[0] | b[0], a[1] + b[1]), (0,))
+    over_bucket = clipped_total > num_tokens_padded
+    word = bits | jnp.where(over_bucket, jnp.int32(OVER_BUCKET), 0)
     for bit, flag in feature_state_flags(state, config):
         word = word | jnp.where(flag, jnp.int32(bit), jnp.int32(0))
-    kept = dataclasses.replace(state, num_scheduled_tokens=jnp.where(jnp.any(bad, axis=0), 0, scheduled))
+    kept = dataclasses.replace(state, num_scheduled_tokens=jnp.where((row_bits != 0) | over_bucket, 0, scheduled))
     return kept, word
 
 

@@ -12,7 +12,6 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._layout import Layout
 from jaxprep._ragged import slot_mapping, take_rows, token_blocks
 from jaxprep._typing import Array, Int32
@@ -159,12 +158,11 @@ def _kv_groups(step, state, config, layout: Layout) -> tuple[tuple[KVGroupMetada
             slots = slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token, spec.block_size,
                                  max_block_id)
         gathered, table_errors = safe_block_table(
-            take_rows(table, layout.rows, fill_value=NULL_BLOCK_ID), step.attn_metadata.seq_lens, tokens_per_column,
-            max_block_id, BLOCK_ID_OUT_OF_RANGE if g == 0 else KV_GROUP_BLOCK_OUT_OF_RANGE)
-        if g > 0:  # group 0's token bits are the core ones
+            table, layout.rows, layout.row_seq_lens, tokens_per_column, max_block_id,
+            BLOCK_ID_OUT_OF_RANGE if g == 0 else KV_GROUP_BLOCK_OUT_OF_RANGE)
+        if g > 0:  # group 0's token bit is the core one
             blocks = token_blocks(table, layout.token_rows, step.positions, tokens_per_column)
-            errors = errors | token_flags(blocks, layout.is_real_token, max_block_id, KV_GROUP_BLOCK_OUT_OF_RANGE,
-                                          KV_GROUP_NULL_BLOCK)
+            errors = errors | token_flags(blocks, layout.is_real_token, KV_GROUP_NULL_BLOCK)
         groups.append(KVGroupMetadata(block_table=group_block_table(gathered, layout.computed, spec),
                                       slot_mapping=slots, block_size=spec.block_size,
                                       kernel_block_size=spec.kernel_block_size or spec.block_size))

@@ -15,11 +15,14 @@ known (`kv_groups`, `mrope`): the token gets its padding values there.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, NO_LORA_ID, NO_PREV_ROW, NULL_BLOCK_ID
+from jaxprep._ragged import max_of_blocks, on_cpu_else
 from jaxprep._typing import Array, Bool, Int32
 
 # the core tables (messages in jaxprep.validate.error_messages)
@@ -54,25 +57,73 @@ ROW_MASK_TOO_NARROW = 1 << 26
 
 
 def token_flags(blocks: Int32[Array, " num_tokens_padded"], is_real_token: Bool[Array, " num_tokens_padded"],
-                max_block_id: int, out_of_range: int, null: int):
-    """The bits of the scheduled tokens' block ids (``blocks``: each token's block in its table)."""
-    bad_id = jnp.any(is_real_token & ((blocks < NULL_BLOCK_ID) | (blocks > max_block_id)))
-    is_null = jnp.any(is_real_token & (blocks == NULL_BLOCK_ID))
-    return jnp.where(bad_id, jnp.int32(out_of_range), 0) | jnp.where(is_null, jnp.int32(null), 0)
+                null: int):
+    """``null`` if a scheduled token's block (``blocks``: each token's block in its table) is the null block.
+
+    A scheduled token's block id outside the cache needs no check of its own: the token's column is
+    one its request uses (position < seq_len), so `safe_block_table` sets the out-of-range bit for it.
+    """
+    return jnp.where(jnp.any(is_real_token & (blocks == NULL_BLOCK_ID)), jnp.int32(null), 0)
 
 
-def safe_block_table(gathered: Int32[Array, "num_reqs_padded W"], seq_lens: Int32[Array, " num_reqs_padded"],
-                     tokens_per_column: int, max_block_id: int, bit: int):
-    """``(table, bits)``: the batch's block table with every id outside ``[0, max_block_id]`` nulled
-    (the kernel reads only blocks that exist), and ``bit`` if such an id lies in a column a request uses.
+def safe_block_table(table: Int32[Array, "max_num_reqs W"], rows: Int32[Array, " num_reqs_padded"],
+                     row_seq_lens: Int32[Array, " max_num_reqs"], tokens_per_column: int, max_block_id: int, bit: int):
+    """``(batch table, bits)``: ``table``'s batch rows (``rows``; the null block for a padded row) with every
+    id outside ``[0, max_block_id]`` nulled (the kernel reads only blocks that exist), and ``bit`` if such
+    an id lies in a column a request uses. ``row_seq_lens``: each state row's sequence length if it is in
+    the batch, else 0.
 
     # B 4, seq_lens [9], max_block_id 39, row [1, 2, 77, 55] -> columns used 0..2 -> [1, 2, 0, 0], bit set
     """
-    outside = (gathered < NULL_BLOCK_ID) | (gathered > max_block_id)
-    columns = jnp.arange(gathered.shape[1], dtype=jnp.int32)
-    used = columns[None, :] * tokens_per_column < seq_lens[:, None]  # column c holds positions c * B ..
-    flag = jnp.any(outside & used)
-    return jnp.where(outside, NULL_BLOCK_ID, gathered), jnp.where(flag, jnp.int32(bit), 0)
+    last = table.shape[0] - 1
+    gathered = table.at[jnp.clip(rows, 0, last)].get(mode="promise_in_bounds")
+    kept = ((rows >= 0) & (rows <= last))[:, None] & (_as_unsigned(gathered) <= max_block_id)
+    flag = _used_ids_outside(table, row_seq_lens, tokens_per_column, max_block_id)
+    return jnp.where(kept, gathered, NULL_BLOCK_ID), jnp.where(flag, jnp.int32(bit), 0)
+
+
+def _as_unsigned(ids):
+    """int32 ids as uint32: a negative id becomes >= 2**31, above every max_block_id."""
+    return jax.lax.bitcast_convert_type(ids, jnp.uint32)
+
+
+def _used_ids_outside(table: Int32[Array, "max_num_reqs W"], row_seq_lens: Int32[Array, " max_num_reqs"],
+                      tokens_per_column: int, max_block_id: int) -> Bool[Array, ""]:
+    """Whether an id outside ``[0, max_block_id]`` lies in a column a state row uses (``row_seq_lens``:
+    0 for a row outside the batch): the maximum of the used ids as uint32 (a negative id lies above
+    every bound) exceeds ``max_block_id``. A pass over the state's table, apart from the batch's
+    gather (XLA:CPU shares no pass between a reduction and another output).
+
+    On XLA:CPU that pass is the cost (compute bound while the table sits in cache): the maximum of
+    every id comes first, half the work of masking each id by its column, and the used ids are
+    read only when it is above ``max_block_id``; a table whose unused entries are ids too (vLLM's
+    zeros, a finished request's stale ids) never pays the second pass. Elsewhere the masked pass
+    alone (a conditional costs a GPU a device-to-host sync).
+    # B 4, seq_lens [9, 0], max_block_id 39, rows [[1, 2, 77, 55], [-1, 0, 0, 0]] -> used ids [1, 2, 77] -> set
+    """
+    masked = functools.partial(used_ids_outside_masked, tokens_per_column=tokens_per_column,
+                               max_block_id=max_block_id)
+
+    def cpu(table, row_seq_lens):  # no id outside the pool anywhere: none in a used column either
+        outside_anywhere = max_of_blocks(lambda start, stop: _as_unsigned(table[:, start:stop]),
+                                         table.shape[1]) > max_block_id
+        return jax.lax.cond(outside_anywhere, lambda outside, *rows: masked(*rows), lambda outside, *_: outside,
+                            outside_anywhere, table, row_seq_lens)  # the false branch answers False
+
+    return on_cpu_else(cpu, masked, table, row_seq_lens)
+
+
+def used_ids_outside_masked(table: Int32[Array, "max_num_reqs W"], row_seq_lens: Int32[Array, " max_num_reqs"],
+                            tokens_per_column: int, max_block_id: int) -> Bool[Array, ""]:
+    """`_used_ids_outside` in one pass: each id masked by its column (0, a valid id, where unused)."""
+    # column c holds positions [c * B, (c + 1) * B): used when c * B < seq_len, i.e. c < cdiv(seq_len, B)
+    columns_used = -(-row_seq_lens // tokens_per_column)[:, None]
+
+    def used_ids(start, stop):
+        column = jax.lax.broadcasted_iota(jnp.int32, (1, stop - start), 1) + start
+        return jnp.where(column < columns_used, _as_unsigned(table[:, start:stop]), jnp.uint32(0))
+
+    return max_of_blocks(used_ids, table.shape[1]) > max_block_id
 
 
 def feature_messages(config) -> dict[int, str]:
