@@ -49,6 +49,23 @@ with install_import_hook(["jaxprep", "torch_bridge"], "beartype.beartype"):
     import jaxprep.reference  # noqa: F401
 
 
+CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+@pytest.fixture(autouse=True)
+def compile_cache_left_as_it_was():
+    """`jaxprep.cli.main` turns JAX's persistent compilation cache on for its process; a test that runs
+    the CLI in this process gets it turned back off afterwards, so later tests compile as before."""
+    before = {name: getattr(jax.config, name) for name in CACHE_SETTINGS}
+    yield
+    if any(getattr(jax.config, name) != value for name, value in before.items()):
+        from jax.experimental.compilation_cache import compilation_cache
+
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
 def pytest_collection_modifyitems(config, items):
     backend = jax.default_backend()
     if backend == "cpu":

@@ -45,7 +45,12 @@ def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None =
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses the flags, turns on the persistent compilation cache (`jaxprep.cli._cache`: every
+    subcommand compiles, so a second identical run loads its executables from disk), runs the command."""
+    from jaxprep.cli._cache import turn_on_compile_cache
+
     module, args = parse_args(argv)
+    args.compile_cache_dir = turn_on_compile_cache(args)
     try:
         return module.run(args)
     except MemoryError as error:  # sizes the flags allowed but this host cannot hold: one line, exit 2

@@ -6,9 +6,16 @@ import argparse
 
 import numpy as np
 
+from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="validate each state before preparing it")
+    add_cache_arguments(parser)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    check_cache_arguments(args)
 
 
 def run(args: argparse.Namespace) -> int:

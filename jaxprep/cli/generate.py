@@ -7,9 +7,12 @@ and the ``tokenizers`` package, ``--prompt "text"`` is accepted too and outputs 
 prompts go through the same scheduler and jitted serving step as ``jaxprep simulate`` (chunked
 prefill, preemption, mixed batches) and are printed in the order given.
 
-Progress bars (stderr, ``--progress``) follow the loading, the compiles, the prefill and the decode;
-the run ends with prefill and decode tokens/s (`jaxprep.cli._phases`). ``--dtype bfloat16`` serves
-in bf16; ``--threads`` sets XLA's CPU threads (default: one per core).
+Progress on stderr (``--progress``: bars on a terminal, a line per phase and per quarter of it
+otherwise) follows the loading, the compiles, the prefill and the decode. The run ends with the
+warm-up (every executable compiled, or loaded from JAX's persistent compilation cache, before the
+first step: `jaxprep.cli._cache`), apart from the prefill and decode tokens/s, which exclude it
+(`jaxprep.cli._phases`). ``--dtype bfloat16`` serves in bf16; ``--threads`` sets XLA's CPU threads
+(default: one per core).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 
 from jaxprep.cli._args import INT32_MAX, int_in, require
+from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
 from jaxprep.cli._phases import PhaseClock, rates_line
 from jaxprep.cli._progress import add_progress_argument, progress_bar
@@ -58,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
     add_checkpoint_arguments(parser)
     add_progress_argument(parser)
+    add_cache_arguments(parser)
     parser.add_argument("--json", action="store_true",
-                        help='print {"outputs": [[ids...], ...], "rates": {...}} as one JSON object on the last line')
+                        help='print {"outputs": [[ids...], ...], "rates": {...}, "warmup": {...}, "compiles": {...}} '
+                             "as one JSON object on the last line")
     parser.set_defaults(error=parser.error)
 
 
@@ -71,37 +77,48 @@ def check_arguments(args: argparse.Namespace) -> None:
         require(args.num_blocks * args.block_size <= INT32_MAX, f"--num-blocks {args.num_blocks}: times "
                 f"--block-size {args.block_size} must be <= {INT32_MAX} (slot ids are int32)")
     sampling_params(args, len(args.prompts) - 1)  # a bad value ends here, naming its flag (the last seed too)
+    check_cache_arguments(args)
     args.tokenizer = _tokenizer(args)
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxprep.compilation import count_compiles
+
     tokenizer = args.tokenizer
-    model, params = load_checkpoint(args)
-    prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
-    _check_token_ids(args, prompts, model.vocab_size)
-    eos_ids = () if args.ignore_eos else model.eos_token_ids
-    config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
-    _check_fit(args, prompts, config)
-    sampling = [sampling_params(args, i) for i in range(len(prompts))]
-    if sampling[0] is not None:
-        config = with_sampling(config, model.vocab_size)
-    outputs, stats, rates = generate(model, params, prompts, config, args.max_tokens, eos_ids, sampling,
-                                     progress=args.progress)
-    _print(args, model, prompts, outputs, stats, tokenizer, rates)
+    with count_compiles() as compiles:  # the whole run: loading, warm-up, serving
+        model, params = load_checkpoint(args)
+        prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
+        _check_token_ids(args, prompts, model.vocab_size)
+        eos_ids = () if args.ignore_eos else model.eos_token_ids
+        config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
+        _check_fit(args, prompts, config)
+        sampling = [sampling_params(args, i) for i in range(len(prompts))]
+        if sampling[0] is not None:
+            config = with_sampling(config, model.vocab_size)
+        outputs, stats, rates, warmup = generate(model, params, prompts, config, args.max_tokens, eos_ids, sampling,
+                                                 progress=args.progress)
+    warmup["compile_cache"] = args.compile_cache_dir
+    _print(args, model, prompts, outputs, stats, tokenizer, rates,
+           dict(warmup=warmup, compiles={"total": compiles.compiles, "cache_hits": compiles.cache_hits}))
     return 0
 
 
-def generate(model, params, prompts: list[list[int]], config, max_tokens: int,
-             eos_ids: tuple[int, ...], sampling=None, progress: str = "never") -> tuple[list[list[int]], object, dict]:
+def generate(model, params, prompts: list[list[int]], config, max_tokens: int, eos_ids: tuple[int, ...],
+             sampling=None, progress: str = "never") -> tuple[list[list[int]], object, dict, dict]:
     """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
-    first of ``eos_ids``), the loop stats and the prefill and decode rates (`PhaseClock.rates`,
-    compiles excluded: every executable is compiled first). ``sampling``: each prompt's
-    `SamplingParams` (None: greedy). ``progress``: a ``--progress`` value."""
+    first of ``eos_ids``), the loop stats, the prefill and decode rates (`PhaseClock.rates`,
+    compiles excluded: every executable is compiled first) and that warm-up: ``warmup_s``,
+    ``warmup_compiles`` (executables) and ``warmup_cache_hits`` (of them, loaded from the persistent
+    compilation cache). ``sampling``: each prompt's `SamplingParams` (None: greedy). ``progress``: a
+    ``--progress`` value."""
+    from jaxprep.compilation import count_compiles
     from jaxprep.serving import Engine, Request
 
     engine = Engine(config, model, params=params, keep_history=True)
-    with progress_bar(progress, "compiling", "executable", total=engine.num_executables) as bar:
-        engine.warmup(on_compiled=lambda done, total: bar.update(1))
+    with progress_bar(progress, "compiling", "executable", total=engine.num_executables) as bar, \
+            count_compiles() as compiles:
+        warmup_s = engine.warmup(on_compiled=lambda done, total: bar.update(1))
+    warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=compiles.compiles, warmup_cache_hits=compiles.cache_hits)
     sampling = sampling or [None] * len(prompts)
     engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens, sampling_params=s)
                    for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))])
@@ -115,7 +132,7 @@ def generate(model, params, prompts: list[list[int]], config, max_tokens: int,
         clock = PhaseClock(then=show)
         finished = sorted(engine.run(on_step=clock), key=lambda request: request.request_id)
     outputs = [_stop_at_eos(request.output_token_ids, eos_ids) for request in finished]
-    return outputs, engine.stats, clock.rates(engine.stats)
+    return outputs, engine.stats, clock.rates(engine.stats), warmup
 
 
 def serving_config(args, prompts: list[list[int]], eos_token_id: int):
@@ -185,7 +202,7 @@ def _tokenizer(args):
     return tokenizers.Tokenizer.from_file(path)
 
 
-def _print(args, model, prompts, outputs, stats, tokenizer, rates: dict) -> None:
+def _print(args, model, prompts, outputs, stats, tokenizer, rates: dict, compiling: dict) -> None:
     print(f"== jaxprep generate: {model.model_type} ({model.num_layers} layers, vocab {model.vocab_size}, "
           f"{model.dtype}) from {args.model}: {len(prompts)} prompts served together in {stats.dispatches} "
           f"dispatches, {stats.preemptions} preemptions")
@@ -196,6 +213,17 @@ def _print(args, model, prompts, outputs, stats, tokenizer, rates: dict) -> None
         if tokenizer is not None:
             texts.append(tokenizer.decode(output, skip_special_tokens=True))
             print(f"    text: {texts[-1]!r}")
+    print(f"== {warmup_line(**compiling)}")
     print(f"== {rates_line(rates)}")
     if args.json:
-        print(json.dumps({"outputs": outputs, **({"texts": texts} if tokenizer is not None else {}), "rates": rates}))
+        print(json.dumps({"outputs": outputs, **({"texts": texts} if tokenizer is not None else {}), "rates": rates,
+                          **compiling}))
+
+
+def warmup_line(warmup: dict, compiles: dict) -> str:
+    """``warm-up 11.8 s: 9 executables, 0 of them from the compilation cache in DIR; the run compiled 31
+    (0 from the cache)``: the warm-up apart from the rates, and every compile of the run (loading included)."""
+    cache = f"the compilation cache in {warmup['compile_cache']}" if warmup["compile_cache"] else "no compilation cache"
+    return (f"warm-up {warmup['warmup_s']} s: {warmup['warmup_compiles']} executables, "
+            f"{warmup['warmup_cache_hits']} of them from {cache}; the run compiled {compiles['total']} "
+            f"({compiles['cache_hits']} from the cache)")

@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from jaxprep.cli._args import INT32_MAX, check_folder, check_plot_path, flag, int_in, require
+from jaxprep.cli._args import INT32_MAX, check_plot_path, flag, int_in, require
+from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
 from jaxprep.cli._phases import PhaseClock
 from jaxprep.cli._progress import add_progress_argument, progress_bar
@@ -69,12 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="schedule step N+1 while the device runs step N (tokens reach the host one step "
                              "late; single steps, one device) and report the share of host time that overlaps "
                              "device work")
-    cache = parser.add_mutually_exclusive_group()
-    cache.add_argument("--compile-cache", metavar="DIR", default=None,
-                       help="JAX persistent compilation cache directory: a second run warms up from disk "
-                            "(default $JAXPREP_CACHE_DIR, else $XDG_CACHE_HOME/jaxprep, else ~/.cache/jaxprep)")
-    cache.add_argument("--no-compile-cache", action="store_true",
-                       help="compile every executable in this process (no persistent cache)")
+    add_cache_arguments(parser)
     _add_spec_decode_arguments(parser)
     parser.add_argument("--check", action="store_true",
                         help="check the greedy tokens against a dense recomputation; exit 1 if they differ "
@@ -156,39 +152,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{jax.default_backend()} devices JAX sees")
     sampled = sampling_params(args, args.requests - 1) is not None  # the last request's seed fits too
     require(not (sampled and args.check), "--check: compares greedy tokens; drop it with --temperature and friends")
-    if args.compile_cache:
-        check_folder("--compile-cache", args.compile_cache)
+    check_cache_arguments(args)
     if args.plot:
         check_plot_path("--plot", args.plot)
-
-
-CACHE_DIR_VARIABLE = "JAXPREP_CACHE_DIR"
-"""Environment variable naming the default compilation-cache folder (the test suite sets it)."""
-
-
-def default_cache_dir() -> str:
-    """Where the CLI keeps JAX's persistent compilation cache unless told otherwise: $JAXPREP_CACHE_DIR,
-    else $XDG_CACHE_HOME/jaxprep, else ~/.cache/jaxprep."""
-    if os.environ.get(CACHE_DIR_VARIABLE):
-        return os.environ[CACHE_DIR_VARIABLE]
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "jaxprep")
-
-
-def _compile_cache(args: argparse.Namespace) -> str | None:
-    """Turns on the persistent compilation cache (``--compile-cache``, else the user cache folder,
-    made private to the user; skipped if it cannot be made); returns its folder or None."""
-    from jaxprep.compilation import use_compile_cache
-
-    if args.no_compile_cache:
-        return None
-    folder = args.compile_cache or os.path.expanduser(default_cache_dir())
-    if args.compile_cache is None:
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-        except OSError:
-            return None
-    use_compile_cache(folder)
-    return folder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
     from jaxprep.serving.prep_timing import time_prepare
 
     config, model, params, workload = _setup(args)
-    cache_dir = _compile_cache(args)
     engine = _engine(config, model, args, params)
     with count_compiles() as warmup_compiles:
         warmup_s = _warmup(engine, args.progress)
@@ -207,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         wall_s = time.perf_counter() - start
     time_prepare(engine)  # after the loop, on a donated copy of the state: the loop never waits for it
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=warmup_compiles.compiles,
-                  warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=cache_dir)
+                  warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=args.compile_cache_dir)
     summary = _summary(engine, workload, finished, wall_s, warmup, compiles)
     # the phases' seconds and rates (their token counts differ: a decode riding in a prefill pass counts to neither)
     summary.update({k: v for k, v in clock.rates(engine.stats).items() if not k.endswith("_tokens")})

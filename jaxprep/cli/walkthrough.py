@@ -12,6 +12,7 @@ import argparse
 import os
 
 from jaxprep.cli._args import check_folder, check_matplotlib, flag, int_in, require
+from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 
 DEFAULT_MAX_TOKENS = 4
 """Output tokens per request when the prompts are given and the output lengths are not."""
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot-dir", metavar="DIR", default=None,
                         help="also draw every step (token table, block table, KV cache, attention) as "
                              "DIR/step_1.png, DIR/step_2.png, ... (needs matplotlib)")
+    add_cache_arguments(parser)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -61,6 +63,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.plot_dir:
         check_folder("--plot-dir", args.plot_dir)
         check_matplotlib("--plot-dir", args.plot_dir)
+    check_cache_arguments(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,6 +54,11 @@ BAD = [
     (["simulate", "--compile-cache", NOT_A_FOLDER], "--compile-cache", "exists and is not a folder"),
     (["simulate", "--no-compile-cache=1"], "--no-compile-cache", "ignored explicit argument '1'"),
     (["simulate", "--compile-cache", "x", "--no-compile-cache"], "--no-compile-cache", "not allowed with argument"),
+    # every subcommand compiles, so every one takes the cache flags (`jaxprep.cli._cache`)
+    *[(command + ["--compile-cache", NOT_A_FOLDER], "--compile-cache", "exists and is not a folder")
+      for command in (["demo"], ["walkthrough"], ["generate", "--model", ROOT, "--prompt-ids", "1"])],
+    *[(command + ["--no-compile-cache=1"], "--no-compile-cache", "ignored explicit argument '1'")
+      for command in (["demo"], ["walkthrough"], ["generate", "--model", ROOT, "--prompt-ids", "1"])],
     (["simulate", "--check=1"], "--check", "ignored explicit argument '1'"),
     (["simulate", "--async-scheduling=1"], "--async-scheduling", "ignored explicit argument '1'"),
     (["simulate", "--json=1"], "--json", "ignored explicit argument '1'"),

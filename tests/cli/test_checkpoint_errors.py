@@ -108,7 +108,8 @@ def test_a_broken_checkpoint_is_one_line_exit_2(broken, command, good_checkpoint
     shutil.copytree(good_checkpoint, folder)
     breaks, message = BROKEN[broken]
     breaks(folder)
-    code, lines = _run([command, "--model", folder, *COMMANDS[command]], capsys)
+    # --no-progress: off a terminal the loading phase writes its lines first (`jaxprep.cli._progress`)
+    code, lines = _run([command, "--model", folder, *COMMANDS[command], "--no-progress"], capsys)
     assert code == 2 and len(lines) == 1, lines
     assert re.match(rf"jaxprep {command}: error: --model {re.escape(folder)}: ", lines[0]), lines[0]
     assert message in lines[0], lines[0]

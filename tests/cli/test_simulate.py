@@ -37,7 +37,9 @@ def test_simulate_check_json_summary():
     assert summary["steps"] >= summary["dispatches"] > 0
     assert summary["prepare_us_median"] > 0 and 0 <= summary["padding_waste"] < 1
     assert summary["prefill_tokens"] + summary["decode_tokens"] == summary["scheduled_tokens"]
-    assert result.stderr == ""  # stderr is a pipe, not a terminal: no progress bars
+    # stderr is a pipe, not a terminal: a line per phase and per quarter of it, no bar redraws
+    assert "\r" not in result.stderr and "warm-up: 2 buckets: 4/4 compile in " in result.stderr, result.stderr
+    assert "serving: 10/10 req in " in result.stderr and "check: dense recompute: 10/10 req in " in result.stderr
 
 
 def test_simulate_spec_decode_reports_acceptance_and_checks():
@@ -70,17 +72,25 @@ def test_progress_bars_and_plot(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-def test_no_bars_when_stderr_is_not_a_terminal(capsys):
+def test_lines_when_stderr_is_not_a_terminal(capsys):
+    """--progress auto off a terminal: a line at the start, at each quarter and at the end; never: nothing."""
     from jaxprep.cli import _progress
 
-    bar = _progress.progress_bar("auto", "warm-up: 2 buckets", "compile", total=5)
-    bar.update(5)
+    bar = _progress.progress_bar("auto", "warm-up: 2 buckets", "compile", total=8)
+    for _ in range(8):
+        bar.update(1)
     bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "warm-up: 2 buckets: 0/8 compile"
+    assert [line.split(",")[0] for line in lines[1:-1]] == [f"warm-up: 2 buckets: {n}/8 compile" for n in (2, 4, 6)]
+    assert lines[-1].startswith("warm-up: 2 buckets: 8/8 compile in ") and len(lines) == 5
+    with _progress.progress_bar("never", "warm-up: 2 buckets", "compile", total=5) as bar:
+        bar.update(5)
     assert capsys.readouterr().err == ""
     bar = _progress.progress_bar("always", "warm-up: 2 buckets", "compile", total=5)
     bar.update(5)
     bar.close()
-    assert "warm-up: 2 buckets" in capsys.readouterr().err
+    assert "warm-up: 2 buckets" in capsys.readouterr().err  # a tqdm bar, even under capture
 
 
 def test_async_scheduling_checks_and_reports_overlap():

@@ -151,7 +151,7 @@ def test_generate_flag_errors(tmp_path, capsys, flags, message):
     """Bad flags: argparse's exit 2 and one error line naming the flag and the bound, no traceback."""
     directory = _write_checkpoint(tmp_path, LLAMA, _random_tensors(LLAMA))
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--model", directory, *flags])
+        main(["generate", "--model", directory, *flags, "--no-progress"])  # no loading lines before the error
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
