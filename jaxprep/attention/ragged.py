@@ -258,9 +258,9 @@ def _kernel(tiles_ref, kv_lens_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *
     plgpu.store(sum_ref.at[split, write_at, head], jnp.where(computed, running_sum, 0.0), mask=written)
 
 
-def combine_splits(acc: Float32[Array, "splits num_tokens num_heads head_dim"],
-                   running_max: Float32[Array, "splits num_tokens num_heads"],
-                   running_sum: Float32[Array, "splits num_tokens num_heads"]) -> Float32[Array, "num_tokens num_heads head_dim"]:
+def combine_splits(acc: Float32[Array, "splits tokens heads head_dim"],
+                   running_max: Float32[Array, "splits tokens heads"],
+                   running_sum: Float32[Array, "splits tokens heads"]) -> Float32[Array, "tokens heads head_dim"]:
     """The splits' partial softmaxes merged: ``sum_s w_s acc_s / sum_s w_s l_s``, ``w_s = exp(m_s - max_s m_s)``;
     a token no split saw (every ``l_s`` 0) gets zeros."""
     weights = jnp.exp(running_max - jnp.max(running_max, axis=0, keepdims=True))

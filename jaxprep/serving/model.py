@@ -170,14 +170,15 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
     ``attention``: one of `jaxprep.attention.ATTENTION_KINDS`."""
     x, kv_cache = scan_paged_layers(
         params["embed"][inputs.input_ids], kv_cache, inputs, _layers(params), block_size=block_size,
-        max_model_len=max_model_len, num_heads=model.num_heads, qkv=lambda layer, x, positions: _qkv(layer, x, positions, model),
-        finish=_mlp_and_residual, attention=attention)
+        max_model_len=max_model_len, num_heads=model.num_heads,
+        qkv=lambda layer, x, positions: _qkv(layer, x, positions, model), finish=_mlp_and_residual, attention=attention)
     with jax.named_scope(MODEL_SCOPE):
         return kv_cache, _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
 
 
 def scan_paged_layers(x: jax.Array, kv_cache: KVCache, inputs: StepInputs, layers, *, block_size: int,
-                      max_model_len: int, num_heads: int, qkv, finish, attention: str = "auto") -> tuple[jax.Array, KVCache]:
+                      max_model_len: int, num_heads: int, qkv, finish,
+                      attention: str = "auto") -> tuple[jax.Array, KVCache]:
     """The layers of a paged forward, scanned: hidden states x [T, D] -> (x, kv_cache).
 
     Layer i computes ``q, k, v = qkv(layer, x, positions)`` (q with ``num_heads`` heads), writes k and v

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import re
 
-import jax
 import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
