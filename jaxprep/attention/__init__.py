@@ -11,8 +11,8 @@
   positions), kept as a cross-check and a memory control.
 
 `stacked_attention` is how the models' layer loop runs one of them (`jaxprep.serving.model.scan_paged_layers`);
-`layer_attention` is the same over one layer's cache. ``"auto"`` is the ragged kernel when the step is
-lowered for CUDA, JAX's TPU kernel on a TPU, the XLA path elsewhere (docs/guides/attention.md).
+`layer_attention` is the same over one layer's cache. ``"auto"`` is the ragged kernel on an NVIDIA GPU,
+JAX's TPU kernel on a TPU, the XLA path elsewhere (docs/guides/attention.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jaxprep.kernels import triton_backend_available
 
 ATTENTION_KINDS = ("auto", "xla", "ragged", "pallas_gpu", "pallas_tpu", "gather_all")
 """Names `stacked_attention` and `layer_attention` accept: ``ragged`` is jaxprep's kernel (Triton on CUDA,
-Pallas' interpreter elsewhere); ``auto`` the kernel of the platform where it supports the shapes."""
+Pallas' interpreter elsewhere); ``auto`` the kernel of the backend where it supports the shapes."""
 
 
 def gpu_kernel_fits(block_size: int, head_dim: int) -> bool:
@@ -59,8 +59,8 @@ def tpu_kernel_fits(num_kv_heads: int, head_dim: int) -> bool:
 
 
 def auto_kind(block_size: int, num_kv_heads: int, head_dim: int, backend: str | None = None) -> str:
-    """The attention ``auto`` runs on ``backend`` (default: JAX's default backend; ``gpu`` meaning
-    CUDA) for these shapes."""
+    """The attention ``auto`` runs on ``backend`` (default: JAX's default backend) for these shapes. On a
+    ``gpu`` backend the ragged kernel is resolved when the step is lowered: CUDA runs it, ROCm the XLA path."""
     backend = backend or jax.default_backend()
     if backend == "gpu" and ragged_kernel_fits(head_dim) and triton_backend_available():
         return "ragged"
@@ -114,24 +114,25 @@ def _ragged(block_size: int, num_heads: int, num_kv_heads: int, *, cuda_only: bo
 
 
 def stacked_attention(kind: str, *, block_size: int, max_model_len: int, num_heads: int, num_kv_heads: int,
-                      head_dim: int) -> StackedAttention:
-    """The `StackedAttention` of ``kind`` (one of `ATTENTION_KINDS`) for these shapes."""
+                      head_dim: int, backend: str | None = None) -> StackedAttention:
+    """The `StackedAttention` of ``kind`` (one of `ATTENTION_KINDS`) for these shapes; ``auto`` as
+    `auto_kind` names it for ``backend`` (default: JAX's default backend), the ragged kernel there
+    only where the step is lowered for CUDA (a ROCm GPU keeps the XLA path)."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention={kind!r}: must be one of {ATTENTION_KINDS}")
     xla = _per_layer(functools.partial(paged_attention, block_size=block_size))
     if kind == "auto":
-        if jax.default_backend() == "tpu" and tpu_kernel_fits(num_kv_heads, head_dim):
-            kind = "pallas_tpu"
-        elif ragged_kernel_fits(head_dim) and triton_backend_available():
+        kind = auto_kind(block_size, num_kv_heads, head_dim, backend)
+        if kind == "ragged":
             return _ragged(block_size, num_heads, num_kv_heads, cuda_only=True, fallback=xla)
-        else:
-            return xla
     if kind == "ragged":
         return _ragged(block_size, num_heads, num_kv_heads, cuda_only=False)
+    if kind == "xla":
+        return xla
     if kind == "gather_all":
         return _per_layer(functools.partial(gather_all_attention, block_size=block_size, max_model_len=max_model_len))
-    return _per_layer(functools.partial({"xla": paged_attention, "pallas_gpu": gpu_paged_attention,
-                                         "pallas_tpu": tpu_ragged_paged_attention}[kind], block_size=block_size))
+    kernel = {"pallas_gpu": gpu_paged_attention, "pallas_tpu": tpu_ragged_paged_attention}[kind]
+    return _per_layer(functools.partial(kernel, block_size=block_size))
 
 
 def layer_attention(kind: str, *, block_size: int, max_model_len: int, num_heads: int, num_kv_heads: int,

@@ -1,10 +1,12 @@
 """What a GPU runs of the models' attention: the StableHLO lowered for CUDA on this CPU machine (no
 device needed), as tests/core/test_pallas_lowering.py reads the prepare kernels.
 
-- ``auto`` lowers the tiny model's step for CUDA to one Triton call in the layer loop (jaxprep's
-  ragged kernel), which reads the stacked cache itself: no layer is sliced out of it and nothing of
-  it is transposed. Controls: JAX's decode kernel (``pallas_gpu``) is fed a layer sliced out of the
-  cache and converted to its layout per layer; ``auto`` lowered for CPU holds no Triton call.
+- the ragged kernel lowers the tiny model's step for CUDA to one Triton call in the layer loop, which
+  reads the stacked cache itself: no layer is sliced out of it and nothing of it is transposed.
+  Control: JAX's decode kernel (``pallas_gpu``) is fed a layer sliced out of the cache and converted
+  to its layout per layer.
+- ``auto`` on a GPU backend is that kernel when lowered for CUDA; on a CPU backend it traces no
+  kernel at all (the XLA path; tracing the kernel would cost every CPU compile).
 - the kernel lowers for CUDA at the shapes of the real models (Qwen3-0.6B, Llama-3.2-1B), float32
   and bf16, decode and prefill buckets;
 - its two products are traced at HIGHEST precision (IEEE float32 in Triton, not TF32).
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
+from jaxprep.attention import stacked_attention
 from jaxprep.attention.ragged import ragged_paged_attention
 from jaxprep.serving import KVCache, ModelConfig, init_params, paged_forward
 from support.kernels import TRITON_CALL, lowering_target
@@ -52,20 +55,40 @@ def layer_copies(text: str) -> list[str]:
             or ("stablehlo.transpose" in line and LAYER_SHAPE.rsplit("x", 1)[0] in line.split("->")[0])]
 
 
-def test_auto_on_cuda_is_the_ragged_kernel_reading_the_stacked_cache_in_place():
-    text = lowered_step("auto", "cuda")
+def test_the_ragged_kernel_on_cuda_reads_the_stacked_cache_in_place():
+    text = lowered_step("ragged", "cuda")
     assert triton_kernels(text) == ["jaxprep_ragged_attention"]  # once, in the scanned layer body
     assert f"tensor<2x{LAYER_SHAPE}>" in text  # the stacked cache is there: the pattern below can see it
     assert not layer_copies(text), layer_copies(text)
 
 
-def test_controls_jax_kernel_slices_a_layer_and_cpu_keeps_xla():
+def test_control_jax_kernel_slices_a_layer_out_of_the_cache():
     """JAX's decode kernel reads one layer in its own layout: the layer is sliced out of the stack (K and
-    V) every layer; ``auto`` lowered for CPU runs the XLA path, no Triton call."""
+    V) every layer."""
     jax_kernel = lowered_step("pallas_gpu", "cuda")
     assert triton_kernels(jax_kernel) == ["paged_attention_block_h_16_pages_per_compute_block_8"]
     assert len(layer_copies(jax_kernel)) == 2
-    assert not triton_kernels(lowered_step("auto", "cpu"))
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_auto_is_the_kernel_on_a_gpu_backend_only(backend):
+    """`stacked_attention("auto")` as a GPU backend and a CPU one build it, lowered for CUDA: the ragged
+    kernel, or the XLA path with no Triton call and no pallas_call traced."""
+    attention = stacked_attention("auto", block_size=CONFIG.block_size, max_model_len=CONFIG.max_model_len,
+                                  num_heads=4, num_kv_heads=2, head_dim=16, backend=backend)
+
+    def attend(q, k_cache, v_cache, state):
+        inputs = prepare_padded(state, CONFIG, 8)
+        return attention.attend(q, k_cache, v_cache, jnp.int32(1), attention.plan(inputs))
+
+    q = jax.ShapeDtypeStruct((8, 4, 16), jnp.float32)
+    cache = jax.ShapeDtypeStruct((3, CONFIG.num_blocks * CONFIG.block_size, 2, 16), jnp.float32)
+    traced = jax.jit(attend).trace(q, cache, cache, BatchState.empty(CONFIG))
+    with lowering_target("cuda"):
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    on_gpu = backend == "gpu"
+    assert triton_kernels(text) == (["jaxprep_ragged_attention"] if on_gpu else [])
+    assert ("pallas_call" in str(traced.jaxpr)) == on_gpu
 
 
 SHAPES = {"qwen3-0.6b float32 decode": (16, 8, 128, "float32", 8, 8),
