@@ -162,7 +162,7 @@ def test_the_triton_kernel_on_the_gpu_matches_reference(dtype):
     from support.attention_batches import AttentionCase
 
     config = PrepConfig(max_num_reqs=4, max_model_len=160, max_num_batched_tokens=64, block_size=16, num_blocks=48)
-    for case in attention_cases(seed=47, count=3, head_dim=32, config=config):
+    for case in attention_cases(seed=47, count=2, head_dim=32, config=config):
         q, k_cache, v_cache = (x.astype(dtype) for x in (case.q, case.k_cache, case.v_cache))
         expected = AttentionCase(case.inputs, *(x.astype(jnp.float32) for x in (q, k_cache, v_cache)),
                                  block_size=16).reference()
