@@ -47,7 +47,7 @@ def gpu_kernel_fits(block_size: int, head_dim: int) -> bool:
 
 def ragged_kernel_fits(head_dim: int) -> bool:
     """jaxprep's ragged kernel gathers a chunk's keys slot by slot (any block size); its blocks of a head
-    are powers of 2 and its dots at least 16 wide (`jaxprep.attention.ragged.kernel_fits`)."""
+    are powers of 2 and Triton's dots at least 16 wide: head_dim must be both."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 

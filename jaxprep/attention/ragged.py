@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxprep._typing import Array, Float32, Int32
+from jaxprep.attention import ragged_kernel_fits
 from jaxprep.attention.paged import MASKED, default_query_tile, query_tiles, token_kv_lens
 from jaxprep.metadata import StepInputs
 from jaxprep.storage import as_compute
@@ -53,7 +54,9 @@ MIN_ROWS = 16
 TARGET_PROGRAMS = 256
 """Programs `default_kv_splits` aims for: about two per SM of an H100 (132 SMs)."""
 MAX_KV_SPLITS = 16
-COMPILER_PARAMS_WARPS, COMPILER_PARAMS_STAGES = 4, 2
+MAX_ROWS = 64
+"""Most rows (queries x heads of a group) of one program: its float32 accumulator stays in registers."""
+COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _pow2_ceil(n: int) -> int:
@@ -64,12 +67,6 @@ def _pow2_ceil(n: int) -> int:
 def _pow2_floor(n: int) -> int:
     """# 1 -> 1, 12 -> 8, 16 -> 16"""
     return 1 << (max(n, 1).bit_length() - 1)
-
-
-def kernel_fits(head_dim: int) -> bool:
-    """Triton's block shapes are powers of 2 and its dots at least 16 on a side: head_dim must be both
-    (the block size may be anything: a chunk's keys are gathered slot by slot)."""
-    return head_dim >= MIN_ROWS and head_dim & (head_dim - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +111,7 @@ class RaggedSizes:
 
     @property
     def rows(self) -> int:
-        """M: rows of a program, ``Q * Gp``, at least `MIN_ROWS`. # Q 1, G 2 -> 16; Q 16, G 6 -> 128"""
+        """M: rows of a program, ``Q * Gp``, at least `MIN_ROWS`. # Q 1, G 2 -> 16; Q 8, G 6 -> 64"""
         return max(MIN_ROWS, self.query_tile * self.group_padded)
 
 
@@ -160,10 +157,6 @@ def default_kv_splits(num_tiles: int, num_kv_heads: int) -> int:
     while splits < MAX_KV_SPLITS and 2 * splits * num_tiles * num_kv_heads <= TARGET_PROGRAMS:
         splits *= 2
     return splits
-
-
-MAX_ROWS = 64
-"""Most rows (queries x heads of a group) of one program: its float32 accumulator stays in registers."""
 
 
 def kernel_query_tile(num_tokens_padded: int, num_reqs_padded: int, num_heads: int = 1,
@@ -278,7 +271,7 @@ def ragged_attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: j
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_slots, num_kv_heads, _ = k_cache.shape
     num_tiles = plan.tiles.shape[1]
-    if not kernel_fits(head_dim) or kv_chunk < MIN_ROWS or kv_chunk & (kv_chunk - 1) or \
+    if not ragged_kernel_fits(head_dim) or kv_chunk < MIN_ROWS or kv_chunk & (kv_chunk - 1) or \
             plan.query_tile & (plan.query_tile - 1):
         raise ValueError(f"ragged attention: head_dim={head_dim}, kv_chunk={kv_chunk} and query_tile="
                          f"{plan.query_tile} must be powers of 2, head_dim and kv_chunk at least {MIN_ROWS}")
@@ -294,7 +287,7 @@ def ragged_attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: j
     out = pl.pallas_call(
         functools.partial(_kernel, sizes=sizes), grid=(num_tiles, num_kv_heads, splits), out_shape=out_shape,
         interpret=interpret, name="jaxprep_ragged_attention",
-        compiler_params=plgpu.CompilerParams(num_warps=COMPILER_PARAMS_WARPS, num_stages=COMPILER_PARAMS_STAGES),
+        compiler_params=COMPILER_PARAMS,
     )(plan.tiles, plan.kv_lens, plan.block_table, layer.reshape(1).astype(jnp.int32), q, k_cache, v_cache)
     if splits > 1:
         out = combine_splits(*out).astype(q.dtype)
