@@ -2,14 +2,16 @@
 torch_bridge tests and every test with JAX on the GPU, and print one table.
 
     benchmarks/accelerator_check.sh [--wheels DIR] [--workers N] [--repeats N] [--log-dir DIR]
-                                    [--budget-s S] [--steps fused,floor,gpu,bridge,suite]
+                                    [--budget-s S] [--steps kernel,equality,generate,fused,floor,gpu,bridge,suite]
     benchmarks/accelerator_check.sh --dry-run    # on a machine without a GPU: the CPU path
 
 The steps run in that order, most wanted first: a lent machine's time is short (the device tool
-gives a session 15 minutes, its start included), so the fused step's table comes before the
-suite. ``--budget-s`` is the runbook's own wall-time limit: each step gets what is left as its
-timeout, a step that cannot start in time is reported as skipped, and the table so far is
-rewritten to ``LOG_DIR/runbook.md`` after every step, so a run cut short still leaves its rows.
+gives a session 15 minutes, its start included), so the ragged attention kernel's GPU tests, the
+float32 greedy equality with transformers (`bench_generate.py --part equality`), the generate table
+against transformers (``--part speed``) and the fused step's table come before the suite.
+``--budget-s`` is the runbook's own wall-time limit: each step gets what is left as its timeout,
+a step that cannot start in time is reported as skipped, and the table so far is rewritten to
+``LOG_DIR/runbook.md`` after every step, so a run cut short still leaves its rows.
 
 Meant for a lent machine with an NVIDIA GPU and no internet (jax with its CUDA plugin and a CUDA
 torch already installed): the project is installed with ``pip --no-deps --no-build-isolation``,
@@ -45,10 +47,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_BRIDGE_TESTS = ["tests/torch_bridge/test_cuda.py", "tests/torch_bridge/test_to_torch.py",
                      "tests/torch_bridge/test_lifetime.py", "tests/torch_bridge/test_from_torch.py"]
 DRY_RUN_TESTS = ["tests/core/test_worked_examples.py"]
-STEPS = ("fused", "floor", "gpu", "bridge", "suite")
-"""The runbook's steps in the order they run: the fused-step benchmark (command buffers off, then on),
-the call floor (call_floor.py with PJRT_NPROC unset, then 1), bench_gpu.py, the CUDA torch_bridge tests,
-the whole suite."""
+KERNEL_TESTS = ["tests/attention/test_ragged_attention.py", "-k", "triton"]
+"""The ragged attention kernel compiled by Triton against the oracle (skipped without a GPU)."""
+STEPS = ("kernel", "equality", "generate", "fused", "floor", "gpu", "bridge", "suite")
+"""The runbook's steps in the order they run: the ragged attention kernel on the GPU, the float32
+greedy equality of `jaxprep generate` with transformers, the generate table against transformers,
+the fused-step benchmark (command buffers off, then on; serve_step's launches), the call floor
+(call_floor.py with PJRT_NPROC unset, then 1), bench_gpu.py, the CUDA torch_bridge tests, the whole suite."""
 MIN_STEP_S = 30
 """A step is not started with less than this left of ``--budget-s``."""
 TABLE_FILE = "runbook.md"
@@ -255,6 +260,30 @@ def run_table_step(runner: Runner, label: str, script: list[str], log_name: str 
     return output
 
 
+def run_kernel_tests(runner: Runner, args) -> None:
+    """The ragged attention kernel compiled by Triton on the GPU (on the dry run, without one: skipped)."""
+    if not runner.can_start("ragged attention kernel"):
+        return
+    code, output = runner.run("ragged attention kernel", PYTEST + KERNEL_TESTS)
+    summary = pytest_summary(output)
+    ran = code == 0 and " passed" in summary and "skipped" not in summary
+    result = "ok" if ran else "skipped" if code == 0 and args.dry_run else "FAILED"
+    runner.add("ragged attention kernel, Triton on the GPU (tests)", result, summary)
+
+
+def run_generate(runner: Runner, args, part: str) -> None:
+    """bench_generate.py's ``part``: its table's rows, and FAILED if it exits non-zero (a float32 token
+    that differs from transformers' beyond a near-tie)."""
+    label = {"equality": "float32 greedy equality", "speed": "generate vs transformers"}[part]
+    if not runner.can_start(label):
+        return
+    dry = ["--dry-run"] if args.dry_run else []
+    code, output = runner.run(label, [sys.executable, "benchmarks/bench_generate.py", "--part", part, *dry])
+    add_table_rows(runner, label, output)
+    if code:
+        runner.add(label, "FAILED", last_line(output))
+
+
 def run_benchmark(runner: Runner, args) -> None:
     repeats = ["--repeats", "5", "--profile-steps", "3"] if args.dry_run else ["--repeats", str(args.repeats)]
     output = run_table_step(runner, "bench_gpu", ["benchmarks/bench_gpu.py", *repeats], log_name="benchmark")
@@ -337,8 +366,9 @@ def format_table(rows, header: str) -> str:
     return "\n".join(lines)
 
 
-STEP_FUNCTIONS = {"fused": run_fused_benchmark, "floor": run_call_floor, "gpu": run_benchmark,
-                  "bridge": run_bridge_tests, "suite": run_suite}
+STEP_FUNCTIONS = {"kernel": run_kernel_tests, "equality": lambda runner, args: run_generate(runner, args, "equality"),
+                  "generate": lambda runner, args: run_generate(runner, args, "speed"), "fused": run_fused_benchmark,
+                  "floor": run_call_floor, "gpu": run_benchmark, "bridge": run_bridge_tests, "suite": run_suite}
 
 
 def main(argv=None) -> int:

@@ -21,8 +21,9 @@ Columns: *launches* = device operations per step (kernels, copies, memsets) in a
 calling thread's time per step with steps queued back to back (no wait); *end to end µs* = one
 step and the wait for its results. Without a GPU the device columns read n/a.
 
-A second table runs `serve_step` (tiny model, one iteration) with the plain step on XLA and on the
-kernels: its launches, those of the two prepare kernels, and its times. ``--command-buffers``
+A second table runs `serve_step` (tiny model, 2 layers, one iteration) with the plain step on XLA and on
+the kernels, and its attention on ``auto`` (jaxprep's ragged kernel on CUDA), XLA and JAX's decode
+kernel: its launches, those of the two prepare kernels and of the attention kernel, and its times. ``--command-buffers``
 sets XLA's CUDA-graph flags before JAX starts (off: none; on: fusions, cuBLAS, custom calls, while
 loops and conditionals, graphs of any size); the runbook runs both.
 """
@@ -287,18 +288,26 @@ def print_step_table(rows: list[dict]) -> None:
               f"| {cell(row['thread_us'])} | {cell(row['e2e_us'])} | {vs_v1} | {goals(row, rows)} |")
 
 
+SERVE_PATHS = [("xla", "auto"), ("pallas", "auto"), ("pallas", "xla"), ("pallas", "pallas_gpu")]
+"""(plain step, attention) of the serve_step rows: ``auto`` attention is jaxprep's ragged kernel on CUDA
+(the XLA path on CPU); ``xla`` and JAX's decode kernel (``pallas_gpu``, GPU only) are its controls."""
+ATTENTION_KERNELS = ("jaxprep_ragged_attention", "paged_attention")
+
+
 def serve_rows(args) -> list[dict]:
-    """`serve_step` (tiny model, one iteration, empty batch state) on each path of the plain step."""
+    """`serve_step` (tiny model, one iteration, empty batch state) on each path of the plain step and
+    of the attention."""
     num_reqs, tokens = (16, 64) if args.dry_run else (256, 256)
-    return [serve_row(kernel, num_reqs, tokens, args) for kernel in ("xla", "pallas")]
+    return [serve_row(kernel, attention, num_reqs, tokens, args) for kernel, attention in SERVE_PATHS
+            if attention != "pallas_gpu" or on_gpu()]
 
 
-def serve_row(kernel: str, num_reqs: int, tokens: int, args) -> dict:
+def serve_row(kernel: str, attention: str, num_reqs: int, tokens: int, args) -> dict:
     from jaxprep import PrepConfig
     from jaxprep.serving import KVCache, ModelConfig, ServingConfig, ServingState, init_params, step
     from jaxprep.serving.packing import packed_size
 
-    model = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=64)
+    model = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=64, attention=attention)
     prep = PrepConfig(max_num_reqs=num_reqs, max_model_len=256, max_num_batched_tokens=tokens, block_size=16,
                       num_blocks=num_reqs * 16 + 1, kernel=kernel)
     config = ServingConfig(prep=prep, decode_steps=1)
@@ -310,19 +319,21 @@ def serve_row(kernel: str, num_reqs: int, tokens: int, args) -> dict:
                                                          model=model, num_tokens_padded=tokens)
         return tokens_out
 
-    row = jax_row(f"serve_step, plain step on {kernel}", call, args)
-    named = sum(n for name, _, n in kernel_profile(call, args.steps)[2] if "jaxprep_prepare" in name) \
-        if on_gpu() else None
-    return dict(row, prepare_kernels=named)
+    path = f"serve_step, plain step on {kernel}" + ("" if attention == "auto" else f", attention {attention}")
+    row = jax_row(path, call, args)
+    kernels = kernel_profile(call, args.steps)[2] if on_gpu() else []
+    named = {label: sum(n for name, _, n in kernels if any(part in name for part in parts)) if on_gpu() else None
+             for label, parts in (("prepare_kernels", ("jaxprep_prepare",)), ("attention_kernels", ATTENTION_KERNELS))}
+    return dict(row, **named)
 
 
 def print_serve_table(rows: list[dict], command_buffers: str) -> None:
-    print(f"| serve_step (command buffers: {command_buffers}) | launches | prepare kernels | device µs | thread µs "
-          "| end to end µs |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| serve_step (command buffers: {command_buffers}) | launches | prepare kernels | attention kernels "
+          "| device µs | thread µs | end to end µs |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['path']} | {cell(r['launches'])} | {cell(r['prepare_kernels'])} | {cell(r['device_us'])} "
-              f"| {cell(r['thread_us'])} | {cell(r['e2e_us'])} |")
+        print(f"| {r['path']} | {cell(r['launches'])} | {cell(r['prepare_kernels'])} | {cell(r['attention_kernels'])} "
+              f"| {cell(r['device_us'])} | {cell(r['thread_us'])} | {cell(r['e2e_us'])} |")
 
 
 def main() -> int:

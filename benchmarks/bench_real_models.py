@@ -152,16 +152,18 @@ def worker_main(side: str, directory: str, case_json: str) -> None:
 # --- driver --------------------------------------------------------------------------------------------
 
 
-def build_checkpoint(name: str, layers: int | None, dtype: str, workdir: str) -> str:
-    """The random checkpoint of ``name``'s shape (first ``layers`` layers), saved by transformers in ``dtype``;
-    built in a subprocess, reused if already in ``workdir``."""
-    directory = os.path.join(workdir, f"{name}-{layers or 'all'}L-{dtype}")
+def build_checkpoint(name: str, layers: int | None, dtype: str, workdir: str, sizes: dict | None = None) -> str:
+    """The random checkpoint of ``name``'s shape (first ``layers`` layers; ``sizes`` overrides other
+    fields, a dry run's tiny widths), saved by transformers in ``dtype``; built in a subprocess, reused
+    if already in ``workdir``."""
+    tag = "-tiny" if sizes else ""
+    directory = os.path.join(workdir, f"{name}{tag}-{layers or 'all'}L-{dtype}")
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
     code = f"""
 import torch, transformers
 config_class, model_class, sizes = {SHAPES[name]!r}
-sizes = dict(sizes, **({{"num_hidden_layers": {layers}}} if {layers!r} else {{}}))
+sizes = dict(sizes, **{dict(sizes or {}, **({"num_hidden_layers": layers} if layers else {}))!r})
 torch.manual_seed(0)
 config = getattr(transformers, config_class)(**sizes)
 model = getattr(transformers, model_class)(config).to(getattr(torch, {dtype!r}))

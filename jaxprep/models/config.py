@@ -23,6 +23,7 @@ import numpy as np
 from jaxprep.models import llama
 from jaxprep.models.errors import CheckpointError, UnsupportedConfigError
 from jaxprep.models.rope import RopeConfig, parse_rope
+from jaxprep.serving.model import check_attention_kind
 from jaxprep.storage import storage_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -58,10 +59,12 @@ class DecoderConfig:
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    attention: str = "auto"  # one of `jaxprep.attention.ATTENTION_KINDS` (docs/guides/attention.md)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"DecoderConfig: dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        check_attention_kind("DecoderConfig", self.attention)
 
     @property
     def kv_cache_dtype(self):

@@ -147,8 +147,9 @@ def paged_forward(params: dict, kv_cache: KVCache, inputs: StepInputs, *, model,
     ``(kv_cache, logits [R_pad, V])`` of the rows' ``logits_indices``. Scans over the layers."""
     fns = _layer_fns(model)  # attention: the paged one of jaxprep.attention (docs/guides/attention.md)
     x, kv_cache = scan_paged_layers(_embed(params, inputs.input_ids, model), kv_cache, inputs, params["layers"],
-                                    block_size=block_size, max_model_len=max_model_len, qkv=fns["qkv"],
-                                    finish=fns["finish"])
+                                    block_size=block_size, max_model_len=max_model_len,
+                                    num_heads=model.num_heads, qkv=fns["qkv"], finish=fns["finish"],
+                                    attention=model.attention)
     return kv_cache, _logits(params, x[inputs.logits_indices], model)
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep.attention import layer_attention, paged_context  # noqa: F401 (paged_context: re-exported)
+from jaxprep.attention import ATTENTION_KINDS, paged_context, stacked_attention  # noqa: F401 (paged_context: re-exported)
 from jaxprep.metadata import StepInputs
 
 MODEL_SCOPE = "model"
@@ -37,11 +37,13 @@ class ModelConfig:
     num_heads: int = 4
     d_ff: int = 128
     rope_theta: float = 10000.0
+    attention: str = "auto"  # one of `jaxprep.attention.ATTENTION_KINDS`
 
     def __post_init__(self):
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
             raise ValueError(f"ModelConfig: d_model={self.d_model} must split into num_heads={self.num_heads} "
                              "heads of an even size (RoPE rotates pairs)")
+        check_attention_kind("ModelConfig", self.attention)
 
     @property
     def head_dim(self) -> int:
@@ -55,10 +57,17 @@ class ModelConfig:
     # A model config of the serving loop: `forward` is what the step runs, `dense_forward` the
     # loop's oracle (`jaxprep.models.DecoderConfig` is another one).
     def forward(self, params, kv_cache: KVCache, inputs: StepInputs, *, block_size: int, max_model_len: int):
-        return paged_forward(params, kv_cache, inputs, model=self, block_size=block_size, max_model_len=max_model_len)
+        return paged_forward(params, kv_cache, inputs, model=self, block_size=block_size, max_model_len=max_model_len,
+                             attention=self.attention)
 
     def dense_forward(self, params, token_ids: jax.Array) -> jax.Array:
         return dense_forward(params, token_ids, model=self)
+
+
+def check_attention_kind(owner: str, kind: str) -> None:
+    """A model config's ``attention`` must name one of `ATTENTION_KINDS`."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"{owner}: attention={kind!r} must be one of {', '.join(ATTENTION_KINDS)}")
 
 
 @typing.runtime_checkable
@@ -161,28 +170,31 @@ def paged_forward(params, kv_cache: KVCache, inputs: StepInputs, *, model: Model
     ``attention``: one of `jaxprep.attention.ATTENTION_KINDS`."""
     x, kv_cache = scan_paged_layers(
         params["embed"][inputs.input_ids], kv_cache, inputs, _layers(params), block_size=block_size,
-        max_model_len=max_model_len, qkv=lambda layer, x, positions: _qkv(layer, x, positions, model),
-        finish=_mlp_and_residual, attention=attention)
+        max_model_len=max_model_len, num_heads=model.num_heads,
+        qkv=lambda layer, x, positions: _qkv(layer, x, positions, model), finish=_mlp_and_residual, attention=attention)
     with jax.named_scope(MODEL_SCOPE):
         return kv_cache, _rms_norm(x[inputs.logits_indices]) @ params["lm_head"]
 
 
 def scan_paged_layers(x: jax.Array, kv_cache: KVCache, inputs: StepInputs, layers, *, block_size: int,
-                      max_model_len: int, qkv, finish, attention: str = "auto") -> tuple[jax.Array, KVCache]:
+                      max_model_len: int, num_heads: int, qkv, finish,
+                      attention: str = "auto") -> tuple[jax.Array, KVCache]:
     """The layers of a paged forward, scanned: hidden states x [T, D] -> (x, kv_cache).
 
-    Layer i computes ``q, k, v = qkv(layer, x, positions)``, writes k and v at ``slot_mapping`` in
-    the cache's layer i, attends over each token's context read back through its row's block table
-    (`jaxprep.attention.layer_attention` of ``attention``, [T, H, Dh] flattened to [T, H * Dh]) and
-    returns ``finish(layer, x, attn)``. ``layers``: per-layer params stacked on a leading axis of
-    kv_cache.k.shape[0] layers.
+    Layer i computes ``q, k, v = qkv(layer, x, positions)`` (q with ``num_heads`` heads), writes k and v
+    at ``slot_mapping`` in the cache's layer i, attends over each token's context read back through its
+    row's block table (`jaxprep.attention.stacked_attention` of ``attention``: what it reads of the step
+    is planned once, before the loop, and it reads layer i of the stacked cache; [T, H, Dh] flattened
+    to [T, H * Dh]) and returns ``finish(layer, x, attn)``. ``layers``: per-layer params stacked on a
+    leading axis of kv_cache.k.shape[0] layers.
     """
     meta = inputs.attn_metadata
     _, num_slots, num_kv_heads, head_dim = kv_cache.k.shape
     # PAD_SLOT_ID -1 would wrap to the last slot even with mode='drop': send it past the end instead
     write_slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping, num_slots)
-    attend = layer_attention(attention, block_size=block_size, max_model_len=max_model_len,
-                             num_kv_heads=num_kv_heads, head_dim=head_dim)
+    attention = stacked_attention(attention, block_size=block_size, max_model_len=max_model_len, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim)
+    plan = attention.plan(inputs)
 
     def layer_step(carry, layer_in):
         x, k_cache, v_cache = carry
@@ -191,7 +203,7 @@ def scan_paged_layers(x: jax.Array, kv_cache: KVCache, inputs: StepInputs, layer
         k_cache = k_cache.at[index, write_slots].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[index, write_slots].set(v.astype(v_cache.dtype), mode="drop")
         with jax.named_scope(MODEL_SCOPE):
-            attn = attend(q, k_cache[index], v_cache[index], inputs)
+            attn = attention.attend(q, k_cache, v_cache, index, plan)
         return (finish(layer, x, attn.reshape(attn.shape[0], -1)), k_cache, v_cache), None
 
     layer_ids = jnp.arange(kv_cache.k.shape[0], dtype=jnp.int32)

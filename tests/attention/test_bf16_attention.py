@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep.attention import gpu_paged_attention, paged_attention
+from jaxprep.attention.ragged import ragged_paged_attention
 from jaxprep.storage import BITS16, as_stored
 from support.attention_batches import CONFIG, AttentionCase, attention_cases, shifted_block
 
@@ -28,7 +29,8 @@ def bf16_case(seed: int) -> AttentionCase:
 
 @functools.partial(jax.jit, static_argnames="kind")
 def bf16_attention(q, k_cache, v_cache, inputs, kind):
-    attend = {"xla": paged_attention, "gpu": functools.partial(gpu_paged_attention, interpret=True)}[kind]
+    attend = {"xla": paged_attention, "gpu": functools.partial(gpu_paged_attention, interpret=True),
+              "ragged": functools.partial(ragged_paged_attention, kv_chunk=16, interpret=True)}[kind]
     return attend(q.astype(jnp.bfloat16), k_cache, v_cache, inputs, block_size=B)
 
 
@@ -57,6 +59,12 @@ def test_paged_attention_reads_bf16_bit_patterns():
 def test_gpu_kernel_reads_bf16_bit_patterns():
     """The Pallas GPU decode kernel (interpret mode) fed a bf16 q and a bit-pattern cache."""
     check_both_storages(bf16_case(seed=32), "gpu")
+
+
+def test_ragged_kernel_reads_bf16_bit_patterns():
+    """jaxprep's ragged kernel (interpret mode): bf16 dots with float32 accumulation, each chunk of a
+    bit-pattern cache bit-cast inside the kernel."""
+    check_both_storages(bf16_case(seed=34), "ragged")
 
 
 def test_paged_attention_converts_one_chunk_not_the_cache():

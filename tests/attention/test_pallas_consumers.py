@@ -101,11 +101,13 @@ def test_tpu_kernel_in_interpret_mode():
 
 
 def test_auto_picks_the_kernel_only_where_it_runs():
-    """Pallas on GPU/TPU where the shapes fit the kernel, the XLA paged attention elsewhere."""
-    assert auto_kind(16, 8, 128, backend="gpu") == "pallas_gpu"
+    """jaxprep's ragged kernel on GPU, JAX's ragged kernel on TPU, where the shapes fit; the XLA paged
+    attention elsewhere."""
+    assert auto_kind(16, 8, 128, backend="gpu") == "ragged"
+    assert auto_kind(4, 8, 128, backend="gpu") == "ragged"  # any block size: keys are gathered slot by slot
+    assert auto_kind(16, 8, 80, backend="gpu") == "xla"  # Triton blocks: head_dim a power of 2
     assert auto_kind(16, 8, 128, backend="tpu") == "pallas_tpu"
     assert auto_kind(16, 8, 128, backend="cpu") == "xla"
-    assert auto_kind(4, 8, 128, backend="gpu") == "xla"  # Triton dots need 16 keys per page
     assert auto_kind(16, 8, 64, backend="tpu") == "xla"  # the TPU kernel wants head_dim % 128 == 0
 
 
@@ -126,13 +128,13 @@ def test_gpu_kernel_dots_are_traced_at_highest_precision():
     assert len(dots) >= 2 and all("precision=(Precision.HIGHEST, Precision.HIGHEST)" in dot for dot in dots)
 
 
-def test_auto_falls_back_to_xla_on_gpu_once_jax_drops_the_kernel(monkeypatch):
+def test_auto_falls_back_to_xla_on_gpu_once_jax_drops_the_triton_backend(monkeypatch):
     import jaxprep.attention as attention
 
-    monkeypatch.setattr(attention, "gpu_kernel_available", lambda: False)
+    monkeypatch.setattr(attention, "triton_backend_available", lambda: False)
     assert attention.auto_kind(16, 8, 128, backend="gpu") == "xla"
-    monkeypatch.setattr(attention, "gpu_kernel_available", lambda: True)  # control: the same shapes pick it
-    assert attention.auto_kind(16, 8, 128, backend="gpu") == "pallas_gpu"
+    monkeypatch.setattr(attention, "triton_backend_available", lambda: True)  # control: the same shapes pick it
+    assert attention.auto_kind(16, 8, 128, backend="gpu") == "ragged"
 
 
 def test_the_kernels_deprecation_warning_is_silenced_and_no_other(monkeypatch):

@@ -38,9 +38,23 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     serve_rows = {f"bench_fused: serve_step, plain step on {kernel}" for kernel in ("xla", "pallas")}
     assert serve_rows <= set(checks)
     assert checks["MRV2 kernel sources"] == "-"
+    # serve_step's launches by attention path (JAX's decode kernel only on a GPU)
+    assert "bench_fused: serve_step, plain step on pallas, attention xla" in checks
+    assert details["bench_fused: serve_step, plain step on pallas"].startswith("launches: n/a; prepare kernels: n/a; "
+                                                                               "attention kernels: n/a; ")
+    # the ragged kernel's GPU tests skip here; float32 equality and the generate table dry-run on tiny widths
+    assert checks["ragged attention kernel, Triton on the GPU (tests)"] == "skipped"
+    equality = {name: detail for name, detail in details.items() if name.startswith("float32 greedy equality: ")}
+    assert len(equality) == 2 and all(detail.endswith("result: equal") for detail in equality.values()), equality
+    speed = [name for name in checks if name.startswith("generate vs transformers: ")]
+    assert "generate vs transformers: 1 x 24-token prompt, 4 new / jaxprep, warm cache" in speed, speed
+    assert details["generate vs transformers: decode at one request <= 1.0 ms/token"].endswith(
+        "result: not checked (not a GPU run)")
     assert sorted(os.listdir(tmp_path))  # each step's log was written
-    order = [name.split(":")[0].split(" (")[0] for name in checks]  # the most wanted table first, the suite last
-    assert order.index("bench_fused") < order.index("call floor") < order.index("bench_gpu") < order.index("tests")
+    order = [name.split(":")[0].split(" (")[0].split(",")[0] for name in checks]  # most wanted first, the suite last
+    assert order.index("ragged attention kernel") < order.index("float32 greedy equality") \
+        < order.index("generate vs transformers") < order.index("bench_fused") < order.index("call floor") \
+        < order.index("bench_gpu") < order.index("tests")
     assert details["call floor: x + 1 over 13 int32[256]"].startswith("thread µs: ")
 
 
@@ -68,7 +82,8 @@ def test_a_spent_budget_skips_every_step_and_still_writes_the_table(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in result.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| check")}
-    skipped = {"bench_fused", "call floor", "bench_gpu", "test suite"}
+    skipped = {"ragged attention kernel", "float32 greedy equality", "generate vs transformers", "bench_fused",
+               "call floor", "bench_gpu", "test suite"}
     assert rows.pop("install jaxprep") == "skipped"  # a dry run installs nothing
     assert {name for name, outcome in rows.items() if outcome == "skipped"} == skipped, rows
     with open(tmp_path / "runbook.md") as table:

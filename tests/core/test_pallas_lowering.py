@@ -11,36 +11,24 @@ the counter sees its dozens of ops.
 from __future__ import annotations
 
 import collections
-import contextlib
 import re
 
-import jax
 import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
+from support.kernels import TRITON_CALL, lowering_target
 
-TRITON_CALL = "stablehlo.custom_call @__gpu$xla.gpu.triton"
 NOT_WORK = {"stablehlo.constant", "stablehlo.reshape", "stablehlo.case", "stablehlo.return"}
 """Ops the lowered step may hold besides the kernels: none computes anything per token."""
 SHAPES = {"256 decode": (256, 8192, 256), "256 req / 8192 tok": (256, 8192, 8192),
           "1024 req / 16384 tok": (1024, 16384, 16384)}
 
 
-def _target(platform: str):
-    """Lowering for CUDA on a machine without one names the GPU it is for (an abstract H100): the
-    Triton lowering reads its compute capability (jax >= 0.11 refuses without a device or a target)."""
-    if platform != "cuda":
-        return contextlib.nullcontext()
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,),
-                                                                abstract_device=h100))
-
-
 def _lowered(kernel: str, max_num_reqs: int, budget: int, bucket: int, platform: str = "cuda") -> str:
     config = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=4096, max_num_batched_tokens=budget, block_size=16,
                         kernel=kernel)
     state = BatchState.empty(config)
-    with _target(platform):
+    with lowering_target(platform):
         return prepare_padded.trace(state, config, bucket).lower(lowering_platforms=(platform,)).as_text()
 
 

@@ -132,6 +132,22 @@ def test_chunked_paged_prefill_logits_match_transformers(name, checkpoint):
     assert max(errors) < MAX_LOGITS_ERROR
 
 
+def test_the_ragged_kernel_serves_a_checkpoint_as_transformers_does(checkpoint):
+    """The Qwen3 checkpoint (GQA 4 over 2, q/k norms) with attention on jaxprep's ragged kernel (Pallas'
+    interpreter here; the kernel `auto` lowers for CUDA): chunked paged-prefill logits equal transformers'."""
+    import dataclasses
+
+    model, params = load_model(checkpoint("qwen3"))
+    model = dataclasses.replace(model, attention="ragged")
+    hf_model = reference_model(checkpoint("qwen3"))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in (13, 6, 11)]
+    expected = [hf_logits(hf_model, p) for p in prompts]
+    errors = [np.abs(logits - expected[row][end - 1]).max()
+              for row, end, logits in _chunked_prefill_logits(model, params, prompts, chunk=5)]
+    assert len(errors) == 3 + 2 + 3 and max(errors) < MAX_LOGITS_ERROR
+
+
 def test_rope_inverse_frequencies_match_transformers():
     """`RopeConfig.inv_freq` equals the ``inv_freq`` buffer of transformers' rotary embedding for
     each supported RoPE type."""

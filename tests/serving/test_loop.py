@@ -51,6 +51,24 @@ def test_greedy_tokens_match_dense_recomputation(name):
         assert totals["multi_step"] > 0
 
 
+def test_the_ragged_kernel_serves_the_same_greedy_tokens():
+    """The loop with jaxprep's ragged attention kernel (Pallas' interpreter on CPU: the kernel inside the
+    real `serve_step`, its layer loop and its decode iterations): every greedy token equals the dense
+    recomputation, over chunked prefills, mixed batches and preemptions."""
+    import dataclasses
+
+    config = make_config(**WORKLOADS["tight cache"][0])
+    model = dataclasses.replace(MODEL, attention="ragged")
+    workload = random_workload(0, num_requests=6, vocab_size=MODEL.vocab_size, arrival_spread=4,
+                               **WORKLOADS["tight cache"][1])
+    engine = Engine(config, model, seed=0)
+    engine.submit(workload.requests, workload.arrival_steps)
+    finished = engine.run()
+    assert len(finished) == len(workload.requests) and sum(len(r.output_token_ids) for r in finished) > 30
+    check = check_against_dense(engine.params, MODEL, finished, config.max_model_len)
+    assert check.passed, check
+
+
 def test_updates_too_big_for_the_step_buffer_go_first():
     """Steps whose update passes the step's buffer (`step_payload_buckets`: here 64 words) send the
     rest first, through `transitions.apply_packed`; the outputs still equal the dense recomputation."""

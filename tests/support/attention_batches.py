@@ -20,6 +20,7 @@ class AttentionCase:
     q: jnp.ndarray  # [T, H, D]
     k_cache: jnp.ndarray  # [num_blocks * block_size, K, D]
     v_cache: jnp.ndarray
+    block_size: int = CONFIG.block_size
 
     def reference(self, inputs=None) -> np.ndarray:
         """NumPy attention [T, H, D] over the cache as ``inputs`` (default: the case's own step) describe it."""
@@ -29,7 +30,7 @@ class AttentionCase:
             np.asarray(self.q), np.asarray(self.k_cache), np.asarray(self.v_cache),
             query_start_loc=np.asarray(meta.query_start_loc), seq_lens=np.asarray(meta.seq_lens),
             positions=np.asarray(step.positions), block_table=np.asarray(meta.block_table),
-            num_actual_tokens=int(meta.num_actual_tokens), block_size=CONFIG.block_size)
+            num_actual_tokens=int(meta.num_actual_tokens), block_size=self.block_size)
 
 
 def attention_cases(seed: int, count: int, *, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
@@ -48,7 +49,7 @@ def attention_cases(seed: int, count: int, *, num_heads: int = 4, num_kv_heads: 
             return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
         yield AttentionCase(inputs, normal(bucket, num_heads, head_dim), normal(slots, num_kv_heads, head_dim),
-                            normal(slots, num_kv_heads, head_dim))
+                            normal(slots, num_kv_heads, head_dim), config.block_size)
 
 
 def with_metadata(inputs, **fields):
@@ -57,10 +58,10 @@ def with_metadata(inputs, **fields):
     return dataclasses.replace(inputs, attn_metadata=meta)
 
 
-def shifted_block(inputs) -> object:
+def shifted_block(inputs, num_blocks: int = CONFIG.num_blocks) -> object:
     """The step with row 0's first block id moved to the next block: a shifted slot of every token of row 0."""
     table = np.asarray(inputs.attn_metadata.block_table).copy()
-    table[0, 0] = table[0, 0] % (CONFIG.num_blocks - 1) + 1
+    table[0, 0] = table[0, 0] % (num_blocks - 1) + 1
     return with_metadata(inputs, block_table=jnp.asarray(table))
 
 
