@@ -419,7 +419,7 @@ def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = 
             raise error(f"{where}[{position}] = {value!r} is not an integer token id") from None
         if not low <= value < bound:
             raise error(f"{where}[{position}] = {value} is outside [0, {_bound_name(bound)})"
-                        + (" (-1 is the async placeholder)" if allow_placeholder else ""))
+                        + (" (-1: vLLM's placeholder draft)" if allow_placeholder else ""))
     return np.asarray(values, np.int64)
 
 
