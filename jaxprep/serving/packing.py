@@ -394,12 +394,14 @@ class DeviceUpdates:
     has_schedule: jax.Array  # [] 0: the schedule section is absent, the counts are kept
     bad_counts: jax.Array  # [] bool: the header claims more than the buffer holds, a flag outside {0, 1}, or the
     #                         data length disagrees with its runs (`update_bounds`)
-    bad_values: jax.Array  # [] bool: a value outside its bounds (`update_bounds`); either verdict refuses the buffer
+    value_faults: jax.Array  # [n] bool: values outside their bounds (`update_bounds`), one entry per record or word;
+    #                           any of them, or of the state's faults, refuses the buffer (`apply_updates_body`)
+    entry_scheduled: jax.Array  # [sizes.schedule] each schedule entry's num_scheduled_tokens (0 past the count)
 
 
 def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
     """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather), with its two
-    verdicts: ``bad_counts`` (the header and the layout) and ``bad_values`` (`update_bounds`). Raises
+    verdicts: ``bad_counts`` (the header and the layout) and ``value_faults`` (`update_bounds`). Raises
     `InvalidUpdateError` at trace time (on the host, before anything runs) for a buffer that is not
     1-D int32 with at least the header's words."""
     lay = payload_layout(config)
@@ -413,8 +415,10 @@ def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
         nonlocal start
         index = jnp.arange(size, dtype=jnp.int32)
         valid[name] = index < count
-        out = {field: jnp.where(valid[name], _read(blob, start + f * count + index), -1)
-               for f, field in enumerate(fields)}
+        # one gather of the whole section [fields, size]: field f of entry i at start + f * count + i
+        table = jnp.where(valid[name][None, :], _read(blob, start + jnp.arange(len(fields), dtype=jnp.int32)[:, None]
+                                                      * count + index[None, :]), -1)
+        out = {field: table[f] for f, field in enumerate(fields)}
         start = start + len(fields) * count
         return out
 
@@ -429,16 +433,19 @@ def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
     segments = _all_segments(config, add, resume, explicit, blob.shape[0])
     kind, row, col, value, data_disagrees = _read_data(blob, start, head["n_data"], segments, sizes.data)
     ends = dict(kind=segments["kind"], row=segments["row"], end=segments["col"] + segments["len"])
-    bad_counts = _bad_counts(head, config, sizes, blob.shape[0]) | update_bounds.bad_flags(head) | data_disagrees
-    bad_values = (update_bounds.bad_records(config, valid, finish, add, resume, explicit)
-                  | update_bounds.bad_data(config, kind, row, col, value)
-                  | update_bounds.bad_schedule(config, entries, head["schedule_dense"] == 0)
-                  | update_bounds.bad_lora_slots(lora_slots, head["has_lora_slots"] == 1))
+    bad_counts = _bad_counts(head, config, sizes, blob.shape[0]) | update_bounds.verdict(
+        [*update_bounds.flag_faults(head), data_disagrees])
+    value_faults = jnp.concatenate([jnp.reshape(fault, (-1,)) for fault in (
+        *update_bounds.record_faults(config, valid, finish, add, resume, explicit),
+        *update_bounds.data_faults(config, kind, row, col, value),
+        *update_bounds.schedule_faults(config, entries, head["schedule_dense"] == 0),
+        *update_bounds.lora_faults(lora_slots, head["has_lora_slots"] == 1))])
     return DeviceUpdates(decode_steps=head["decode_steps"], finish_rows=finish, add=add, resume=resume, data_kind=kind,
                          data_row=row, data_col=col, data_value=value, append_rows=explicit["row"],
                          segment_end=ends, schedule=schedule,
                          has_lora_slots=head["has_lora_slots"], lora_slots=lora_slots,
-                         has_schedule=head["has_schedule"], bad_counts=bad_counts, bad_values=bad_values)
+                         has_schedule=head["has_schedule"], bad_counts=bad_counts, value_faults=value_faults,
+                         entry_scheduled=entries["num_scheduled_tokens"])
 
 
 def _checked_blob(blob) -> jax.Array:
@@ -490,7 +497,7 @@ def _bad_counts(head: dict, config: ServingConfig, sizes: SectionSizes, words: i
 def _all_segments(config: ServingConfig, add: dict, resume: dict, explicit: dict, words: int) -> dict:
     """The runs of the data in data order: each added row's (`add_runs`), each resumed row's
     (`resume_runs`), then the explicit (appended) segments; a padded entry's runs have length 0, and
-    every length is clipped to [0, ``words``] (no sum overflows; a longer claim is `bad_values`).
+    every length is clipped to [0, ``words``] (no sum overflows; a longer claim is a value fault).
     # add rows [2, -1], num_tokens [3, -1], blocks_0 [1, -1] -> runs (TOKENS, 2, 0, 3), (TABLE, 2, 0, 1),
     #   (TOKENS, -1, 0, 0), (TABLE, -1, 0, 0), then the resume runs and the explicit segments
     """
@@ -512,7 +519,7 @@ def _read(blob: jax.Array, index: jax.Array) -> jax.Array:
 def _read_schedule(blob, head, start, lay: Layout, rows: int, size: int) -> tuple[dict, dict]:
     """Every row's counts [rows] from the section's first ``size`` entries (rows not listed: 0), and
     each entry's state row and drafts [size] (drafts are written per entry, not per row); and the
-    entries as read, for `update_bounds.bad_schedule` (``valid``, ``row``, each field).
+    entries as read, for `update_bounds.schedule_faults` (``valid``, ``row``, each field).
     Dense: field f of row i at start + f * n + i; sparse: a row field first."""
     dense, count = head["schedule_dense"], head["n_schedule"]
     index = jnp.arange(size, dtype=jnp.int32)
@@ -557,7 +564,7 @@ def _read_data(blob, start, n_data, segments, length: int):
     valid = (j < n_data) & (j < ends[-1])
     first = ends[seg] - lengths[seg]
     kind = jnp.where(valid, segments["kind"][seg], -1)
-    disagree = jnp.any(ends > blob.shape[0]) | (ends[-1] != n_data)
+    disagree = jnp.any(ends > blob.shape[0], keepdims=True) | (ends[-1:] != n_data)
     return kind, segments["row"][seg], segments["col"][seg] + j - first, _read(blob, start + j), disagree
 
 

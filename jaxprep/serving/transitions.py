@@ -226,14 +226,13 @@ def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingSt
     """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule.
 
     A buffer the device cannot take is refused whole, before any write: its verdicts
-    (`DeviceUpdates.bad_counts`, ``bad_values``) and its rows against the state's
-    (`update_bounds.bad_against_state`) make one scalar, and `packing.refused` sends every write to
+    (`DeviceUpdates.bad_counts`, ``value_faults``) and its rows against the state's
+    (`update_bounds.state_faults`) make one scalar, and `packing.refused` sends every write to
     the drop sentinel; ``ERROR_BITS["packed_counts"]`` (header, layout) or ``["packed_values"]`` is
     set, and the rest of the state is as it was, bit for bit."""
-    against_state = update_bounds.bad_against_state(
+    bad_values = update_bounds.verdict([updates.value_faults, *update_bounds.state_faults(
         state.num_tokens, updates.finish_rows, updates.add, updates.resume, updates.append_rows,
-        updates.schedule["num_scheduled_tokens"], updates.has_schedule)
-    bad_values = updates.bad_values | against_state
+        updates.schedule["entry_rows"], updates.entry_scheduled)])
     errors = (jnp.where(updates.bad_counts, ERROR_BITS["packed_counts"], 0)
               | jnp.where(bad_values, ERROR_BITS["packed_values"], 0))
     updates = refused(updates, updates.bad_counts | bad_values)
