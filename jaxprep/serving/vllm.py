@@ -148,7 +148,7 @@ class _RequestMap:
         return row
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class _Plan:
     """A scheduler output read whole: the update, and the adapter's state once the batch has taken it."""
 
@@ -385,12 +385,15 @@ class VllmAdapter:
             # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
             unverified = self._verifying.get(req_ids[running[k]], 0) if self.async_scheduling and pending[k] else 0
             resume.append(dict(row=int(rows[k]), num_computed_tokens=int(computed[k]), unverified_drafts=unverified))
-        new_block_ids = cached.new_block_ids
-        append = {row: vllm_checks.block_groups(f"CachedRequestData.new_block_ids[{i}]", new_block_ids[i],
-                                                self._num_groups)
-                  for row, i in zip(row_list, running)
-                  if new_block_ids[i] is not None and (not isinstance(new_block_ids[i], (tuple, list))
-                                                       or any(new_block_ids[i]))}
+        new_block_ids, groups = cached.new_block_ids, self._num_groups
+        try:
+            append = {row: vllm_checks.block_groups("CachedRequestData.new_block_ids", new_block_ids[i], groups)
+                      for row, i in zip(row_list, running) if new_block_ids[i] is not None and any(new_block_ids[i])}
+        except TypeError:  # an entry that is not a tuple of lists (any() of an int): named by position
+            for i in running:
+                if new_block_ids[i] is not None:
+                    vllm_checks.block_groups(f"CachedRequestData.new_block_ids[{i}]", new_block_ids[i], groups)
+            raise
         return resume, append
 
     def _schedule(self, requests: _RequestMap, scheduler_output, scheduled: dict, counts: np.ndarray,

@@ -12,7 +12,7 @@ What is checked here (the bounds of the values, against the batch, are `jaxprep.
 
 - ``num_scheduled_tokens``: a dict of request ids to integers >= 1 (never truncated, never a bool),
   summing to ``total_num_scheduled_tokens``; as many entries as new and cached requests;
-- ``scheduled_new_reqs``: token ids present, ``block_ids`` one list of ints per KV-cache group,
+- ``scheduled_new_reqs``: token ids present, ``block_ids`` one list per KV-cache group,
   ``num_computed_tokens`` an integer;
 - ``scheduled_cached_reqs``: ``num_computed_tokens`` and ``new_block_ids`` as long as ``req_ids``,
   integer counts, ``resumed_req_ids`` among ``req_ids``, ``new_block_ids`` entries None or per group;
@@ -51,13 +51,14 @@ def scheduled_counts(scheduler_output) -> tuple[dict, np.ndarray, int]:
             integer(f"SchedulerOutput.num_scheduled_tokens[{req_id!r}]", value, error=InvalidSchedulerOutputError)
         values = integer_array("SchedulerOutput.num_scheduled_tokens", list(counts.values()),
                                InvalidSchedulerOutputError)
-    values = values.astype(np.int64, copy=False)
     if values.size and values.min() < 1:
         req_id = list(counts)[int(np.argmin(values))]
         fail(f"SchedulerOutput.num_scheduled_tokens[{req_id!r}] = {int(values.min())} must be >= 1 (vLLM lists "
              "only the requests it schedules)")
-    total = integer("SchedulerOutput.total_num_scheduled_tokens", scheduler_output.total_num_scheduled_tokens,
-                    minimum=0, error=InvalidSchedulerOutputError)
+    total = scheduler_output.total_num_scheduled_tokens
+    if type(total) is not int or total < 0:  # vLLM's is a Python int; anything else is read by name
+        total = integer("SchedulerOutput.total_num_scheduled_tokens", total, minimum=0,
+                        error=InvalidSchedulerOutputError)
     if total != int(values.sum()):
         fail(f"SchedulerOutput.total_num_scheduled_tokens = {total}, but num_scheduled_tokens sums to "
              f"{int(values.sum())}")
@@ -92,20 +93,18 @@ def cached_computed(cached) -> np.ndarray:
 
 def block_groups(where: str, block_ids, num_groups: int) -> list:
     """vLLM's ``tuple[list[int], ...]`` (one list per KV-cache group) as `StepUpdates` takes it: the list
-    of group 0 alone with one group, else the list of lists; a flat list, a wrong number of groups or a
-    non-integer id is refused naming ``where``.
+    of group 0 alone with one group, else the list of lists; a flat list or a wrong number of groups is
+    refused naming ``where`` (each id's type and range are `StepUpdates`' checks, before anything is written).
     # ([1, 2],) -> [1, 2]; ([1], [7]) -> [[1], [7]]; [1, 2] -> "... block_ids must be one list per group"
     """
+    if type(block_ids) is tuple and len(block_ids) == num_groups and type(block_ids[0]) is list:  # vLLM's
+        return block_ids[0] if num_groups == 1 else [list(ids) for ids in block_ids]
     if not isinstance(block_ids, (tuple, list)) or not all(isinstance(g, (list, tuple, range)) for g in block_ids):
         fail(f"{where}.block_ids must be one list of block ids per KV-cache group ({num_groups}), got "
              f"{_short(block_ids)}")
     if len(block_ids) != num_groups:
         fail(f"{where}.block_ids has {len(block_ids)} group lists, the configuration {num_groups} KV-cache groups")
     groups = [list(ids) for ids in block_ids]
-    if not all(type(i) is int for ids in groups for i in ids):
-        for g, ids in enumerate(groups):
-            for i in ids:
-                integer(f"{where}.block_ids[{g}] entry", i, error=InvalidSchedulerOutputError)
     return groups[0] if num_groups == 1 else groups
 
 
