@@ -93,13 +93,28 @@ def check_features(function: str, step_inputs, sizes: dict[str, int], treedef, l
     the first field that disagrees.
     # a bucket-8 step carrying a bucket-16 step's spec_decode -> "spec_decode.logits_indices has shape (12,) ..."
     """
-    step = {"num_tokens_padded": sizes["num_tokens_padded"], "num_reqs_padded": sizes["num_reqs_padded"],
-            "num_reqs_padded_plus_1": sizes["num_reqs_padded"] + 1}
-    logit_rows = []  # (field, dimension, size) of every logits / drafts dimension
-    for (name, dims), leaf in zip(feature_dims(treedef), leaves, strict=True):
-        if dims is None or not hasattr(leaf, "shape"):
+    shapes = tuple(tuple(leaf.shape) if hasattr(leaf, "shape") else None for leaf in leaves)
+    _check_feature_shapes(function, treedef, shapes, sizes["num_tokens_padded"], sizes["num_reqs_padded"])
+    ubatches = getattr(step_inputs, "ubatches", None)
+    if ubatches is not None:
+        total = sum(batch.num_tokens_padded for batch in ubatches.batches)
+        if total != sizes["num_tokens_padded"]:
+            raise ValueError(f"{function}: the step's fields disagree: its micro-batches hold {total} tokens, the step "
+                             f"num_tokens_padded={sizes['num_tokens_padded']}: a micro-batch split of another bucket")
+        for batch in ubatches.batches:
+            check_consistent(function, batch, _core(batch))
+
+
+@functools.lru_cache(maxsize=512)
+def _check_feature_shapes(function: str, treedef, shapes: tuple, tokens: int, reqs: int) -> None:
+    """`check_features` on the leaves' shapes (static per bucket and configuration: cached, so a step of a
+    shape seen before costs one tuple of shapes and a lookup; a refusal raises and is not cached)."""
+    sizes = dict(num_tokens_padded=tokens, num_reqs_padded=reqs)
+    step = {"num_tokens_padded": tokens, "num_reqs_padded": reqs, "num_reqs_padded_plus_1": reqs + 1}
+    logit_rows = []  # (field, shape, dimension, size) of every logits / drafts dimension
+    for (name, dims), shape in zip(feature_dims(treedef), shapes, strict=True):
+        if dims is None or shape is None:
             continue
-        shape = tuple(leaf.shape)
         if len(dims) != len(shape):
             _disagree(function, name, shape, f"dimensions are ({', '.join(dims)})", sizes)
         for dim, size in zip(dims, shape):
@@ -110,14 +125,6 @@ def check_features(function: str, step_inputs, sizes: dict[str, int], treedef, l
                 if size != expected:
                     _disagree(function, name, shape, f"{dim} is {expected}", sizes)
     _check_logit_rows(function, logit_rows, sizes)
-    ubatches = getattr(step_inputs, "ubatches", None)
-    if ubatches is not None:
-        total = sum(batch.num_tokens_padded for batch in ubatches.batches)
-        if total != sizes["num_tokens_padded"]:
-            raise ValueError(f"{function}: the step's fields disagree: its micro-batches hold {total} tokens, the step "
-                             f"num_tokens_padded={sizes['num_tokens_padded']}: a micro-batch split of another bucket")
-        for batch in ubatches.batches:
-            check_consistent(function, batch, _core(batch))
 
 
 LOGIT_DIMS = ("num_logits_padded", "num_drafts_padded")
