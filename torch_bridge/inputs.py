@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxprep._checks import type_name
 from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, StepInputs, step_fields
 from jaxprep.packing import INT32, INT64
-from torch_bridge._checks import as_jax, check_consistent
+from torch_bridge._checks import as_jax, check_consistent, check_features
 from torch_bridge._torch import torch
 from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features
 from torch_bridge.transfer import Bridged, PackSpec, check_live, convert_leaf, with_fields
@@ -130,6 +130,10 @@ def bridge_inputs(step_inputs, pack_spec: PackSpec) -> tuple[dict[str, jax.Array
     and the features' structure. Group slot mappings take the kind of ``slot_mapping``."""
     arrays = step_arrays(step_inputs)
     features = feature_fields(step_inputs, slot_kind=pack_spec.slot_kind)
+    if features.treedef is not None:  # every feature array belongs to the step's bucket, as its core fields do
+        sizes = dict(num_tokens_padded=int(step_inputs.num_tokens_padded),
+                     num_reqs_padded=int(arrays["logits_indices"].shape[0]))
+        check_features("torch_bridge", step_inputs, sizes, features.treedef, features.leaves)
     if not features.spec:
         return arrays, pack_spec, features
     features = dataclasses.replace(features, arrays={name: as_jax(name, v) for name, v in features.arrays.items()})

@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 
-from jaxprep.cli._args import INT32_MAX, int_in, require
+from jaxprep.cli._args import INT32_MAX, UsageError, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
 from jaxprep.cli._phases import PhaseClock, rates_line
@@ -31,10 +31,14 @@ from jaxprep.config import cdiv
 
 
 def _token_ids(text: str) -> list[int]:
-    """'1 2 3' (or '1,2,3') -> [1, 2, 3]."""
+    """'1 2 3' (or '1,2,3') -> [1, 2, 3]; an id past int32 is told the bound (the model's vocabulary is
+    checked once the checkpoint is read)."""
     parts = text.replace(",", " ").split()
-    if not parts or not all(part.isdigit() and int(part) <= INT32_MAX for part in parts):
+    if not parts or not all(part.isdigit() for part in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: must be token ids >= 0 separated by spaces")
+    too_big = next((part for part in parts if int(part) > INT32_MAX), None)
+    if too_big is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: token id {too_big} must be <= {INT32_MAX} (token ids are int32)")
     return [int(part) for part in parts]
 
 
@@ -199,7 +203,12 @@ def _tokenizer(args):
     if not os.path.exists(path):
         require(text is None, f"--prompt {text!r}: needs a tokenizer, and {path} does not exist (use --prompt-ids)")
         return None
-    return tokenizers.Tokenizer.from_file(path)
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as error:  # the tokenizers package raises a bare Exception on a file it cannot parse
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UsageError(f"--model {args.model}: tokenizer.json cannot be read by the tokenizers package ({first}); "
+                         "fix or remove it (--prompt-ids needs none)") from None
 
 
 def _print(args, model, prompts, outputs, stats, tokenizer, rates: dict, compiling: dict) -> None:

@@ -50,12 +50,15 @@ def with_features(step, state, config, layout: Layout):
         drafts = jnp.zeros_like(layout.scheduled)
     updates = _attention_outputs(step, state, config, layout, drafts)
     errors = updates.pop("errors", step.errors)  # the KV groups' block bits join the core word
-    input_ids = step.input_ids
-    if features.async_tokens:  # the drafts are read before placeholders are clamped, as in vLLM V1
+    unclamped = input_ids = step.input_ids
+    if features.async_tokens:
         unclamped = write_prev_tokens(input_ids, layout.rows, step.attn_metadata.query_start_loc,
                                       layout.is_real_req, drafts, state.prev_batch_rows,
                                       state.prev_sampled_token_ids,
                                       state.prev_draft_token_ids if features.spec_decode else None)
+    if features.async_tokens or features.spec_decode:
+        # vLLM's -1 placeholder drafts (the async scheduler's, and the sync scheduler's pad_spec_decode):
+        # read as drafts before the clamp, so never accepted; clamped to 0 in input_ids, as V1's _preprocess
         input_ids = clamp_placeholders(unclamped)
     if features.prompt_embeds:
         updates["prompt_embeds"], input_ids = prompt_embeds_metadata(
@@ -63,7 +66,7 @@ def with_features(step, state, config, layout: Layout):
             layout.is_real_token, input_ids)
     if features.spec_decode:
         updates["spec_decode"] = spec_decode_metadata(drafts, step.attn_metadata.query_start_loc, layout.is_real_req,
-                                                      unclamped if features.async_tokens else input_ids,
+                                                      unclamped,
                                                       features.num_speculative_tokens)
     if features.discard_request_mask:
         prompt = take_rows(state.prefill_len, layout.rows, fill_value=0)

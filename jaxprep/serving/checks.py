@@ -18,13 +18,19 @@ import dataclasses
 
 import numpy as np
 
-from jaxprep._checks import max_block_id
-from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, NULL_BLOCK_ID, PAD_STATE_ROW
+from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, PAD_STATE_ROW
 from jaxprep.config import cdiv
 from jaxprep.features.sampling import FLOAT_PARAMS, check_parameter_bounds
 from jaxprep.serving._values import check_payload_leaves
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.state import check_token_ids, draft_width, num_kv_groups, table_names, table_widths
+from jaxprep.serving.state import (
+    block_bounds,
+    check_token_ids,
+    draft_width,
+    placeholders_allowed,
+    table_names,
+    table_widths,
+)
 from jaxprep.validate import InvalidBatchError
 
 
@@ -98,25 +104,12 @@ def _check_tables(where: str, tables, config: ServingConfig, used=None) -> None:
         count = len(ids) + (0 if used is None else int(used[t]))
         if count > widths[t]:
             _fail(f"{where}: {names[t]} would hold {count} blocks, more than its width {widths[t]}")
-        low, high = _block_bounds(config, t)
+        low, high = block_bounds(config, t)
         bad = (ids < low) | (ids > high)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             _fail(f"{where}: {names[t]} block id [{i}] = {int(ids[i])} is outside [{low}, {high}] "
                   f"({'block 0 is the null block; ' if low else ''}num_blocks - 1 = {high})")
-
-
-def _block_bounds(config: ServingConfig, table: int) -> tuple[int, int]:
-    features, groups = config.prep.features, num_kv_groups(config)
-    if table >= groups:  # the Mamba state blocks
-        return NULL_BLOCK_ID, config.prep.max_block_id
-    if not features.kv_groups or table == 0:
-        spec = features.kv_groups[0] if features.kv_groups else None
-        high = config.prep.max_block_id
-    else:
-        spec = features.kv_groups[table]
-        high = spec.max_block_id if spec.num_blocks is not None else max_block_id(config.num_blocks, spec.block_size)
-    return (NULL_BLOCK_ID if spec is not None and spec.sliding_window else NULL_BLOCK_ID + 1), high
 
 
 def _group_block_sizes(config: ServingConfig) -> list[int]:
@@ -282,7 +275,7 @@ def _appends_fit(rows: HostRows, segments, config: ServingConfig) -> bool:
     np.add.at(counts, (seg_rows, seg_tables), lengths)
     if (counts > np.array(table_widths(config), np.int64)).any():
         return False
-    bounds = np.array([_block_bounds(config, t) for t in range(counts.shape[1])], np.int64)  # [tables, 2]
+    bounds = np.array([block_bounds(config, t) for t in range(counts.shape[1])], np.int64)  # [tables, 2]
     ids = np.concatenate([ids for _, _, ids in segments])
     low, high = np.repeat(bounds[seg_tables], lengths, axis=0).T
     return not ((ids < low) | (ids > high)).any()
@@ -304,7 +297,7 @@ def _lora_slots(rows: HostRows, slots, config: ServingConfig) -> None:
 
 def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
     """Counts non-negative; only busy, settled rows scheduled; total within the token budget; S >= D + 1
-    for rows with drafts, draft ids in the vocabulary (-1 only with FeatureConfig.async_tokens); C + S
+    for rows with drafts, draft ids in the vocabulary (-1 only where `placeholders_allowed`); C + S
     within the known tokens (+ drafts), max_model_len and every group's allocated blocks; a row that
     samples has room for its new tokens below max_model_len; grammar rows only on scheduled rows."""
     if payload is None:
@@ -324,7 +317,7 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
               f"{prep.max_num_batched_tokens}")
     for row in np.flatnonzero(drafts > 0):
         check_token_ids(f"Schedule.draft_token_ids[{row}]", payload.draft_token_ids[row, : drafts[row]],
-                        config.token_id_bound, InvalidUpdateError, allow_placeholder=prep.features.async_tokens)
+                        config.token_id_bound, InvalidUpdateError, allow_placeholder=placeholders_allowed(config))
     grammar = payload.grammar_index
     _require((grammar == NO_GRAMMAR) | ((grammar >= 0) & (scheduled > 0)), "Schedule.grammar_index", grammar,
              "must be -1 (none) or a bitmask row >= 0 of a scheduled row")

@@ -41,13 +41,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import NO_GRAMMAR
+from jaxprep.serving import update_bounds
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.state import StepUpdates, draft_width, table_names, table_widths
 
 HEADER = ("decode_steps", "n_finish", "n_add", "n_resume", "n_segments", "n_schedule", "schedule_dense",
           "has_lora_slots", "n_data", "has_schedule")
 HEADER_WORDS = len(HEADER)
-TOKENS, IS_TOKEN_IDS, MROPE, TABLE = 0, 1, 2, 5  # segment kinds; MROPE + d (d < 3); TABLE + t
+TOKENS, IS_TOKEN_IDS, MROPE, TABLE = (update_bounds.TOKENS, update_bounds.IS_TOKEN_IDS, update_bounds.MROPE,
+                                      update_bounds.TABLE)  # segment kinds; MROPE + d (d < 3); TABLE + t
 SEGMENT_FIELDS = ("kind", "row", "col", "len")
 RESUME_FIELDS = ("row", "num_computed_tokens", "num_tokens", "prefill_len", "replace_blocks")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed_high", "seed_low", "seeds_set",
@@ -383,46 +385,97 @@ class DeviceUpdates:
     data_row: jax.Array  # [sizes.data]
     data_col: jax.Array  # [sizes.data]
     data_value: jax.Array  # [sizes.data]
+    append_rows: jax.Array  # [sizes.segments] row of each appended (explicit) segment; -1 past the count
     segment_end: dict  # kind, row, end column of each segment [sizes.add * runs + sizes.resume * runs + sizes.segments]
     schedule: dict  # num_scheduled_tokens, num_draft_tokens, grammar_index [R]; per entry: entry_rows [sizes.schedule]
     #                 (R past the count), draft_token_ids [sizes.schedule, K]
     has_lora_slots: jax.Array  # []
     lora_slots: jax.Array  # [max_loras]
     has_schedule: jax.Array  # [] 0: the schedule section is absent, the counts are kept
-    bad_counts: jax.Array  # [] bool: the header claims more entries than the buffer holds (the excess is not read)
+    bad_counts: jax.Array  # [] bool: the header claims more than the buffer holds, a flag outside {0, 1}, or the
+    #                         data length disagrees with its runs (`update_bounds`)
+    value_faults: jax.Array  # [n] bool: values outside their bounds (`update_bounds`), one entry per record or word;
+    #                           any of them, or of the state's faults, refuses the buffer (`apply_updates_body`)
+    entry_scheduled: jax.Array  # [sizes.schedule] each schedule entry's num_scheduled_tokens (0 past the count)
 
 
 def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
-    """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather)."""
+    """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather), with its two
+    verdicts: ``bad_counts`` (the header and the layout) and ``value_faults`` (`update_bounds`). Raises
+    `InvalidUpdateError` at trace time (on the host, before anything runs) for a buffer that is not
+    1-D int32 with at least the header's words."""
     lay = payload_layout(config)
-    blob = jnp.asarray(blob, jnp.int32)
+    blob = _checked_blob(blob)
     sizes = section_sizes(config, blob.shape[0])
     head = {name: blob[i] for i, name in enumerate(HEADER)}
     start = jnp.int32(HEADER_WORDS)
+    valid = {}
 
-    def section(count, fields, size):
+    def section(name, count, fields, size):
         nonlocal start
         index = jnp.arange(size, dtype=jnp.int32)
-        valid = index < count
-        out = {name: jnp.where(valid, _read(blob, start + f * count + index), -1) for f, name in enumerate(fields)}
+        valid[name] = index < count
+        # one gather of the whole section [fields, size]: field f of entry i at start + f * count + i
+        table = jnp.where(valid[name][None, :], _read(blob, start + jnp.arange(len(fields), dtype=jnp.int32)[:, None]
+                                                      * count + index[None, :]), -1)
+        out = {field: table[f] for f, field in enumerate(fields)}
         start = start + len(fields) * count
         return out
 
-    finish = section(head["n_finish"], ("row",), sizes.finish)["row"]
-    add = section(head["n_add"], lay.add_fields, sizes.add)
-    resume = section(head["n_resume"], resume_fields(config), sizes.resume)
-    segments = section(head["n_segments"], SEGMENT_FIELDS, sizes.segments)
-    schedule = _read_schedule(blob, head, start, lay, config.max_num_reqs, sizes.schedule)
+    finish = section("finish", head["n_finish"], ("row",), sizes.finish)["row"]
+    add = section("add", head["n_add"], lay.add_fields, sizes.add)
+    resume = section("resume", head["n_resume"], resume_fields(config), sizes.resume)
+    explicit = section("segments", head["n_segments"], SEGMENT_FIELDS, sizes.segments)
+    schedule, entries = _read_schedule(blob, head, start, lay, config.max_num_reqs, sizes.schedule)
     start = start + head["n_schedule"] * (len(lay.schedule_fields) - head["schedule_dense"])
     lora_slots = _read(blob, start + jnp.arange(max(lay.max_loras, 1), dtype=jnp.int32))[: lay.max_loras]
     start = start + head["has_lora_slots"] * lay.max_loras
-    segments = _all_segments(config, add, resume, segments)
-    kind, row, col, value = _read_data(blob, start, head["n_data"], segments, sizes.data)
+    segments = _all_segments(config, add, resume, explicit, blob.shape[0])
+    kind, row, col, value, data_disagrees = _read_data(blob, start, head["n_data"], segments, sizes.data)
     ends = dict(kind=segments["kind"], row=segments["row"], end=segments["col"] + segments["len"])
+    bad_counts = _bad_counts(head, config, sizes, blob.shape[0]) | update_bounds.verdict(
+        [*update_bounds.flag_faults(head), data_disagrees])
+    value_faults = jnp.concatenate([jnp.reshape(fault, (-1,)) for fault in (
+        *update_bounds.record_faults(config, valid, finish, add, resume, explicit),
+        *update_bounds.data_faults(config, kind, row, col, value),
+        *update_bounds.schedule_faults(config, entries, head["schedule_dense"] == 0),
+        *update_bounds.lora_faults(lora_slots, head["has_lora_slots"] == 1))])
     return DeviceUpdates(decode_steps=head["decode_steps"], finish_rows=finish, add=add, resume=resume, data_kind=kind,
-                         data_row=row, data_col=col, data_value=value, segment_end=ends, schedule=schedule,
+                         data_row=row, data_col=col, data_value=value, append_rows=explicit["row"],
+                         segment_end=ends, schedule=schedule,
                          has_lora_slots=head["has_lora_slots"], lora_slots=lora_slots,
-                         has_schedule=head["has_schedule"], bad_counts=_bad_counts(head, config, sizes, blob.shape[0]))
+                         has_schedule=head["has_schedule"], bad_counts=bad_counts, value_faults=value_faults,
+                         entry_scheduled=entries["num_scheduled_tokens"])
+
+
+def _checked_blob(blob) -> jax.Array:
+    """The buffer as given, if it can be one: 1-D int32 of at least `HEADER_WORDS` words (static facts,
+    checked while tracing); an empty or float buffer is refused by name, never indexed or truncated."""
+    shape, dtype = jnp.shape(blob), jnp.result_type(blob)
+    if len(shape) != 1 or shape[0] < HEADER_WORDS or dtype != jnp.int32:
+        from jaxprep.serving.checks import InvalidUpdateError
+
+        raise InvalidUpdateError(f"packed update buffer has shape {tuple(shape)} and dtype {dtype}: it must be 1-D "
+                                 f"int32 with at least the {HEADER_WORDS} header words (pack_step's buffers are)")
+    return jnp.asarray(blob)
+
+
+def refused(updates: DeviceUpdates, bad: jax.Array) -> DeviceUpdates:
+    """``updates`` with nothing to write when ``bad``: every section's rows and data kinds -1 (past
+    the count, so every write goes to the drop sentinel), no schedule and no LoRA slots, one step.
+    Costs a select per section entry, never one over a state table."""
+    def drop(rows):
+        return jnp.where(bad, -1, rows)
+
+    schedule = dict(updates.schedule, entry_rows=jnp.where(bad, updates.schedule["num_scheduled_tokens"].shape[0],
+                                                           updates.schedule["entry_rows"]))
+    return dataclasses.replace(
+        updates, decode_steps=jnp.where(bad, 1, updates.decode_steps), finish_rows=drop(updates.finish_rows),
+        add=dict(updates.add, row=drop(updates.add["row"])),
+        resume=dict(updates.resume, row=drop(updates.resume["row"])), append_rows=drop(updates.append_rows),
+        data_kind=drop(updates.data_kind),
+        segment_end=dict(updates.segment_end, kind=drop(updates.segment_end["kind"])), schedule=schedule,
+        has_lora_slots=jnp.where(bad, 0, updates.has_lora_slots), has_schedule=jnp.where(bad, 0, updates.has_schedule))
 
 
 def _bad_counts(head: dict, config: ServingConfig, sizes: SectionSizes, words: int) -> jax.Array:
@@ -441,9 +494,10 @@ def _bad_counts(head: dict, config: ServingConfig, sizes: SectionSizes, words: i
     return jnp.any((counts < 0) | (counts > size)) | (needed > words)
 
 
-def _all_segments(config: ServingConfig, add: dict, resume: dict, explicit: dict) -> dict:
+def _all_segments(config: ServingConfig, add: dict, resume: dict, explicit: dict, words: int) -> dict:
     """The runs of the data in data order: each added row's (`add_runs`), each resumed row's
-    (`resume_runs`), then the explicit (appended) segments; a padded entry's runs have length 0.
+    (`resume_runs`), then the explicit (appended) segments; a padded entry's runs have length 0, and
+    every length is clipped to [0, ``words``] (no sum overflows; a longer claim is a value fault).
     # add rows [2, -1], num_tokens [3, -1], blocks_0 [1, -1] -> runs (TOKENS, 2, 0, 3), (TABLE, 2, 0, 1),
     #   (TOKENS, -1, 0, 0), (TABLE, -1, 0, 0), then the resume runs and the explicit segments
     """
@@ -451,10 +505,10 @@ def _all_segments(config: ServingConfig, add: dict, resume: dict, explicit: dict
     for entries, runs in ((add, add_runs(config)), (resume, resume_runs(config))):
         rows = entries["row"]
         kinds = jnp.broadcast_to(jnp.array([k for k, _ in runs], jnp.int32)[None, :], (rows.shape[0], len(runs)))
-        lengths = jnp.stack([jnp.maximum(entries[name], 0) for _, name in runs], axis=1)
+        lengths = jnp.stack([jnp.clip(entries[name], 0, words) for _, name in runs], axis=1)
         parts.append(dict(kind=kinds.reshape(-1), row=jnp.repeat(rows, len(runs)), col=jnp.zeros(kinds.size, jnp.int32),
                           len=jnp.where(jnp.repeat(rows, len(runs)) >= 0, lengths.reshape(-1), 0)))
-    parts.append(explicit)
+    parts.append(dict(explicit, len=jnp.clip(explicit["len"], 0, words)))
     return {name: jnp.concatenate([part[name] for part in parts]) for name in SEGMENT_FIELDS}
 
 
@@ -462,49 +516,56 @@ def _read(blob: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(blob, index, mode="fill", fill_value=0)
 
 
-def _read_schedule(blob, head, start, lay: Layout, rows: int, size: int) -> dict:
+def _read_schedule(blob, head, start, lay: Layout, rows: int, size: int) -> tuple[dict, dict]:
     """Every row's counts [rows] from the section's first ``size`` entries (rows not listed: 0), and
-    each entry's state row and drafts [size] (drafts are written per entry, not per row).
+    each entry's state row and drafts [size] (drafts are written per entry, not per row); and the
+    entries as read, for `update_bounds.schedule_faults` (``valid``, ``row``, each field).
     Dense: field f of row i at start + f * n + i; sparse: a row field first."""
     dense, count = head["schedule_dense"], head["n_schedule"]
     index = jnp.arange(size, dtype=jnp.int32)
     valid = index < count
     fields = lay.schedule_fields
-    row = jnp.where(dense == 1, index, _read(blob, start + index))
-    row = jnp.where(valid & (row >= 0) & (row < rows), row, rows)  # the sentinel: a -1 would wrap in a scatter
+    given = jnp.where(dense == 1, index, _read(blob, start + index))
+    row = jnp.where(valid & (given >= 0) & (given < rows), given, rows)  # the sentinel: a -1 would wrap in a scatter
 
     def column(name):  # field position counted without the row field in dense mode
         f = fields.index(name) - dense
         return jnp.where(valid, _read(blob, start + f * count + index), 0)
 
+    entries = dict(valid=valid, row=given, num_scheduled_tokens=column("num_scheduled_tokens"))
+
     def scatter(name, fill):
-        return jnp.full((rows,), fill, jnp.int32).at[row].set(column(name), mode="drop")
+        return jnp.full((rows,), fill, jnp.int32).at[row].set(entries[name], mode="drop")
 
     out = dict(num_scheduled_tokens=scatter("num_scheduled_tokens", 0))
     k = lay.num_drafts
+    if k:
+        entries.update(num_draft_tokens=column("num_draft_tokens"),
+                       draft_token_ids=jnp.stack([column(f"draft_{i}") for i in range(k)], axis=1))
     out["num_draft_tokens"] = scatter("num_draft_tokens", 0) if k else jnp.zeros((rows,), jnp.int32)
     out["entry_rows"] = row
-    drafts = [column(f"draft_{i}") for i in range(k)]
-    out["draft_token_ids"] = jnp.stack(drafts, axis=1) if k else jnp.zeros((size, 0), jnp.int32)
+    out["draft_token_ids"] = entries["draft_token_ids"] if k else jnp.zeros((size, 0), jnp.int32)
     if lay.grammar:
-        grammar = jnp.where(valid, _read(blob, start + (fields.index("grammar_index") - dense) * count + index),
-                            NO_GRAMMAR)
-        out["grammar_index"] = jnp.full((rows,), NO_GRAMMAR, jnp.int32).at[row].set(grammar, mode="drop")
-    return out
+        entries["grammar_index"] = jnp.where(valid, column("grammar_index"), NO_GRAMMAR)
+        out["grammar_index"] = scatter("grammar_index", NO_GRAMMAR)
+    return out, entries
 
 
 def _read_data(blob, start, n_data, segments, length: int):
-    """Per data word j < ``length``: its segment's kind and row, and its column ``col + j - segment start``.
+    """Per data word j < ``length``: its segment's kind and row, and its column ``col + j - segment start``;
+    and whether the runs disagree with ``n_data`` (their total differs, or passes the buffer: each run is
+    clipped to the buffer's words, so the running total passes it before it could overflow int32).
     # segments len [3, 1], cols [0, 4] -> words 0..3 in segments [0, 0, 0, 1], columns [0, 1, 2, 4]
     """
-    lengths = jnp.maximum(segments["len"], 0)
+    lengths = segments["len"]  # clipped to [0, words] by `_all_segments`
     ends = jnp.cumsum(lengths)
     j = jnp.arange(length, dtype=jnp.int32)
     seg = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, lengths.shape[0] - 1).astype(jnp.int32)
     valid = (j < n_data) & (j < ends[-1])
     first = ends[seg] - lengths[seg]
     kind = jnp.where(valid, segments["kind"][seg], -1)
-    return kind, segments["row"][seg], segments["col"][seg] + j - first, _read(blob, start + j)
+    disagree = jnp.any(ends > blob.shape[0], keepdims=True) | (ends[-1:] != n_data)
+    return kind, segments["row"][seg], segments["col"][seg] + j - first, _read(blob, start + j), disagree
 
 
 def pack_updates(updates: StepUpdates, config: ServingConfig,

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID
+from jaxprep._checks import max_block_id
+from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID, NULL_BLOCK_ID
 from jaxprep.config import block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
 from jaxprep.serving._values import integer, integer_array
@@ -69,14 +70,17 @@ class ServingState:
         return host
 
 
-ERROR_BITS = {"sampled_token_id": 1, "num_sampled": 2, "idx_mapping": 4, "packed_counts": 8, "draft_token_id": 16}
+ERROR_BITS = {"sampled_token_id": 1, "num_sampled": 2, "idx_mapping": 4, "packed_counts": 8, "draft_token_id": 16,
+              "packed_values": 32}
 """Bits of `ServingState.errors`, set by `record_sampled` on device inputs it could not take:
 a sampled token outside [0, vocab_size) (written as 0), a ``num_sampled`` outside
 [0, num_draft_tokens + 1] (clamped), an ``idx_mapping`` entry outside [-1, max_num_reqs) (skipped);
 by `transitions.record_prev_tokens` on a drafter's proposal outside [-1, vocab_size) (written as -1,
 a placeholder never accepted) or a last sampled token outside [0, vocab_size) (kept as 0);
-and by `transitions.apply_updates_body` on a packed buffer whose header claims more entries than
-its length holds (`packing.SectionSizes`: the entries past the static sizes are not read)."""
+and by `transitions.apply_updates_body` on a packed buffer it refuses whole (nothing written):
+``packed_counts`` for a header that claims more entries than the buffer holds, a header flag outside
+{0, 1} or data runs that disagree with ``n_data`` (`packing.SectionSizes`), ``packed_values`` for a
+value outside its bounds or a row the state cannot take (`jaxprep.serving.update_bounds`)."""
 
 
 # --- the payloads ------------------------------------------------------------------------------
@@ -299,6 +303,29 @@ def num_kv_groups(config: ServingConfig) -> int:
     return max(len(config.prep.features.kv_groups), 1)
 
 
+def block_bounds(config: ServingConfig, table: int) -> tuple[int, int]:
+    """The block ids table ``table`` (`table_names`) may hold: ``(low, high)``, the null block 0 allowed
+    only in sliding-window groups and the Mamba table (the host checks and the device's read both)."""
+    features, groups = config.prep.features, num_kv_groups(config)
+    if table >= groups:  # the Mamba state blocks
+        return NULL_BLOCK_ID, config.prep.max_block_id
+    if not features.kv_groups or table == 0:
+        spec = features.kv_groups[0] if features.kv_groups else None
+        high = config.prep.max_block_id
+    else:
+        spec = features.kv_groups[table]
+        high = spec.max_block_id if spec.num_blocks is not None else max_block_id(config.num_blocks, spec.block_size)
+    return (NULL_BLOCK_ID if spec is not None and spec.sliding_window else NULL_BLOCK_ID + 1), high
+
+
+def placeholders_allowed(config: ServingConfig) -> bool:
+    """Whether a schedule's draft ids may hold vLLM's -1 placeholder: where the prepared step clamps
+    ``input_ids`` to >= 0 (spec decode or async tokens on, as V1 clamps whenever a speculative config is
+    set, `GPUModelRunner._preprocess`) and reads the drafts before that clamp (a -1 draft is never accepted)."""
+    features = config.prep.features
+    return features.spec_decode or features.async_tokens
+
+
 def _table_blocks(config: ServingConfig, where: str, block_ids, mamba_block_ids=None) -> tuple[np.ndarray, ...]:
     """Blocks of every table from an add/resume dict: ``block_ids`` per KV group, ``mamba_block_ids``."""
     tables = _per_table(config, where, block_ids, allow_mamba_in_list=False)
@@ -392,7 +419,7 @@ def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = 
             raise error(f"{where}[{position}] = {value!r} is not an integer token id") from None
         if not low <= value < bound:
             raise error(f"{where}[{position}] = {value} is outside [0, {_bound_name(bound)})"
-                        + (" (-1 is the async placeholder)" if allow_placeholder else ""))
+                        + (" (-1: vLLM's placeholder draft)" if allow_placeholder else ""))
     return np.asarray(values, np.int64)
 
 

@@ -30,8 +30,9 @@ from jaxprep._constants import (
 )
 from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.features.sampling import FLOAT_PARAMS
+from jaxprep.serving import update_bounds
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, unpack_updates
+from jaxprep.serving.packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, refused, unpack_updates
 from jaxprep.serving.sampling_rows import count_sampled
 from jaxprep.serving.state import ERROR_BITS, ServingState
 
@@ -222,10 +223,20 @@ def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool
 
 
 def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
-    """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule; a
-    buffer whose header claims more than it holds sets ``ERROR_BITS["packed_counts"]``."""
-    bad = jnp.where(updates.bad_counts, ERROR_BITS["packed_counts"], 0)
-    state = dataclasses.replace(state, errors=state.errors | bad)
+    """finish, add, resume, data segments, sampling admission, LoRA slots, then the schedule.
+
+    A buffer the device cannot take is refused whole, before any write: its verdicts
+    (`DeviceUpdates.bad_counts`, ``value_faults``) and its rows against the state's
+    (`update_bounds.state_faults`) make one scalar, and `packing.refused` sends every write to
+    the drop sentinel; ``ERROR_BITS["packed_counts"]`` (header, layout) or ``["packed_values"]`` is
+    set, and the rest of the state is as it was, bit for bit."""
+    bad_values = update_bounds.verdict([updates.value_faults, *update_bounds.state_faults(
+        state.num_tokens, updates.finish_rows, updates.add, updates.resume, updates.append_rows,
+        updates.schedule["entry_rows"], updates.entry_scheduled)])
+    errors = (jnp.where(updates.bad_counts, ERROR_BITS["packed_counts"], 0)
+              | jnp.where(bad_values, ERROR_BITS["packed_values"], 0))
+    updates = refused(updates, updates.bad_counts | bad_values)
+    state = dataclasses.replace(state, errors=state.errors | errors)
     state = finish_body(state, updates.finish_rows)
     state = add_body(state, updates.add)
     state = resume_body(state, updates.resume)

@@ -5,6 +5,13 @@
 `VllmAdapter.runner_output`), keeps the request-id -> state-row map, and turns each step into ONE
 `StepUpdates` for `ServingBatch.apply_updates`; the core never sees a vLLM name.
 
+A step is never half taken: `VllmAdapter.step` first reads the whole output into a plan (the checks
+of `jaxprep.serving.vllm_checks`, one pass, and the translation, on copies of the request map made
+only when the step changes it), then the batch checks the plan's `StepUpdates` on the host and
+applies it, and only then does the adapter keep the plan's request map, free rows and LoRA slots.
+A malformed output raises `InvalidSchedulerOutputError` (or `InvalidUpdateError`) naming the object
+and the field, with nothing written anywhere.
+
 What each part of the scheduler output becomes, following the two runners that consume it
 (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states`, "V1", and
 `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner` ``finish_requests`` / ``add_requests`` /
@@ -13,18 +20,33 @@ What each part of the scheduler output becomes, following the two runners that c
 - ``finished_req_ids``: the row is freed and the request forgotten.
 - ``preempted_req_ids``: the row is freed (V2 ``finish_requests`` frees preempted requests too; V1
   drops them from its persistent batch and keeps only host state). The request's admission values
-  (sampling parameters, prompt length, adapter) stay on the host for its return.
+  (sampling parameters, prompt length, adapter, M-RoPE positions) stay on the host for its return.
 - ``scheduled_new_reqs``: an `AddRequests` entry in the lowest free row: ``prefill_token_ids``
   (V2: prompt plus the outputs of a request resumed as new) or ``prompt_token_ids``, its block ids
   per KV-cache group, ``num_computed_tokens`` (prefix-cache hits), ``prefill_len`` = the tokens given,
-  the LoRA adapter id and the sampling parameters where those features are on.
+  the LoRA adapter id, the sampling parameters and the M-RoPE positions where those features are on.
 - ``scheduled_cached_reqs``: a request in ``resumed_req_ids`` (V1) comes back in a free row with
   ``all_token_ids`` and its new blocks replacing the old; any other appends ``new_block_ids`` per
   group (`AppendBlocks`) and, when the host mirror disagrees with ``num_computed_tokens`` or still
   waits for a draft outcome (`ResumeRequests`), has its computed count set.
 - ``num_scheduled_tokens`` and ``scheduled_spec_decode_tokens``: the `Schedule` (draft counts and
-  draft ids; async scheduling's -1 placeholders pass through and are accepted only with
-  ``async_scheduling=True`` and ``FeatureConfig.async_tokens``).
+  draft ids, -1 placeholders included, below).
+- the step's ``GrammarOutput`` (``scheduler.get_grammar_bitmask(scheduler_output)``, given to `step`):
+  each structured-output request's bitmask row block (`Schedule.grammar_index`), and the bitmask itself
+  on `AdapterStep` for `jaxprep.features.grammar.apply_grammar_bitmask`.
+
+-1 placeholder drafts, as vLLM has them. vLLM's schedulers send ``[-1] * K`` drafts in two cases: the
+sync ``Scheduler`` pads a new or resumed request that has exactly one token left to compute, when no
+prefill is scheduled yet in that step, to ``1 + K`` tokens "to preserve full cudagraph"
+(``pad_spec_decode`` in `vllm/v1/core/sched/scheduler.py::Scheduler.schedule`); the ``AsyncScheduler``
+schedules every decoding request's drafts as placeholders (below). Both runners read them as drafts
+that are never accepted and feed the model 0 there: V1 writes them into its token table
+(`InputBatch.update_req_spec_token_ids`), gathers the draft ids before ``_preprocess`` clamps
+``input_ids`` to >= 0, and the rejection sampler never matches -1; V2 writes its own (zeroed) drafts of
+a new request into ``input_ids`` and marks the drafts of a step that starts inside the prefill as -1
+(`vllm/v1/worker/gpu/spec_decode/rejection_sampler.py::_gather_draft_sampled_kernel`). jaxprep's step
+does the same whenever spec decode is on (`jaxprep.features.async_tokens.clamp_placeholders`). The sync
+scheduler's count stays exact (a pad request computes its last prompt token; its drafts are rejected).
 
 Async scheduling with drafts (EAGLE/MTP-style drafters: V1 refuses n-gram there,
 `vllm/config/vllm.py::VllmConfig.__post_init__`): `vllm/v1/core/sched/async_scheduler.py::AsyncScheduler`
@@ -42,16 +64,25 @@ The batch order is the state-row order of the scheduled rows (``FeatureConfig.re
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from jaxprep._constants import NO_LORA_ID
+from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.sampling_params import SamplingParams
 from jaxprep.metadata import StepInputs
+from jaxprep.serving import vllm_checks
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.state import StepUpdates, draft_width
+from jaxprep.serving.state import StepUpdates, draft_width, num_kv_groups
+from jaxprep.serving.vllm_checks import InvalidSchedulerOutputError, fail
+
+GRAMMAR_NOT_GIVEN = object()
+"""`VllmAdapter.step`'s default ``grammar_output``: none given (an explicit None is the ``None`` that
+``Scheduler.get_grammar_bitmask`` returns for a step without structured-output rows)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +93,10 @@ class AdapterStep:
     req_ids: list[str]  # batch row -> request id (ModelRunnerOutput.req_ids)
     req_id_to_index: dict[str, int]  # request id -> batch row (ModelRunnerOutput.req_id_to_index)
     num_tokens_padded: int  # the bucket of PrepConfig.token_buckets the step was prepared at
+    # the GrammarOutput's bitmask [G * (1 + K), words] int32, rows in its structured_output_request_ids order
+    # (inputs.grammar maps each logits row to its bitmask row); None: no structured-output rows this step
+    grammar_bitmask: np.ndarray | None = None
+    num_acceptable_drafts: list[int] | None = None  # GrammarOutput.num_acceptable_drafts, per bitmask block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,21 +106,82 @@ class _Admission:
     prompt_len: int
     lora_id: int
     sampling: SamplingParams | None
+    mrope: tuple[np.ndarray, int] | None = None  # a multimodal prompt's M-RoPE positions [3, P] and delta
+
+
+class _RequestMap:
+    """The adapter's request map as the step being read leaves it: ``rows`` (request id -> state row),
+    ``admitted`` and the sorted free rows, copied on the first change, so the adapter's own maps stay as
+    they were until `VllmAdapter.step` keeps the plan."""
+
+    def __init__(self, rows: dict, admitted: dict, free: list):
+        self.rows, self.admitted, self.free, self._copied = rows, admitted, free, False
+
+    def _copy(self) -> None:
+        if not self._copied:
+            self.rows, self.admitted, self.free, self._copied = dict(self.rows), dict(self.admitted), \
+                list(self.free), True
+
+    def forget(self, req_id) -> None:
+        if req_id in self.admitted:
+            self._copy()
+            self.admitted.pop(req_id)
+
+    def release(self, req_id) -> int:
+        self._copy()
+        row = self.rows.pop(req_id)
+        bisect.insort(self.free, row)
+        return row
+
+    def admit(self, req_id, admission: _Admission) -> None:
+        self._copy()
+        self.admitted[req_id] = admission
+
+    def take_row(self, req_id, max_num_reqs: int) -> int:
+        if req_id in self.rows:
+            fail(f"request {req_id!r} is added but already holds row {self.rows[req_id]}")
+        if not self.free:
+            fail(f"request {req_id!r}: no free row (max_num_reqs={max_num_reqs})")
+        self._copy()
+        row = self.free.pop(0)
+        self.rows[req_id] = row
+        return row
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    """A scheduler output read whole: the update, and the adapter's state once the batch has taken it."""
+
+    updates: StepUpdates
+    requests: _RequestMap
+    lora_slots: np.ndarray | None
+    verifying: dict
+    scheduled: dict  # num_scheduled_tokens
+    total: int
+    num_tokens_padded: int
+    grammar: tuple | None  # (rows, bitmask, num_acceptable_drafts) of the GrammarOutput
 
 
 class VllmAdapter:
     """Keeps a `ServingBatch` in step with vLLM's scheduler.
 
-    Per step: ``step = adapter.step(scheduler_output)``, run the model on ``step.inputs``, then
-    ``adapter.record_sampled(sampled_token_ids, num_sampled)`` with the sampler's device arrays in
-    batch order, and hand vLLM ``adapter.runner_output(step, valid_token_lists)``.
+    Per step: ``step = adapter.step(scheduler_output)`` (with structured outputs,
+    ``adapter.step(scheduler_output, scheduler.get_grammar_bitmask(scheduler_output))``), run the model on
+    ``step.inputs``, then ``adapter.record_sampled(sampled_token_ids, num_sampled)`` with the sampler's
+    device arrays in batch order, and hand vLLM ``adapter.runner_output(step, valid_token_lists)``.
 
     ``async_scheduling``: vLLM's scheduler is the ``AsyncScheduler`` (``--async-scheduling``). With
     speculative decoding it needs ``FeatureConfig.async_tokens``, and ``record_sampled`` takes the
     drafter's proposals.
+
+    ``mrope_positions`` (``FeatureConfig.mrope``): ``fn(new_request_data) -> (positions [3, P], delta)``
+    for a request with multimodal features, as the model's ``get_mrope_input_positions(prompt_token_ids,
+    mm_features)`` gives them to vLLM's runner (e.g. from `jaxprep.qwen2vl_prompt_positions`); text-only
+    requests get vLLM's text positions (``arange`` on all three rows, delta 0) without it.
     """
 
-    def __init__(self, config: ServingConfig, *, async_scheduling: bool = False):
+    def __init__(self, config: ServingConfig, *, async_scheduling: bool = False,
+                 mrope_positions: Callable | None = None):
         if config.prep.features.reorder is not None:
             raise ValueError("VllmAdapter gives the batch in state-row order: FeatureConfig.reorder must be None, "
                              f"got {config.prep.features.reorder!r}")
@@ -94,6 +190,7 @@ class VllmAdapter:
                              "FeatureConfig.async_tokens: the drafts reach input_ids on the device")
         self.config = config
         self.async_scheduling = async_scheduling
+        self.mrope_positions = mrope_positions
         self.batch = ServingBatch(config)
         self.rows: dict[str, int] = {}  # request id -> state row, for every request holding a row
         self.admitted: dict[str, _Admission] = {}  # every request vLLM has not finished, preempted ones too
@@ -102,33 +199,36 @@ class VllmAdapter:
             if config.prep.features.lora is not None else None
         self._last: AdapterStep | None = None
         self._verifying: dict[str, int] = {}  # request id -> drafts the last prepared step verifies
+        self._num_groups = num_kv_groups(config)
 
     # --- one step --------------------------------------------------------------------------------
 
-    def step(self, scheduler_output) -> AdapterStep:
-        """Applies ``scheduler_output`` as one checked `StepUpdates` and prepares the step. On a bad output
-        (``ValueError``, `InvalidUpdateError` naming the field) the adapter and its batch are unchanged.
+    def step(self, scheduler_output, grammar_output=GRAMMAR_NOT_GIVEN) -> AdapterStep:
+        """Applies ``scheduler_output`` as one checked `StepUpdates` and prepares the step. A bad output
+        raises (`InvalidSchedulerOutputError`, `InvalidUpdateError`, both ValueErrors naming the field)
+        before anything is written: the adapter, its batch and the device state are unchanged.
+
+        ``grammar_output``: the step's ``scheduler.get_grammar_bitmask(scheduler_output)`` (None or a
+        ``GrammarOutput``); required when ``scheduler_output.has_structured_output_requests``.
 
         A step that schedules nothing (vLLM sends one to report finished requests) is applied and
         prepares nothing: ``inputs`` is ``None`` and ``req_ids`` is empty, as V1's ``execute_model``
         returns ``EMPTY_MODEL_RUNNER_OUTPUT`` after ``_update_states``."""
-        kept = (dict(self.rows), dict(self.admitted), list(self._free),
-                None if self._lora_slots is None else self._lora_slots.copy())
-        try:
-            self.batch.apply_updates(self.updates(scheduler_output))
-        except Exception:
-            self.rows, self.admitted, self._free, self._lora_slots = kept
-            raise
-        total = int(scheduler_output.total_num_scheduled_tokens)
-        self._verifying = {r: len(ids) for r, ids in scheduler_output.scheduled_spec_decode_tokens.items() if ids}
-        if total == 0:
+        plan = self._plan(scheduler_output, grammar_output)
+        self.batch.apply_updates(plan.updates)  # host checks first: raises with nothing dispatched
+        self.rows, self.admitted, self._free = plan.requests.rows, plan.requests.admitted, plan.requests.free
+        if plan.lora_slots is not None:
+            self._lora_slots = plan.lora_slots
+        self._verifying = plan.verifying
+        if plan.total == 0:
             self._last = None
             return AdapterStep(inputs=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
-        num_tokens_padded = self.config.prep.bucket_for(total)
-        req_ids = sorted(scheduler_output.num_scheduled_tokens, key=self.rows.__getitem__)
-        self._last = AdapterStep(inputs=self.batch.prepare(num_tokens_padded), req_ids=req_ids,
+        req_ids = sorted(plan.scheduled, key=self.rows.__getitem__)
+        grammar = plan.grammar or (None, None, None)
+        self._last = AdapterStep(inputs=self.batch.prepare(plan.num_tokens_padded), req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 num_tokens_padded=num_tokens_padded)
+                                 num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
+                                 num_acceptable_drafts=grammar[2])
         return self._last
 
     def record_sampled(self, sampled_token_ids, num_sampled, draft_token_ids=None) -> None:
@@ -158,84 +258,125 @@ class VllmAdapter:
 
     # --- the translation ---------------------------------------------------------------------------
 
-    def updates(self, scheduler_output) -> StepUpdates:
-        """The `StepUpdates` of ``scheduler_output``; the request map is updated as a side effect
-        (the batch is not: `step` applies the result)."""
-        finish = self._finished(scheduler_output)
-        add = [self._new_request(new) for new in scheduler_output.scheduled_new_reqs]
+    def updates(self, scheduler_output, grammar_output=GRAMMAR_NOT_GIVEN) -> StepUpdates:
+        """The `StepUpdates` of ``scheduler_output`` (checked as `step` checks it); nothing is changed."""
+        return self._plan(scheduler_output, grammar_output).updates
+
+    def _plan(self, scheduler_output, grammar_output) -> _Plan:
+        """The whole output read and translated, the adapter untouched: every check raises from here."""
+        scheduled, counts, total = vllm_checks.scheduled_counts(scheduler_output)
+        vllm_checks.check_request_lists(scheduler_output, len(scheduled))
         cached = scheduler_output.scheduled_cached_reqs
+        computed = vllm_checks.cached_computed(cached)
+        grammar = self._grammar(scheduler_output, grammar_output, scheduled)
+        requests = _RequestMap(self.rows, self.admitted, self._free)
+        finish = self._finished(requests, scheduler_output)
+        add = [self._new_request(requests, new) for new in scheduler_output.scheduled_new_reqs]
         running = []  # indices into cached of the requests that keep their rows
         if not cached.resumed_req_ids:  # the common step: every cached request keeps its row
             running = list(range(len(cached.req_ids)))
         for i, req_id in enumerate(cached.req_ids if cached.resumed_req_ids else ()):
             if req_id in cached.resumed_req_ids:
-                add.append(self._resumed_request(cached, i, req_id))
+                add.append(self._resumed_request(requests, cached, i, req_id, computed))
             else:
                 running.append(i)
-        resume, append = self._running_requests(cached, running)
-        return StepUpdates.build(self.config, finish=finish, add=add, resume=resume, append=append,
-                                 lora_slots=self._lora_update(scheduler_output),
-                                 **self._schedule(scheduler_output))
+        resume, append = self._running_requests(requests, cached, running, computed)
+        schedule, verifying = self._schedule(requests, scheduler_output, scheduled, counts, grammar)
+        lora_slots = self._lora_update(requests, scheduled)
+        updates = StepUpdates.build(self.config, finish=finish, add=add, resume=resume, append=append,
+                                    lora_slots=lora_slots, **schedule)
+        padded = self.config.prep.bucket_for(total) if 0 < total <= self.config.prep.max_num_batched_tokens else 0
+        return _Plan(updates=updates, requests=requests, lora_slots=lora_slots, verifying=verifying,
+                     scheduled=scheduled, total=total, num_tokens_padded=padded, grammar=grammar)
 
-    def _finished(self, scheduler_output) -> list[int]:
+    def _finished(self, requests: _RequestMap, scheduler_output) -> list[int]:
         """Rows of finished and preempted requests (and of V1-resumed ones still holding a row: vLLM's
         forced preemption by ``reset_prefix_cache`` resumes a request in the step that preempts it)."""
         rows = []
         for req_id in scheduler_output.finished_req_ids:
-            self.admitted.pop(req_id, None)
-            if req_id in self.rows:
-                rows.append(self._release(req_id))
+            requests.forget(req_id)
+            if req_id in requests.rows:
+                rows.append(requests.release(req_id))
         leaving = set(scheduler_output.preempted_req_ids or ()) | set(
             scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        rows += [self._release(req_id) for req_id in sorted(leaving) if req_id in self.rows]
+        rows += [requests.release(req_id) for req_id in sorted(leaving) if req_id in requests.rows]
         return rows
 
-    def _new_request(self, new) -> dict:
+    def _new_request(self, requests: _RequestMap, new) -> dict:
+        req_id = new.req_id
+        vllm_checks.hashable_id("NewRequestData.req_id", req_id)
+        where = f"NewRequestData {req_id!r}"
         tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
         if tokens is None:
-            raise ValueError(f"request {new.req_id}: prompt embeddings without token ids are not supported")
+            fail(f"{where}: prompt embeddings without token ids are not supported")
+        prompt = new.prompt_token_ids if new.prompt_token_ids is not None else tokens
         lora = new.lora_request
-        self.admitted[new.req_id] = _Admission(
-            prompt_len=len(new.prompt_token_ids), lora_id=lora.lora_int_id if lora is not None else NO_LORA_ID,
-            sampling=_sampling_params(new.sampling_params))
-        return self._entry(new.req_id, tokens, new.block_ids, new.num_computed_tokens)
+        admission = _Admission(prompt_len=len(prompt), lora_id=lora.lora_int_id if lora is not None else NO_LORA_ID,
+                               sampling=_sampling_params(new.sampling_params),
+                               mrope=self._multimodal_positions(where, new, len(prompt)))
+        requests.admit(req_id, admission)
+        return self._entry(requests, req_id, tokens, vllm_checks.block_groups(where, new.block_ids, self._num_groups),
+                           vllm_checks.token_count(f"{where}.num_computed_tokens", new.num_computed_tokens))
 
-    def _resumed_request(self, cached, i: int, req_id: str) -> dict:
+    def _resumed_request(self, requests: _RequestMap, cached, i: int, req_id: str, computed: np.ndarray) -> dict:
         """V1: a preempted request returns with all its tokens and fresh blocks."""
-        if req_id not in self.admitted:
-            raise ValueError(f"scheduled_cached_reqs: resumed request {req_id} was never admitted")
+        if req_id not in requests.admitted:
+            fail(f"CachedRequestData.resumed_req_ids: request {req_id!r} was never admitted")
         if req_id not in cached.all_token_ids:
-            raise ValueError(f"scheduled_cached_reqs: resumed request {req_id} comes without all_token_ids "
-                             "(vLLM's scheduler sends them to the V1 runner, VLLM_USE_V2_MODEL_RUNNER=0)")
-        return self._entry(req_id, cached.all_token_ids[req_id], cached.new_block_ids[i],
-                           cached.num_computed_tokens[i])
+            fail(f"CachedRequestData.all_token_ids has no entry for resumed request {req_id!r} (vLLM's scheduler "
+                 "sends them to the V1 runner, VLLM_USE_V2_MODEL_RUNNER=0)")
+        where = f"CachedRequestData.new_block_ids[{i}] (resumed {req_id!r})"
+        return self._entry(requests, req_id, cached.all_token_ids[req_id],
+                           vllm_checks.block_groups(where, cached.new_block_ids[i], self._num_groups), int(computed[i]))
 
-    def _entry(self, req_id: str, tokens, block_ids, num_computed_tokens: int) -> dict:
-        if req_id in self.rows:
-            raise ValueError(f"request {req_id} is added but already holds row {self.rows[req_id]}")
-        if not self._free:
-            raise ValueError(f"request {req_id}: no free row (max_num_reqs={self.config.max_num_reqs})")
-        row = self._free.pop(0)
-        self.rows[req_id] = row
-        admission, features = self.admitted[req_id], self.config.prep.features
-        entry = dict(row=row, token_ids=list(tokens), block_ids=_groups(block_ids),
-                     num_computed_tokens=int(num_computed_tokens), prefill_len=len(tokens))
+    def _entry(self, requests: _RequestMap, req_id: str, tokens, block_ids, num_computed_tokens: int) -> dict:
+        row = requests.take_row(req_id, self.config.max_num_reqs)
+        admission, features = requests.admitted[req_id], self.config.prep.features
+        entry = dict(row=row, token_ids=list(tokens), block_ids=block_ids, num_computed_tokens=num_computed_tokens,
+                     prefill_len=len(tokens))
         if features.lora is not None:
             entry["lora_id"] = admission.lora_id
         if features.sampling is not None:
             entry.update(sampling=admission.sampling, prompt_len=admission.prompt_len)
+        if features.mrope:
+            entry["mrope_positions"], entry["mrope_position_delta"] = _mrope_columns(admission.mrope, len(tokens))
         return entry
 
-    def _running_requests(self, cached, running: list[int]) -> tuple[list, dict]:
+    def _multimodal_positions(self, where: str, new, prompt_len: int) -> tuple[np.ndarray, int] | None:
+        """A multimodal request's prompt M-RoPE positions and delta (from ``mrope_positions``); None for a
+        text-only request (vLLM's ``get_mrope_input_positions`` gives text ``arange`` on every row, delta 0)
+        or with M-RoPE off."""
+        if not self.config.prep.features.mrope:
+            return None
+        media = [f for f in (getattr(new, "mm_features", None) or ())
+                 if getattr(f, "modality", None) != "prompt_embeds"]
+        if not media:
+            return None
+        if self.mrope_positions is None:
+            fail(f"{where} carries multimodal features ({', '.join(sorted({str(f.modality) for f in media}))}): "
+                 "its M-RoPE positions come from the model, whose get_mrope_input_positions(prompt_token_ids, "
+                 "mm_features) vLLM's runner calls; build VllmAdapter(config, mrope_positions=fn) with "
+                 "fn(new_request_data) -> (positions [3, prompt_len], delta), e.g. from "
+                 "jaxprep.qwen2vl_prompt_positions")
+        positions, delta = self.mrope_positions(new)
+        positions = np.asarray(positions)
+        if positions.shape != (MROPE_NUM_DIMS, prompt_len) or positions.dtype.kind not in "iu":
+            fail(f"{where}: mrope_positions(...) gave positions of shape {positions.shape} and dtype {positions.dtype},"
+                 f" expected integers [3, prompt_len={prompt_len}]")
+        return positions.astype(np.int64), vllm_checks.integer_value(f"{where}: mrope_positions(...) delta", delta)
+
+    def _running_requests(self, requests: _RequestMap, cached, running: list[int],
+                          computed_all: np.ndarray) -> tuple[list, dict]:
         """Block appends of the running requests, and a resume entry for each whose computed count the host
         mirror does not know (pending drafts) or knows differently from vLLM."""
-        req_ids, row_of = cached.req_ids, self.rows
+        req_ids, row_of = cached.req_ids, requests.rows
         try:
             row_list = [row_of[req_ids[i]] for i in running]
         except KeyError:
-            row_list = [self._row(req_ids[i]) for i in running]  # raises, naming the request
+            missing = next(req_ids[i] for i in running if req_ids[i] not in row_of)
+            fail(f"scheduled_cached_reqs: request {missing} holds no row (never added, or preempted and not resumed)")
         rows = np.array(row_list, np.int64)
-        computed = np.array(cached.num_computed_tokens, np.int64)[running] if running else np.zeros(0, np.int64)
+        computed = computed_all[running] if running else np.zeros(0, np.int64)
         mirror = self.batch.rows
         pending = mirror.pending[rows]
         restate = pending | (mirror.num_computed_tokens[rows] != computed)
@@ -244,66 +385,105 @@ class VllmAdapter:
             # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
             unverified = self._verifying.get(req_ids[running[k]], 0) if self.async_scheduling and pending[k] else 0
             resume.append(dict(row=int(rows[k]), num_computed_tokens=int(computed[k]), unverified_drafts=unverified))
-        new_block_ids = cached.new_block_ids
-        append = {row: _groups(new_block_ids[i]) for row, i in zip(row_list, running)
-                  if new_block_ids[i] is not None and any(new_block_ids[i])}
+        new_block_ids, groups = cached.new_block_ids, self._num_groups
+        try:
+            append = {row: vllm_checks.block_groups("CachedRequestData.new_block_ids", new_block_ids[i], groups)
+                      for row, i in zip(row_list, running) if new_block_ids[i] is not None and any(new_block_ids[i])}
+        except TypeError:  # an entry that is not a tuple of lists (any() of an int): named by position
+            for i in running:
+                if new_block_ids[i] is not None:
+                    vllm_checks.block_groups(f"CachedRequestData.new_block_ids[{i}]", new_block_ids[i], groups)
+            raise
         return resume, append
 
-    def _row(self, req_id: str) -> int:
-        row = self.rows.get(req_id)
-        if row is None:
-            raise ValueError(f"scheduled_cached_reqs: request {req_id} holds no row (never added, or preempted "
-                             "and not resumed)")
-        return row
+    def _schedule(self, requests: _RequestMap, scheduler_output, scheduled: dict, counts: np.ndarray,
+                  grammar) -> tuple[dict, dict]:
+        """The `Schedule`'s arrays, and the requests verifying drafts (their draft counts)."""
+        num_rows, width = self.config.max_num_reqs, draft_width(self.config)
+        num_scheduled, drafts = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
+        draft_ids = np.zeros((num_rows, width), np.int64)
+        row_of = requests.rows
+        try:
+            rows = np.fromiter(map(row_of.__getitem__, scheduled), np.int64, len(scheduled))
+        except KeyError:
+            missing = next(r for r in scheduled if r not in row_of)
+            fail(f"SchedulerOutput.num_scheduled_tokens names request {missing!r}, which holds no row (not among "
+                 "scheduled_new_reqs, resumed or running requests)")
+        num_scheduled[rows] = counts
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not isinstance(spec, dict):
+            fail(f"SchedulerOutput.scheduled_spec_decode_tokens must be a dict, got {type(spec).__name__}")
+        verifying = {}
+        for req_id, ids in spec.items():
+            ids = vllm_checks.draft_ids(req_id, ids, scheduled, width)
+            if not self.async_scheduling and -1 in ids and not _joins(scheduler_output, req_id):
+                fail(f"SchedulerOutput.scheduled_spec_decode_tokens[{req_id!r}] holds -1 placeholders for a running "
+                     "request: vLLM's sync Scheduler pads only a new or resumed request with them (pad_spec_decode); "
+                     "its AsyncScheduler sends them for running requests, with a num_computed_tokens that counts the "
+                     "drafts still being verified as accepted: build VllmAdapter(config, async_scheduling=True)")
+            if ids:
+                row = row_of[req_id]
+                drafts[row] = verifying[req_id] = len(ids)
+                draft_ids[row, :len(ids)] = ids
+        out = dict(num_scheduled_tokens=num_scheduled, num_draft_tokens=drafts,
+                   draft_token_ids=draft_ids if width else None)
+        if grammar is not None:
+            out["grammar_index"] = {row_of[req_id]: g for req_id, g in grammar[0].items()}
+        return out, verifying
 
-    def _schedule(self, scheduler_output) -> dict:
-        rows, width = self.config.max_num_reqs, draft_width(self.config)
-        scheduled, drafts = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
-        draft_ids = np.zeros((rows, width), np.int64)
-        counts = scheduler_output.num_scheduled_tokens
-        scheduled[np.fromiter(map(self.rows.__getitem__, counts), np.int64, len(counts))] = list(counts.values())
-        for req_id, ids in scheduler_output.scheduled_spec_decode_tokens.items():
-            if len(ids) > width:
-                raise ValueError(f"scheduled_spec_decode_tokens[{req_id!r}] has {len(ids)} drafts, more than "
-                                 f"num_speculative_tokens={width}")
-            if not self.async_scheduling and -1 in ids:
-                raise ValueError(f"scheduled_spec_decode_tokens[{req_id!r}] holds -1 placeholders: vLLM's "
-                                 "AsyncScheduler sent them, and its num_computed_tokens counts the drafts still "
-                                 "being verified as accepted; build VllmAdapter(config, async_scheduling=True)")
-            row = self.rows[req_id]
-            drafts[row] = len(ids)
-            draft_ids[row, :len(ids)] = ids
-        return dict(num_scheduled_tokens=scheduled, num_draft_tokens=drafts,
-                    draft_token_ids=draft_ids if width else None)
+    def _grammar(self, scheduler_output, grammar_output, scheduled: dict):
+        """The step's ``GrammarOutput`` read (`vllm_checks.grammar_rows`), or None."""
+        if grammar_output is GRAMMAR_NOT_GIVEN:
+            if getattr(scheduler_output, "has_structured_output_requests", False):
+                fail("SchedulerOutput.has_structured_output_requests is set, but no GrammarOutput was given: call "
+                     "adapter.step(scheduler_output, scheduler.get_grammar_bitmask(scheduler_output)) so each "
+                     "structured-output request's bitmask rows reach the step (None when it returns None)")
+            return None
+        if grammar_output is None:
+            return None
+        features = self.config.prep.features
+        if not features.structured_outputs:
+            fail("adapter.step got a GrammarOutput, but FeatureConfig.structured_outputs is off: turn it on so "
+                 "the step carries each logits row's bitmask row (StepInputs.grammar)")
+        return vllm_checks.grammar_rows(grammar_output, scheduled, 1 + features.num_speculative_tokens)
 
-    def _lora_update(self, scheduler_output) -> np.ndarray | None:
+    def _lora_update(self, requests: _RequestMap, scheduled: dict) -> np.ndarray | None:
         """The adapter slots when a scheduled request's adapter has none yet (first free slot, else the
         slot of an adapter no scheduled request uses); ``None`` when unchanged."""
         if self._lora_slots is None:
             return None
-        wanted = {self.admitted[r].lora_id for r in scheduler_output.num_scheduled_tokens} - {NO_LORA_ID}
+        wanted = {requests.admitted[r].lora_id for r in scheduled} - {NO_LORA_ID}
         missing = sorted(wanted - set(self._lora_slots.tolist()))
         if not missing:
             return None
+        slots = self._lora_slots.copy()
         for lora_id in missing:
-            free = [s for s, held in enumerate(self._lora_slots) if held < 0 or held not in wanted]
+            free = [s for s, held in enumerate(slots) if held < 0 or held not in wanted]
             if not free:
-                raise ValueError(f"{len(wanted)} adapters scheduled in one step, more than max_loras="
-                                 f"{len(self._lora_slots)}")
-            self._lora_slots[free[0]] = lora_id
-        return self._lora_slots.copy()
-
-    def _release(self, req_id: str) -> int:
-        row = self.rows.pop(req_id)
-        self._free.append(row)
-        self._free.sort()
-        return row
+                fail(f"{len(wanted)} adapters scheduled in one step, more than max_loras={len(slots)}")
+            slots[free[0]] = lora_id
+        return slots
 
 
-def _groups(block_ids) -> list:
-    """vLLM's ``tuple[list[int], ...]`` (one list per KV-cache group) as `StepUpdates` takes it."""
-    groups = [list(ids) for ids in block_ids]
-    return groups[0] if len(groups) == 1 else groups
+def _joins(scheduler_output, req_id) -> bool:
+    """Whether ``req_id`` joins the batch this step: a new request, or one resumed (V1) from preemption."""
+    return (req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids
+            or any(new.req_id == req_id for new in scheduler_output.scheduled_new_reqs))
+
+
+def _mrope_columns(multimodal: tuple[np.ndarray, int] | None, num_tokens: int) -> tuple[np.ndarray, int]:
+    """The M-RoPE table columns of a request's ``num_tokens`` tokens (prompt, and the outputs of a resumed or
+    re-sent request) and its delta: text ``arange`` on every row (delta 0); a multimodal prompt's positions,
+    then ``p + delta`` for the tokens past it, as vLLM's ``get_next_input_positions_tensor`` continues them.
+    # text, 4 tokens -> [[0,1,2,3]] * 3, 0; prompt [[0,1,1],[0,1,2],[0,2,1]] delta -1, 5 tokens -> + columns [2, 3]
+    """
+    if multimodal is None:
+        return np.broadcast_to(np.arange(num_tokens, dtype=np.int64), (MROPE_NUM_DIMS, num_tokens)), 0
+    positions, delta = multimodal
+    prompt = positions.shape[1]
+    tail = np.broadcast_to(np.arange(prompt, max(num_tokens, prompt), dtype=np.int64) + delta,
+                           (MROPE_NUM_DIMS, max(num_tokens - prompt, 0)))
+    return np.concatenate([positions[:, :num_tokens], tail], axis=1), delta
 
 
 def _sampling_params(params) -> SamplingParams | None:
@@ -314,3 +494,6 @@ def _sampling_params(params) -> SamplingParams | None:
                           min_p=params.min_p, seed=params.seed, repetition_penalty=params.repetition_penalty,
                           frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
                           stop_token_ids=tuple(params.stop_token_ids or ()))
+
+
+__all__ = ["AdapterStep", "GRAMMAR_NOT_GIVEN", "InvalidSchedulerOutputError", "VllmAdapter"]

@@ -84,6 +84,8 @@ BAD = [
     (["generate", "--model", NOT_A_FOLDER, "--prompt-ids", "1"], "--model", "README.md: is not a folder"),
     (["generate", "--model", ROOT], "--prompt-ids", ": give at least one prompt (--prompt-ids or --prompt)"),
     (["generate", "--model", ROOT, "--prompt-ids", "1 x"], "--prompt-ids", "'1 x': must be token ids >= 0"),
+    (["generate", "--model", ROOT, "--prompt-ids", "1 2147483648"], "--prompt-ids",
+     "token id 2147483648 must be <= 2147483647 (token ids are int32)"),  # issue 31: the bound was not told
     (["generate", "--model", ROOT, "--prompt", "hello"], "--prompt", "'hello': needs"),  # no tokenizer here
     (["generate", "--model", ROOT, "--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens", "0: must be >= 1"),
     (["generate", "--model", ROOT, "--prompt-ids", "1", "--ignore-eos=1"], "--ignore-eos", "ignored explicit"),

@@ -122,3 +122,32 @@ def test_the_good_checkpoint_loads(good_checkpoint):
     model, params = load_model(good_checkpoint)
     assert model.model_type == "qwen3" and model.rms_norm_eps == 1e-6 and model.eos_token_ids == (2,)
     assert params["layers"]["self_attn.q_norm.weight"].shape == (1, 8)
+
+
+@pytest.mark.parametrize("prompt", [["--prompt", "hello"], ["--prompt-ids", "1 2"]])
+def test_a_broken_tokenizer_is_one_line_exit_2(prompt, good_checkpoint, tmp_path, capsys):
+    """Issue 31: a tokenizer.json the tokenizers package cannot parse ended in a traceback, exit 1."""
+    pytest.importorskip("tokenizers")
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(good_checkpoint, folder)
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write('{"version": "1.0", "model": {"type": "Nonsense"')
+    code, lines = _run(["generate", "--model", folder, *prompt], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert re.match(rf"jaxprep generate: error: --model {re.escape(folder)}: tokenizer.json cannot be read", lines[0])
+
+
+def test_a_good_tokenizer_loads(good_checkpoint, tmp_path):
+    """Control: a tokenizer.json the package wrote is read by the same code."""
+    import argparse
+
+    tokenizers = pytest.importorskip("tokenizers")
+    from jaxprep.cli.generate import _tokenizer
+
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(good_checkpoint, folder)
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 1, "[UNK]": 0}, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.save(os.path.join(folder, "tokenizer.json"))
+    tokenizer = _tokenizer(argparse.Namespace(model=folder, prompts=["hello"]))
+    assert tokenizer.encode("hello").ids == [1]

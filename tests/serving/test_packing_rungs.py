@@ -166,10 +166,11 @@ def busy_batch() -> ServingBatch:
     return batch
 
 
-def test_a_count_past_its_size_is_flagged_and_its_excess_dropped():
+def test_a_count_past_its_size_is_flagged_and_nothing_written():
     """max_num_reqs 16, a 64-word buffer with n_finish 20 > sizes.finish 16: rows 0-7 twice (entries
-    0-15), then rows 8-11 (entries 16-19). The bit is set, rows 0-7 are freed, rows 8-11 are not read;
-    the same rows with n_finish 16 set no bit (control)."""
+    0-15), then rows 8-11 (entries 16-19). The bit is set and the buffer refused whole: every row keeps
+    its request, the state equals the state before but for the error word; the same rows with
+    n_finish 16 free rows 0-7 (control)."""
     config = ServingConfig(prep=PrepConfig(max_num_reqs=16, max_model_len=32, max_num_batched_tokens=64, block_size=4,
                                            num_blocks=128), vocab_size=VOCAB)
     batch = ServingBatch(config)
@@ -179,20 +180,32 @@ def test_a_count_past_its_size_is_flagged_and_its_excess_dropped():
     buffer = np.zeros(64, np.int32)
     buffer[HEADER.index("n_finish")] = 20
     buffer[HEADER_WORDS: HEADER_WORDS + 20] = [*range(8), *range(8), 8, 9, 10, 11]
+    before = batch.state.to_numpy()
     state = apply_packed(batch.state, buffer, config=config)
     assert int(state.errors[0]) == ERROR_BITS["packed_counts"]
-    np.testing.assert_array_equal(np.asarray(state.num_tokens), [0] * 8 + [1] * 8)
+    assert_equal_but_errors(state.to_numpy(), before)
     buffer[HEADER.index("n_finish")] = 16
-    assert int(apply_packed(state, buffer, config=config).errors[0]) == ERROR_BITS["packed_counts"]  # kept
+    state = apply_packed(state, buffer, config=config)
+    assert int(state.errors[0]) == ERROR_BITS["packed_counts"]  # kept
+    np.testing.assert_array_equal(np.asarray(state.num_tokens), [0] * 8 + [1] * 8)
     control = ServingBatch(config)
     assert int(apply_packed(control.state, buffer, config=config).errors[0]) == 0
+
+
+def assert_equal_but_errors(after: dict, before: dict) -> None:
+    """Every leaf of the state after equals the state before, bit for bit, the error word aside."""
+    assert after.keys() == before.keys()
+    for name in before:
+        if name != "errors":
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
 
 
 @pytest.mark.parametrize("count, value", [("n_add", "size+1"), ("n_finish", -1), ("n_data", 2**30),
                                           ("n_schedule", 2**30), ("n_resume", "fits-alone")])
 def test_a_header_claiming_more_than_its_buffer_sets_the_error_bit(count, value):
     """Each count out of bounds on its own (past its size, negative, int32-overflowing products, or within
-    its size but with the others more words than the buffer): the bit is set, the step runs in bounds."""
+    its size but with the others more words than the buffer): the bit is set and nothing is written (the
+    zero records it would read are bad values too: both bits may be set)."""
     sizes = section_sizes(PLAIN, 64)
     buffer = np.zeros(64, np.int32)
     if value == "size+1":
@@ -201,8 +214,11 @@ def test_a_header_claiming_more_than_its_buffer_sets_the_error_bit(count, value)
         value = sizes.resume
         buffer[HEADER.index("n_finish")] = 1
     buffer[HEADER.index(count)] = value
-    state = apply_packed(busy_batch().state, buffer, config=PLAIN)
-    assert int(state.errors[0]) == ERROR_BITS["packed_counts"]
+    batch = busy_batch()
+    before = batch.state.to_numpy()
+    state = apply_packed(batch.state, buffer, config=PLAIN)
+    assert int(state.errors[0]) & ERROR_BITS["packed_counts"]
+    assert_equal_but_errors(state.to_numpy(), before)
     clean = apply_packed(busy_batch().state, np.zeros(64, np.int32), config=PLAIN)
     assert int(clean.errors[0]) == 0
 

@@ -118,16 +118,20 @@ def test_draft_counts_reach_prepare():
     np.testing.assert_array_equal(np.asarray(batch.state.batch.token_ids[0, :6]), [5, 6, 7, 11, 21, 22])
 
 
-@pytest.mark.parametrize("async_tokens, draft, message", [
-    (False, -1, "Schedule.draft_token_ids[0][1] = -1 is outside [0, vocab_size=64)"),
-    (True, 64, "Schedule.draft_token_ids[0][0] = 64 is outside [0, vocab_size=64)"),
-    (True, -1, None),
+@pytest.mark.parametrize("features, draft, message", [
+    ({}, -1, "Schedule.draft_token_ids[0][1] = -1 is outside [0, vocab_size=64)"),
+    (dict(num_speculative_tokens=2), -1, None),
+    (dict(num_speculative_tokens=2, async_tokens=True), 64, "Schedule.draft_token_ids[0][0] = 64 is outside "
+                                                            "[0, vocab_size=64)"),
+    (dict(num_speculative_tokens=2, async_tokens=True), -1, None),
 ])
-def test_draft_ids_are_range_checked(async_tokens, draft, message):
-    """Defect 4: vLLM's -1 placeholder only where the device fills it (FeatureConfig.async_tokens)."""
-    features = FeatureConfig(num_speculative_tokens=2, async_tokens=async_tokens)
+def test_draft_ids_are_range_checked(features, draft, message):
+    """Defect 4 and issue 31: vLLM's -1 placeholder only where the prepared step clamps it out of input_ids and
+    reads it as a draft never accepted (spec decode or async tokens on in the PrepConfig); a serving config with
+    drafts whose PrepConfig has neither would hand -1 to the model."""
     config = ServingConfig(prep=PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4,
-                                           num_blocks=8, features=features), num_speculative_tokens=2, vocab_size=VOCAB)
+                                           num_blocks=8, features=FeatureConfig(**features)),
+                           num_speculative_tokens=2, vocab_size=VOCAB)
     batch = ServingBatch(config)
     batch.apply_updates(StepUpdates.build(config, add=[dict(row=0, token_ids=[7], block_ids=[1])]))
     drafts = [[draft, -1], [0, 0]] if draft == 64 else [[5, draft], [0, 0]]
@@ -135,6 +139,9 @@ def test_draft_ids_are_range_checked(async_tokens, draft, message):
     if message is None:
         batch.apply_updates(updates)
         np.testing.assert_array_equal(np.asarray(batch.state.batch.token_ids[0, :3]), [7, 5, -1])
+        step = batch.prepare(8)
+        assert np.asarray(step.input_ids)[:3].tolist() == [7, 5, 0]  # clamped, as V1's _preprocess
+        assert np.asarray(step.spec_decode.draft_token_ids)[:2].tolist() == [5, -1]  # never accepted
         return
     before = batch.state.to_numpy()
     with pytest.raises(InvalidUpdateError, match=re.escape(message)):
@@ -163,7 +170,7 @@ def test_record_sampled_reads_nothing_back():
         batch.record_sampled(jnp.array([0, 1, -1, -1]), jnp.array([[21, 30, 0], [1000, 0, 0], [0] * 3, [0] * 3]),
                              jnp.array([2, 1, 0, 0]))
     assert batch.errors() == {"sampled_token_id": True, "num_sampled": False, "idx_mapping": False,
-                              "packed_counts": False, "draft_token_id": False}
+                              "packed_counts": False, "draft_token_id": False, "packed_values": False}
     assert int(batch.state.batch.token_ids[1, 3]) == 0  # the bad token is not written
     with pytest.raises(InvalidUpdateError, match="pending"):
         batch.apply_updates(StepUpdates.build(SPEC, num_scheduled_tokens=[1, 0, 0, 0]))

@@ -10,11 +10,6 @@ issue 21's defects 1-6 through the adapter against worked examples.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import jax
@@ -25,10 +20,7 @@ import pytest
 import jaxprep
 from jaxprep.serving import ServingConfig
 from jaxprep.serving.vllm import VllmAdapter
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "support" / "vllm_adapter_worker.py"
-
+from support.vllm_workers import worker_report
 
 # --- scheduler outputs with vLLM's field names ---------------------------------------------------
 
@@ -258,15 +250,7 @@ def test_finished_rows_are_reused_and_unknown_requests_named():
 
 @pytest.fixture(scope="module")
 def parity_report() -> dict:
-    pytest.importorskip("vllm")
-    pytest.importorskip("triton")  # V1's slot mapping and MRV2's input kernels run in Triton's interpreter
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "TRITON_INTERPRET": "1",
-                   "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, str(WORKER)], check=False, cwd=ROOT, env=environment,
-                            capture_output=True, text=True, timeout=900)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
-    assert result.returncode == 0 and lines, result.stderr[-4000:]
-    return json.loads(lines[-1][len("REPORT "):])
+    return worker_report("vllm_adapter_worker.py")
 
 
 def test_every_step_equals_vllms_own_runner(parity_report):

@@ -7,4 +7,5 @@
 - `fake_npu`: a fake ``torch_npu`` that records host-to-NPU staging (fixture in tests/torch_bridge);
 - `dp_prepare_check`: sharded preparation against the reference, run in a 4-device subprocess.
 - `kernels`: the plain step's two paths (XLA, the Pallas kernels) for tests that run both.
+- `vllm_workers`: a vLLM worker script run in a subprocess (Triton's interpreter), its JSON report read back.
 """

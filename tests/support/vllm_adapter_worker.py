@@ -190,8 +190,15 @@ def v2_kernels(so, vllm: dict, runner: V1Runner, num_speculative_tokens: int,
         token_ids=table, num_computed_tokens=vllm["num_computed_tokens"],
         prefill_len=batch.num_prompt_tokens[:n],
         scheduled=[(slot[r], count) for r, count in so.num_scheduled_tokens.items()],  # scheduler order
-        drafts=[(slot[r], device_drafts[r][:len(ids)] if device_drafts is not None else ids)
+        drafts=[(slot[r], device_drafts[r][:len(ids)] if device_drafts is not None else zeroed(ids))
                 for r, ids in so.scheduled_spec_decode_tokens.items()]))
+
+
+def zeroed(ids: list[int]) -> list[int]:
+    """The drafts V2 writes into ``input_ids`` for the sync scheduler's: its own, which equal the scheduler's,
+    except the -1 placeholders of a request the scheduler pads as it joins (``pad_spec_decode``): V2 zeroes a
+    new request's ``req_states.draft_tokens`` (`vllm/v1/worker/gpu/states.py::RequestState.add_request`)."""
+    return [max(t, 0) for t in ids]
 
 
 def compare_v2(cmp: Comparison, number: int, step, ours: dict, v2: dict, req_ids: list[str]) -> None:
@@ -251,7 +258,8 @@ def as_v1_output(scheduler_output):
     """Under V2 the scheduler re-sends a preempted request as a new one whose ``prefill_token_ids`` hold its
     prompt and outputs; V1's runner reads ``prompt_token_ids``, so its copy gets those tokens there (V2's
     ``finish_requests`` drops preempted requests first; `V1Runner.forget` does the same)."""
-    new = [dataclasses.replace(n, prompt_token_ids=n.prefill_token_ids) for n in scheduler_output.scheduled_new_reqs]
+    new = [dataclasses.replace(n, prompt_token_ids=list(n.prefill_token_ids))  # a copy: the scheduler's list grows
+           for n in scheduler_output.scheduled_new_reqs]
     return dataclasses.replace(scheduler_output, scheduled_new_reqs=new)
 
 

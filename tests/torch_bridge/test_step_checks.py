@@ -117,3 +117,55 @@ def test_a_prepare_to_host_step_is_bridged_with_the_reference_values(strategy):
     assert inputs.positions.dtype == torch.int64 and inputs.attn_metadata.num_reqs == expected["num_reqs"]
     assert inputs.attn_metadata.num_actual_tokens == ref["num_actual_tokens"] and inputs.errors == 0
 
+
+
+def _feature_steps():
+    """One serving state prepared at buckets 8 and 16, with spec decode, M-RoPE, the discard mask, V2's logits
+    rows and structured outputs on: two rows with four and three tokens, row 0 verifying two drafts."""
+    from jaxprep.serving import ServingBatch, ServingConfig, StepUpdates
+
+    features = jaxprep.FeatureConfig(num_speculative_tokens=2, mrope=True, discard_request_mask=True,
+                                     logits_indirection=True, structured_outputs=True)
+    config = ServingConfig(prep=jaxprep.PrepConfig(max_num_reqs=4, max_model_len=16, max_num_batched_tokens=16,
+                                                   block_size=4, num_blocks=16, features=features,
+                                                   token_buckets=(8, 16)), vocab_size=50)
+    batch = ServingBatch(config)
+    add = [dict(row=0, token_ids=[5, 6, 7, 8], num_computed_tokens=3, block_ids=[1, 2],
+                mrope_positions=np.tile(np.arange(4), (3, 1))),
+           dict(row=1, token_ids=[9, 10, 11], block_ids=[3], mrope_positions=np.tile(np.arange(3), (3, 1)))]
+    batch.apply_updates(StepUpdates.build(config, add=add, num_scheduled_tokens=[3, 3, 0, 0],
+                                          num_draft_tokens=[2, 0, 0, 0], draft_token_ids=[[20, 21]] + [[0, 0]] * 3))
+    return batch.prepare(8), batch.prepare(16)
+
+
+@pytest.mark.parametrize("strategy", ["packed", "per_field"])
+@pytest.mark.parametrize("feature, message", [
+    ("spec_decode", "spec_decode.logits_indices has shape (12,)"),  # issue 31: it was bridged
+    ("mrope_positions", "mrope_positions has shape (3, 16), but its num_tokens_padded is 8"),
+    ("logits_indirection", "logits_indirection.is_padding has shape (16,), but its num_tokens_padded is 8"),
+    ("grammar", "grammar.bitmask_rows has shape (12,)"),
+])
+def test_a_feature_of_another_bucket_is_refused(feature, message, strategy):
+    """Issue 31 item 6: a bucket-8 step carrying the bucket-16 step's feature is named, not bridged; the steps as
+    prepared bridge (the control)."""
+    small, large = _feature_steps()
+    with pytest.raises(ValueError, match=re.escape(f"the step's fields disagree: {message}")):
+        torch_bridge.to_torch(dataclasses.replace(small, **{feature: getattr(large, feature)}), strategy=strategy)
+    for step in (small, large):
+        bridged = torch_bridge.to_torch(step, strategy=strategy)
+        assert bridged.spec_decode.logits_indices.shape[0] == min(step.num_tokens_padded, 4 * 3)
+
+
+def test_a_feature_of_another_config_is_refused():
+    """The discard mask of a step with more rows (a config with max_num_reqs 8): num_reqs_padded disagrees."""
+    small, _ = _feature_steps()
+    wider = np.ones(8, bool)
+    message = "discard_request_mask has shape (8,), but its num_reqs_padded is 4"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        torch_bridge.to_torch(dataclasses.replace(small, discard_request_mask=jax_array(wider)))
+
+
+def jax_array(values):
+    import jax.numpy as jnp
+
+    return jnp.asarray(values)
