@@ -159,7 +159,10 @@ def serving_config(args, prompts: list[list[int]], eos_token_id: int):
 def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
     """The tokens up to and including the first EOS: the loop stops only at the first EOS id, so a
     model with several (Llama 3 instruct) may decode past another one.
+
+    ```
     # eos (2, 7), [5, 7, 9, 2] -> [5, 7]
+    ```
     """
     for i, token in enumerate(tokens):
         if token in eos_ids:
