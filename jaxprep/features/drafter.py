@@ -19,6 +19,7 @@ switch of the prepared step itself (`DrafterConfig`), read from the batch state 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 
 import jax
@@ -198,10 +199,26 @@ def _decode_inputs(idx_mapping, draft_tokens, positions, seq_lens, sample_src, s
         sample_src_positions=jnp.where(is_real, sample_src + 1, PAD_SAMPLE_SRC_POSITION))
 
 
-draft_prefill = jax.jit(draft_prefill_body)
-draft_prefill.__doc__ = "Jitted `draft_prefill_body`: one executable per step shape."
-draft_decode_start = jax.jit(draft_decode_start_body, static_argnames=("config",))
-draft_decode_advance = jax.jit(draft_decode_advance_body, static_argnames=("config",))
+@jax.jit
+def draft_prefill(step, num_sampled: Int32[Array, " num_reqs_padded"],
+                  last_sampled: Int32[Array, " max_num_reqs"]) -> DraftInputs:
+    """`draft_prefill_body`, jitted (one executable per step shape): draft step 0's inputs from the
+    verified target ``step``, ``num_sampled`` per batch row and ``last_sampled`` per state row."""
+    return draft_prefill_body(step, num_sampled, last_sampled)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def draft_decode_start(draft: DraftInputs, draft_tokens: Int32[Array, " num_reqs_padded"], step,
+                       config) -> DraftDecodeInputs:
+    """`draft_decode_start_body`, jitted: draft step 1 from step 0's sampled ``draft_tokens``."""
+    return draft_decode_start_body(draft, draft_tokens, step, config)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def draft_decode_advance(previous: DraftDecodeInputs, draft_tokens: Int32[Array, " num_reqs_padded"], step,
+                         config) -> DraftDecodeInputs:
+    """`draft_decode_advance_body`, jitted: draft step k + 1 from step k's sampled ``draft_tokens``."""
+    return draft_decode_advance_body(previous, draft_tokens, step, config)
 
 
 def check_verification(step, num_sampled, last_sampled) -> None:

@@ -111,9 +111,18 @@ def grammar_invalid_drafts_body(grammar: GrammarMetadata, num_acceptable_drafts:
     return invalid, jnp.any(invalid)
 
 
-apply_grammar_bitmask = jax.jit(apply_grammar_bitmask_body)
-apply_grammar_bitmask.__doc__ = "Jitted `apply_grammar_bitmask_body`; call it inside a larger jit to fuse it."
-grammar_invalid_drafts = jax.jit(grammar_invalid_drafts_body)
+@jax.jit
+def apply_grammar_bitmask(logits: Array, bitmask: Int32[Array, "num_masks words"], grammar: GrammarMetadata):
+    """`apply_grammar_bitmask_body`, jitted: ``logits`` with ``-inf`` where a row's bitmask bit is 0.
+    Inside a larger jit, call the body to fuse it."""
+    return apply_grammar_bitmask_body(logits, bitmask, grammar)
+
+
+@jax.jit
+def grammar_invalid_drafts(grammar: GrammarMetadata, num_acceptable_drafts: Int32[Array, " g"] | None):
+    """`grammar_invalid_drafts_body`, jitted: ``(invalid [num_logits_padded], any_invalid)``, the rows whose
+    draft was checked against a permissive row."""
+    return grammar_invalid_drafts_body(grammar, num_acceptable_drafts)
 
 
 def check_grammar_index(index, scheduled) -> None:

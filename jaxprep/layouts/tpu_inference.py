@@ -214,11 +214,14 @@ def tpu_inference_layout_body(step: StepInputs, config: PrepConfig, num_tokens_p
     )
 
 
-tpu_inference_layout = jax.jit(tpu_inference_layout_body, static_argnames=("config", "num_tokens_padded",
-                                                                             "num_reqs_padded"))
-tpu_inference_layout.__doc__ = """A jaxprep step (``prepare_padded(state, config, T)``, plain, state-row order) as
-tpu-inference 0.32.0's runner prepares it (`TpuInferenceInputs`), padded to its ``num_tokens_padded``
-tokens and ``num_reqs_padded`` logits rows (`tpu_inference_sizes`). One executable per (config, both rungs)."""
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded", "num_reqs_padded"))
+def tpu_inference_layout(step: StepInputs, config: PrepConfig, num_tokens_padded: int,
+                         num_reqs_padded: int) -> TpuInferenceInputs:
+    """A jaxprep step (``prepare_padded(state, config, T)``, plain, state-row order) as tpu-inference
+    0.32.0's runner prepares it (`TpuInferenceInputs`), padded to its ``num_tokens_padded`` tokens and
+    ``num_reqs_padded`` logits rows (`tpu_inference_sizes`). One executable per (config, both rungs);
+    `tpu_inference_layout_body` is its traced body."""
+    return tpu_inference_layout_body(step, config, num_tokens_padded, num_reqs_padded)
 
 
 # --- the RPA v3 kernel's KV cache ------------------------------------------------------------------

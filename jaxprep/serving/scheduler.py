@@ -62,6 +62,10 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass
 class Request:
+    """One request as the host scheduler tracks it: its prompt, the tokens it has produced, its
+    blocks, its batch row and its status (vLLM's ``vllm/v1/request.py::Request``, the fields the
+    loop uses)."""
+
     request_id: int
     prompt_token_ids: list[int]
     max_tokens: int
