@@ -22,6 +22,18 @@ from jaxprep.cli._progress import add_progress_argument, progress_bar
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
+SUMMARY = "serve a built-in workload and print what it measured"
+DESCRIPTION = """\
+Serve a built-in workload (by default 64 random prompts arriving over 30 steps)
+with a tiny random-weight transformer through jaxprep's device-resident serving
+loop, and print a summary: steps, tokens, rates (each beside the tokens and the
+seconds it divides), latencies and compiles. --model DIR serves a Hugging Face
+checkpoint instead. --check recomputes every request densely and exits 1 unless
+the loop's greedy tokens are the dense ones and nothing compiled after warm-up.
+
+simulate is the default command: "jaxprep --check" is the same as
+"jaxprep simulate --check"."""
+"""``jaxprep simulate --help``: plain text for users (`jaxprep.cli.parse_args`)."""
 DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_model_len=256, num_blocks=64,
                 layers=2, d_model=64, heads=4, vocab_size=512, decode_steps=8, max_prompt_len=96, max_tokens=64,
                 arrival_spread=30, seed=0)
