@@ -16,6 +16,7 @@ this repository names no public home of its own, so the site does not invent one
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -57,14 +58,14 @@ def linked_files(pages: dict[str, str], docs_dir: str) -> set[str]:
     root = os.path.dirname(docs_dir)
     found = set()
 
-    def collect(match: re.Match) -> str:
-        path = repo_target(match["target"], os.path.dirname(page_path), docs_dir)
+    def collect(match: re.Match, page_dir: str) -> str:
+        path = repo_target(match["target"], page_dir, docs_dir)
         if path is not None and path not in INCLUDED and os.path.isfile(os.path.join(root, path)):
             found.add(path)
         return match[0]
 
     for page_path, markdown in pages.items():
-        outside_fences(markdown, collect)
+        outside_fences(markdown, functools.partial(collect, page_dir=os.path.dirname(page_path)))
     return found
 
 
