@@ -22,7 +22,9 @@ budget. The measured waste of this ladder and its alternatives is in BENCHMARKS.
 def block_table_width(max_model_len: int, block_size: int) -> int:
     """vLLM's block-table width: cdiv(max_model_len, B) aligned to 128 tokens.
 
+    ```
     # B=2, M=12 -> 6 blocks, alignment 64 -> 64 columns; B=16, M=240 -> 15 blocks, alignment 8 -> 16
+    ```
     """
     num_blocks = cdiv(max_model_len, block_size)
     alignment = 128 // math.gcd(128, block_size)
@@ -33,7 +35,10 @@ def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Powers of two from 8, with a rung at 1.5x each power from 64 up, capped at the budget.
 
     The budget itself is always the top rung, so no step is padded past it.
+
+    ```
     # budget 300 -> (8, 16, 32, 64, 96, 128, 192, 256, 300)
+    ```
     """
     rungs = {max_num_batched_tokens}
     power = MIN_TOKEN_BUCKET

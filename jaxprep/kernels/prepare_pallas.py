@@ -80,7 +80,12 @@ class Sizes:
 
     @property
     def token_block(self) -> int:
-        """# T 16 -> 4, T 256 -> 64, T 8192 -> 128"""
+        """Tokens per program: T / MIN_TOKEN_PROGRAMS rounded up to a power of 2, at most TOKEN_BLOCK.
+
+        ```
+        # T 16 -> 4, T 256 -> 64, T 8192 -> 128
+        ```
+        """
         return min(TOKEN_BLOCK, _pow2(-(-self.num_tokens_padded // MIN_TOKEN_PROGRAMS)))
 
     @property
@@ -94,9 +99,11 @@ def _rows_kernel(computed_ref, scheduled_ref, qsl_ref, seq_lens_ref, idx_ref, lo
                  num_actual_ref, max_query_ref, max_seq_ref, errors_ref, seen_ref, *, sizes: Sizes):
     """One program: the state rows in one block of lanes, scanned; batch row b = b-th row with work.
 
+    ```
     # scheduled [0, 3, 0, 2], computed [_, 4, _, 7] -> has_work [0,1,0,1] -> counts [0,1,1,2],
     #   ends [0,3,3,5] -> batch rows [-,0,-,1]: idx_mapping [1, 3], query_start_loc [0, 3, 5],
     #   seq_lens [7, 9], logits_indices [2, 4]; padded rows: -1, the total 5, 0, 0
+    ```
     """
     lanes = jnp.arange(_pow2(sizes.num_rows), dtype=jnp.int32)
     in_table = lanes < sizes.num_rows
@@ -143,8 +150,11 @@ def _row_flags(computed, scheduled, in_table, sizes: Sizes):
 
     A row breaking a row-level bound is dropped (its scheduled count taken as 0); over the bucket
     every row is. The block-id bits are the token kernel's.
+
+    ```
     # computed [3, -1, 30], scheduled [2, 1, 4], M 32, T 16 -> NEGATIVE_COUNT | PAST_MAX_MODEL_LEN,
     #   dropped [0, 1, 1]
+    ```
     """
     negative = in_table & ((computed < 0) | (scheduled < 0))
     # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
@@ -180,7 +190,9 @@ def _owner(tokens, qsl_ref, sizes: Sizes):
     """Batch row of each token: the number of request ends ``query_start_loc[b + 1] <= t``, by binary
     search, clipped to the last row (as `jaxprep._ragged.token_request_index`).
 
+    ```
     # query_start_loc [0, 2, 7, 10, 10], tokens [0, 1, 2, 6, 7, 9, 10, 11] -> [0, 0, 1, 1, 2, 2, 3, 3]
+    ```
     """
     low = jnp.zeros(tokens.shape, jnp.int32)
     high = jnp.full(tokens.shape, sizes.num_reqs_padded, jnp.int32)
@@ -197,8 +209,10 @@ def _prepare_tokens(program, token_ids_ref, block_table_ref, computed_ref, idx_r
                     input_ids_ref, positions_ref, slots_ref, errors_ref, seen_ref, sizes: Sizes):
     """Positions, input ids and slots of one token block; the same formulas as `jaxprep.prepare.prepare_body`.
 
+    ```
     # B=2, owner row's computed 3, its first token t=4: tokens [4, 5] -> positions [3, 4]
     #   -> block columns [1, 2] -> slots [blocks[1] * 2 + 1, blocks[2] * 2 + 0]
+    ```
     """
     start = program * sizes.token_block
     tokens = start + jnp.arange(sizes.token_block, dtype=jnp.int32)
@@ -239,7 +253,9 @@ def _copy_block_table_row(batch_row, block_table_ref, idx_ref, seq_lens_ref, tab
     BLOCK_ID_OUT_OF_RANGE if such an id lies in a column the request uses (`safe_block_table`);
     a padded row (-1) gets the null block.
 
+    ```
     # B 4, seq_lens[b] 9, max_block_id 39, row [1, 2, 77, 55] -> columns used 0..2 -> [1, 2, 0, 0], bit set
+    ```
     """
     row = idx_ref[batch_row]
     read_row = jnp.clip(row, 0, sizes.num_rows - 1)
