@@ -76,7 +76,7 @@ def test_pallas_refuses_the_features_the_kernels_do_not_cover_naming_them_and_au
 
     uncovered = FeatureConfig(num_speculative_tokens=1, runner="v2", discard_request_mask=True,
                               lora=LoRAConfig(max_loras=2))
-    with pytest.raises(ValueError, match="kernels do not cover FeatureConfig discard_request_mask, lora: turn them off"):
+    with pytest.raises(ValueError, match="do not cover FeatureConfig discard_request_mask, lora: turn them off"):
         config(uncovered, "pallas")
     covered = FeatureConfig(num_speculative_tokens=1, runner="v2", speculative_method="mtp", mask_kv_len=8)
     assert config(covered, "pallas").kernel == "pallas"

@@ -36,9 +36,9 @@ with model runner V2 (its sort, its logits rows)."""
 
 @functools.cache
 def _lowered(kernel: str, max_num_reqs: int, budget: int, bucket: int, platform: str = "cuda",
-             features: FeatureConfig = FeatureConfig()) -> str:
+             features: FeatureConfig | None = None) -> str:
     config = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=4096, max_num_batched_tokens=budget, block_size=16,
-                        kernel=kernel, features=features)
+                        kernel=kernel, features=features or FeatureConfig())
     state = BatchState.empty(config)
     with lowering_target(platform):
         return prepare_padded.trace(state, config, bucket).lower(lowering_platforms=(platform,)).as_text()

@@ -59,7 +59,7 @@ def test_the_kernels_equal_xla_on_random_batches(name):
     for _ in range(12):
         arrays = build_feature_batch(config(name), lambda lo, hi: int(rng.integers(lo, hi + 1)), max_drafts=k)
         del arrays["prefill_len"]  # read by no feature here: the bad-input test's executable serves
-        if k and rng.random() < 0.5:  # the async scheduler's placeholder drafts: kept in draft_token_ids, 0 in input_ids
+        if k and rng.random() < 0.5:  # a -1 placeholder draft: kept in draft_token_ids, 0 in input_ids
             arrays["token_ids"][rng.integers(0, 5), rng.integers(0, 40)] = -1
         pallas, xla = both_paths(arrays, name)
         assert differing(pallas, xla) == [], differing(pallas, xla)
