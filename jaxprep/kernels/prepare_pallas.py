@@ -38,13 +38,24 @@ from jaxprep.kernels.common import COMPILER_PARAMS, Sizes, named
 from jaxprep.metadata import AttentionMetadata, StepInputs
 
 
+def _varying_like(shapes: dict, array) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """``shapes`` varying over the mesh axes ``array`` varies over: inside ``jax.shard_map`` (which checks
+    what varies, `jaxprep.sharding.prepare_sharded`) a kernel's outputs vary as the state rows do; outside
+    it there are no such axes. A jax without the attribute gets the shapes as they are."""
+    axes = getattr(jax.typeof(array), "manual_axis_type", None)
+    if axes is None:
+        return tuple(shapes.values())
+    return tuple(jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=axes) for s in shapes.values())
+
+
 def _launch(body, sizes: Sizes, in_names, out_shapes: dict, args: dict, *, interpret: bool, name: str, grid: int,
             aliases: dict | None = None) -> dict:
     """One ``pallas_call`` of ``body`` with named inputs and outputs; returns its outputs by name."""
     out_names = tuple(out_shapes)
     aliases = {in_names.index(i): out_names.index(o) for i, o in (aliases or {}).items()}
     outs = pl.pallas_call(named(body, in_names + out_names, sizes=sizes), name=name, grid=(grid,),
-                          out_shape=tuple(out_shapes.values()), input_output_aliases=aliases, interpret=interpret,
+                          out_shape=_varying_like(out_shapes, args["num_scheduled_tokens"]),
+                          input_output_aliases=aliases, interpret=interpret,
                           compiler_params=COMPILER_PARAMS)(*[args[n] for n in in_names])
     return dict(zip(out_names, outs, strict=True))
 

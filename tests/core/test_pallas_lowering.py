@@ -144,3 +144,28 @@ def test_a_jax_without_the_triton_backend_keeps_auto_on_xla_and_refuses_pallas(m
     assert TRITON_CALL not in text and "stablehlo.gather" in text
     with pytest.raises(ValueError, match=r"'pallas' needs Pallas' Triton backend \(jax.experimental.pallas.triton\)"):
         PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="pallas")
+
+
+def test_auto_inside_shard_map_lowers_the_kernels_for_cuda(monkeypatch):
+    """`prepare_sharded` runs `prepare_body` under `jax.shard_map`, which checks what varies over the mesh:
+    the kernels' outputs are declared to vary as the state rows do, so data parallelism keeps the two
+    kernels per rank on a GPU. Negative control: outputs declared without it are refused there."""
+    import numpy as np
+
+    import jaxprep.kernels
+    from jaxprep.kernels import prepare_pallas
+    from jaxprep.sharding import DATA_AXIS, prepare_sharded
+
+    monkeypatch.setattr(jaxprep.kernels, "cuda_devices_present", lambda: True)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (DATA_AXIS,))
+
+    def lowered(max_model_len):  # a fresh config each time: jax caches a trace by its static arguments
+        config = PrepConfig(max_num_reqs=4, max_model_len=max_model_len, max_num_batched_tokens=16, block_size=4,
+                            features=FEATURES["spec decode, runner v2"])
+        return prepare_sharded.trace(BatchState.empty(config), config, 16, mesh).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    assert lowered(32).count(TRITON_CALL) == 2
+    monkeypatch.setattr(prepare_pallas, "_varying_like", lambda shapes, array: tuple(shapes.values()))
+    with pytest.raises(ValueError, match="manual_axis_type"):
+        lowered(36)
