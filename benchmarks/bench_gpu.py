@@ -30,6 +30,7 @@ and says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -144,7 +145,8 @@ def mrv2_path(config, arrays: dict, bucket: int):
 
 def bench_step(name, num_reqs, num_tokens, max_model_len, block_size, decode_only, repeats, profile_steps):
     config, arrays = make_batch(num_reqs, num_tokens, max_model_len, block_size, decode_only)
-    device = jax.devices()[0]
+    config = dataclasses.replace(config, kernel="xla")  # this table times the XLA step (the default, "auto",
+    device = jax.devices()[0]                         # is the fused kernels on CUDA: bench_fused_step.py)
     state = jax.device_put(BatchState.from_numpy(**arrays), device)
     bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
     compiled = prepare_padded.lower(state, config, bucket).compile()
@@ -194,7 +196,7 @@ def dispatch_rows(steps: int, shapes=DISPATCH_SHAPES) -> list[dict]:
         row = dict(name=name)
         for label, features in (("plain", FeatureConfig()), ("every feature", EVERY_FEATURE)):
             config = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=2048, max_num_batched_tokens=num_tokens,
-                                block_size=16, features=features)
+                                block_size=16, features=features, kernel="xla")
             arrays = feature_batch(config, num_reqs, num_tokens, np.random.default_rng(0))
             state = jax.device_put(BatchState.from_numpy(**arrays))
             validate(state, config)

@@ -82,7 +82,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     if uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
         from jaxprep.kernels import prepare_pallas  # imported here: jax 0.11 deprecates its Triton backend
 
-        return prepare_pallas.plain_step(state, config, num_tokens_padded)  # the kernels flag and drop rows
+        return prepare_pallas.kernel_step(state, config, num_tokens_padded)  # the kernels flag and drop rows
     state, row_errors = flag_rows(state, config, num_tokens_padded)  # flagged rows leave the batch
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features

@@ -35,6 +35,10 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     assert details["bench_fused: 16 decode / jaxprep Pallas"].startswith("launches: n/a; device µs: n/a; thread µs: ")
     assert "bench_fused: 16 decode / MRV2 torch ops" in checks
     assert "needs CUDA" in details["bench_fused: 16 decode / MRV2 real kernels"]
+    # the fused step with the features it covers (spec decode, runner V2) against the XLA step and MRV2's kernels
+    drafts = "bench_fused: 16 decode + drafts, runner V2"
+    assert details[f"{drafts} / jaxprep Pallas"].startswith("launches: n/a; device µs: n/a; thread µs: ")
+    assert f"{drafts} / jaxprep XLA" in checks and "needs CUDA" in details[f"{drafts} / MRV2 real kernels"]
     serve_rows = {f"bench_fused: serve_step, plain step on {kernel}" for kernel in ("xla", "pallas")}
     assert serve_rows <= set(checks)
     assert checks["MRV2 kernel sources"] == "-"
