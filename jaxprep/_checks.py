@@ -100,15 +100,6 @@ def expect(function: str, name: str, value, expected, expected_name: str, hint: 
                         + (f" ({hint})" if hint else ""))
 
 
-def expect_state_and_config(function: str, state, config) -> None:
-    """``state`` a `BatchState` (jit tracers inside one are fine) and ``config`` a `PrepConfig`."""
-    from jaxprep.config import PrepConfig
-    from jaxprep.state import BatchState
-
-    expect(function, "state", state, BatchState, "a jaxprep.BatchState", STATE_HINT)
-    expect(function, "config", config, PrepConfig, "a jaxprep.PrepConfig", CONFIG_HINT)
-
-
 def expect_bucket(function: str, num_tokens_padded, optional: bool = True) -> None:
     """A static Python (or NumPy) integer: the padded token count is part of the compiled shape."""
     allowed = "an int or None" if optional else "an int"

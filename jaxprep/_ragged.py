@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from jaxprep._typing import Array, Bool, Float32, Int32, UInt32
+from jaxprep._typing import Array, Bool, Float32, Int32
 
 SCAN_BLOCK = 32
 """Width of the blocks `prefix_sum` scans with one small matrix product each."""
@@ -119,46 +117,6 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     if max_total >= F32_EXACT_BOUND:
         return _int_prefix_sum(rows).reshape(values.shape)
     return on_cpu_else(_f32_prefix_sum, _int_prefix_sum, rows).reshape(values.shape)
-
-
-FOLD_PARTS = 32
-"""How many column blocks, then row blocks, `max_of_blocks` folds together elementwise."""
-VECTOR_LANES = 8
-"""Column blocks are a multiple of this wide (int32 lanes of a 256-bit vector), so each fold vectorizes."""
-
-
-def _fold_starts(size: int, block: int) -> list[int]:
-    """Starts of the blocks that cover ``[0, size)``; the last is moved back to end at ``size`` (it may
-    overlap the one before it: a maximum does not mind). # size 10, block 4 -> [0, 4, 6]"""
-    return list(range(0, size - block, block)) + [size - block]
-
-
-def max_of_blocks(column_block: Callable[[int, int], UInt32[Array, "rows n"]], width: int) -> UInt32[Array, ""]:
-    """The maximum of an array given by its column blocks (``column_block(start, stop)``: columns
-    ``[start, stop)``), as two elementwise folds and one small reduction.
-
-    The column blocks (at most `FOLD_PARTS`, whole vectors wide) are folded together with
-    ``jnp.maximum`` (a loop that reads the array once, row by row, as a vectorized loop), then the
-    row blocks of that result, and only the small remainder is reduced: XLA:CPU emits a reduction
-    over a large array as a tree of serial loops (reduce-windows) several times slower than the
-    array's read (BENCHMARKS.md, "The XLA step recovered"). Exact on every backend (integer maxima).
-
-    ```
-    # columns [[1, 5, 2], [7, 2, 0]] in blocks of 2 (starts 0, 1) -> [[5, 5], [7, 2]] -> rows -> 7
-    ```
-    """
-    block = min(width, -(-max(1, -(-width // FOLD_PARTS)) // VECTOR_LANES) * VECTOR_LANES)
-    starts = _fold_starts(width, block)
-    folded = column_block(starts[0], starts[0] + block)
-    for start in starts[1:]:
-        folded = jnp.maximum(folded, column_block(start, start + block))
-    rows = folded.shape[0]
-    row_block = -(-rows // FOLD_PARTS)
-    row_starts = _fold_starts(rows, row_block)
-    result = folded[row_starts[0]:row_starts[0] + row_block]
-    for start in row_starts[1:]:
-        result = jnp.maximum(result, folded[start:start + row_block])
-    return jnp.max(result)
 
 
 def take_rows(table: Array, rows: Int32[Array, " n"], fill_value: int | float) -> Array:

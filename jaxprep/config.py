@@ -1,4 +1,5 @@
-"""`PrepConfig`: the static, hashable description of a serving batch and its bucket ladder."""
+"""`PrepConfig`: the static, hashable description of a serving batch and its bucket ladder, and the
+kernel choices it may name (``PrepConfig.kernel``) with the check that Pallas' Triton backend is there."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import bisect
 import dataclasses
 import math
 
-from jaxprep._checks import cdiv, check_positive_int, max_block_id
+from jaxprep._checks import cdiv, check_positive_int, max_block_id, module_available
 from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig
-from jaxprep.kernels import KERNEL_CHOICES, TRITON_BACKEND, triton_backend_available, uncovered_features
 
 MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
@@ -51,6 +51,40 @@ def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(r for r in rungs if r <= max_num_batched_tokens))
 
 
+# --- the kernel choice (`PrepConfig.kernel`; `jaxprep.prepare` picks the path per step) ---------
+
+KERNEL_CHOICES = ("xla", "pallas", "auto")
+"""Values of `PrepConfig.kernel` (``"auto"`` is the default)."""
+TRITON_BACKEND = "jax.experimental.pallas.triton"
+"""Pallas' Triton backend, which the kernels are written for. jax 0.11 deprecates it: `prepare_pallas`
+is imported only when a step is traced onto the kernels, so ``import jaxprep`` never needs it."""
+KERNEL_FEATURES = ("num_speculative_tokens", "speculative_method", "reorder", "runner", "logits_indirection")
+"""`FeatureConfig` fields the kernels cover: spec decode (`StepInputs.spec_decode`; the method is a
+label the attention state alone reads), the batch orders ("v2", "decode_first") and model runner V2's
+outputs (its order and `StepInputs.logits_indirection`)."""
+SETTINGS = ("enable_chunked_prefill", "attn_mask_dtype", "mask_kv_len")
+"""`FeatureConfig` fields that only tune a feature of their own (they turn nothing on)."""
+
+
+def triton_backend_available() -> bool:
+    """Whether this jax still ships Pallas' Triton backend (without it ``"auto"`` keeps XLA)."""
+    return module_available(TRITON_BACKEND)
+
+
+def uncovered_features(features) -> tuple[str, ...]:
+    """The `FeatureConfig` fields that are on and that the kernels do not cover (empty: they cover the step).
+
+    ```
+    # FeatureConfig(num_speculative_tokens=2, runner="v2") -> ()
+    # FeatureConfig(lora=LoRAConfig(...), mrope=True) -> ("mrope", "lora")
+    ```
+    """
+    defaults = type(features)()
+    return tuple(field.name for field in dataclasses.fields(features)
+                 if field.name not in KERNEL_FEATURES + SETTINGS
+                 and getattr(features, field.name) != getattr(defaults, field.name))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrepConfig:
     """Static configuration of the input preparation; passed to jitted functions as a static argument.
@@ -71,7 +105,7 @@ class PrepConfig:
         kernels on CUDA where Pallas' Triton backend is available, XLA elsewhere: CPU, TPU, ROCm),
         ``"xla"`` (jnp ops, every backend) or ``"pallas"`` (the kernels: Triton on CUDA, Pallas'
         interpreter elsewhere). The kernels cover the plain step, spec decode and model runner
-        V2's outputs (`jaxprep.kernels.KERNEL_FEATURES`); with any other feature on the step runs
+        V2's outputs (`KERNEL_FEATURES`); with any other feature on the step runs
         on XLA under ``"auto"`` and ``"pallas"`` is refused, naming the feature.
     """
 

@@ -33,22 +33,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep import features
-from jaxprep._checks import InvalidBatchError, check_blocks, check_row_bound, expect_bucket, expect_state_and_config
+from jaxprep._checks import (
+    CONFIG_HINT,
+    STATE_HINT,
+    InvalidBatchError,
+    check_blocks,
+    check_row_bound,
+    expect,
+    expect_bucket,
+)
 from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep.config import PrepConfig
-from jaxprep.features.flags import (
+from jaxprep.bounds import (
     BLOCK_ID_OUT_OF_RANGE,
     NEGATIVE_COUNT,
     NULL_BLOCK,
     OVER_BUCKET,
     PAST_MAX_MODEL_LEN,
-    feature_messages,
-    feature_row_flags,
-    feature_state_flags,
+    core_row_flags,
 )
-from jaxprep.state import OPTIONAL_FIELDS
+from jaxprep.config import PrepConfig
+from jaxprep.features.flags import feature_messages, feature_row_flags, feature_state_flags
+from jaxprep.state import OPTIONAL_FIELDS, BatchState
 
 CORE_FIELDS = ("token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens")
+
+
+def expect_state_and_config(function: str, state, config) -> None:
+    """``state`` a `BatchState` (jit tracers inside one are fine) and ``config`` a `PrepConfig`."""
+    expect(function, "state", state, BatchState, "a jaxprep.BatchState", STATE_HINT)
+    expect(function, "config", config, PrepConfig, "a jaxprep.PrepConfig", CONFIG_HINT)
 
 
 def validate(state, config: PrepConfig, *, num_tokens_padded: int | None = None) -> None:
@@ -176,7 +189,7 @@ def check_static(state, config, num_tokens_padded: int) -> None:
 def flag_rows(state, config, num_tokens_padded: int):
     """``(state without its flagged rows' work, the row-level part of the error word)``.
 
-    Every row-level bound (the core counts, the bucket, the feature inputs of
+    Every row-level bound (the core counts of `jaxprep.bounds`, the bucket, the feature inputs of
     `jaxprep.features.flags`) gives a mask over the state rows; one reduction of their stack gives
     the bits, another the rows to drop. A dropped row schedules nothing, so it leaves the batch and
     every output of the step stays in range. Over the bucket every row is dropped: the step is empty.
@@ -186,12 +199,7 @@ def flag_rows(state, config, num_tokens_padded: int):
     ```
     """
     computed, scheduled = state.num_computed_tokens, state.num_scheduled_tokens
-    flags = [
-        (NEGATIVE_COUNT, (computed < 0) | (scheduled < 0)),
-        # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
-        (PAST_MAX_MODEL_LEN, scheduled > config.max_model_len - computed),
-        *feature_row_flags(state, config),
-    ]
+    flags = [*core_row_flags(computed, scheduled, config.max_model_len), *feature_row_flags(state, config)]
     row_bits = functools.reduce(operator.or_, [jnp.where(mask, jnp.int32(bit), 0) for bit, mask in flags])
     # one reduction for the or of the rows' bits and the total of the counts clipped to [0, T + 1],
     # which exceeds T exactly when the true total does (no int32 wrap)

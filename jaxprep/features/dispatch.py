@@ -15,18 +15,13 @@ import jax.numpy as jnp
 from jaxprep._layout import Layout
 from jaxprep._ragged import slot_mapping, take_rows, token_blocks
 from jaxprep._typing import Array, Int32
+from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, safe_block_table, token_flags
 from jaxprep.features.async_tokens import clamp_placeholders, write_prev_tokens
 from jaxprep.features.attn_state import attn_state
 from jaxprep.features.dcp import dcp_local_seq_lens, dcp_slot_mapping
 from jaxprep.features.discard import discard_request_mask
 from jaxprep.features.drafter import drafter_target_inputs
-from jaxprep.features.flags import (
-    BLOCK_ID_OUT_OF_RANGE,
-    KV_GROUP_BLOCK_OUT_OF_RANGE,
-    KV_GROUP_NULL_BLOCK,
-    safe_block_table,
-    token_flags,
-)
+from jaxprep.features.flags import KV_GROUP_BLOCK_OUT_OF_RANGE, KV_GROUP_NULL_BLOCK
 from jaxprep.features.grammar import grammar_metadata
 from jaxprep.features.hybrid import HybridRows, hybrid_metadata
 from jaxprep.features.kv_groups import KVGroupMetadata, group_block_table

@@ -15,28 +15,19 @@ known (`kv_groups`, `mrope`): the token gets its padding values there.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, NO_LORA_ID, NO_PREV_ROW, NULL_BLOCK_ID
-from jaxprep._ragged import max_of_blocks, on_cpu_else
-from jaxprep._typing import Array, Bool, Int32
+from jaxprep._typing import Array, Bool
+from jaxprep.features.spec_decode import DRAFTS_OUT_OF_RANGE, DRAFTS_PAST_SCHEDULED, draft_row_flags
 
-# the core tables (messages in jaxprep.validate.error_messages)
-NEGATIVE_COUNT = 1 << 0
-PAST_MAX_MODEL_LEN = 1 << 1
-BLOCK_ID_OUT_OF_RANGE = 1 << 2
-NULL_BLOCK = 1 << 3
-OVER_BUCKET = 1 << 4
+# the core's bits (NEGATIVE_COUNT .. OVER_BUCKET, 1 << 0 .. 1 << 4) are jaxprep.bounds'
 # the feature inputs
 KV_GROUP_BLOCK_OUT_OF_RANGE = 1 << 5
 KV_GROUP_NULL_BLOCK = 1 << 6
 PREV_BATCH_ROW_OUT_OF_RANGE = 1 << 7
-DRAFTS_OUT_OF_RANGE = 1 << 8
-DRAFTS_PAST_SCHEDULED = 1 << 9
 LORA_ID_NOT_LOADED = 1 << 10
 LORA_SLOTS_INVALID = 1 << 11
 MROPE_POSITION_MISSING = 1 << 12
@@ -54,81 +45,6 @@ NUM_ACCEPTED_TOKENS_OUT_OF_RANGE = 1 << 23
 MAMBA_CHECKPOINT_OUT_OF_RANGE = 1 << 24
 GRAMMAR_INDEX_INVALID = 1 << 25
 ROW_MASK_TOO_NARROW = 1 << 26
-
-
-def token_flags(blocks: Int32[Array, " num_tokens_padded"], is_real_token: Bool[Array, " num_tokens_padded"],
-                null: int):
-    """``null`` if a scheduled token's block (``blocks``: each token's block in its table) is the null block.
-
-    A scheduled token's block id outside the cache needs no check of its own: the token's column is
-    one its request uses (position < seq_len), so `safe_block_table` sets the out-of-range bit for it.
-    """
-    return jnp.where(jnp.any(is_real_token & (blocks == NULL_BLOCK_ID)), jnp.int32(null), 0)
-
-
-def safe_block_table(table: Int32[Array, "max_num_reqs W"], rows: Int32[Array, " num_reqs_padded"],
-                     row_seq_lens: Int32[Array, " max_num_reqs"], tokens_per_column: int, max_block_id: int, bit: int):
-    """``(batch table, bits)``: ``table``'s batch rows (``rows``; the null block for a padded row) with every
-    id outside ``[0, max_block_id]`` nulled (the kernel reads only blocks that exist), and ``bit`` if such
-    an id lies in a column a request uses. ``row_seq_lens``: each state row's sequence length if it is in
-    the batch, else 0.
-
-    ```
-    # B 4, seq_lens [9], max_block_id 39, row [1, 2, 77, 55] -> columns used 0..2 -> [1, 2, 0, 0], bit set
-    ```
-    """
-    last = table.shape[0] - 1
-    gathered = table.at[jnp.clip(rows, 0, last)].get(mode="promise_in_bounds")
-    kept = ((rows >= 0) & (rows <= last))[:, None] & (_as_unsigned(gathered) <= max_block_id)
-    flag = _used_ids_outside(table, row_seq_lens, tokens_per_column, max_block_id)
-    return jnp.where(kept, gathered, NULL_BLOCK_ID), jnp.where(flag, jnp.int32(bit), 0)
-
-
-def _as_unsigned(ids):
-    """int32 ids as uint32: a negative id becomes >= 2**31, above every max_block_id."""
-    return jax.lax.bitcast_convert_type(ids, jnp.uint32)
-
-
-def _used_ids_outside(table: Int32[Array, "max_num_reqs W"], row_seq_lens: Int32[Array, " max_num_reqs"],
-                      tokens_per_column: int, max_block_id: int) -> Bool[Array, ""]:
-    """Whether an id outside ``[0, max_block_id]`` lies in a column a state row uses (``row_seq_lens``:
-    0 for a row outside the batch): the maximum of the used ids as uint32 (a negative id lies above
-    every bound) exceeds ``max_block_id``. A pass over the state's table, apart from the batch's
-    gather (XLA:CPU shares no pass between a reduction and another output).
-
-    On XLA:CPU that pass is the cost (compute bound while the table sits in cache): the maximum of
-    every id comes first, half the work of masking each id by its column, and the used ids are
-    read only when it is above ``max_block_id``; a table whose unused entries are ids too (vLLM's
-    zeros, a finished request's stale ids) never pays the second pass. Elsewhere the masked pass
-    alone (a conditional costs a GPU a device-to-host sync).
-
-    ```
-    # B 4, seq_lens [9, 0], max_block_id 39, rows [[1, 2, 77, 55], [-1, 0, 0, 0]] -> used ids [1, 2, 77] -> set
-    ```
-    """
-    masked = functools.partial(used_ids_outside_masked, tokens_per_column=tokens_per_column,
-                               max_block_id=max_block_id)
-
-    def cpu(table, row_seq_lens):  # no id outside the pool anywhere: none in a used column either
-        outside_anywhere = max_of_blocks(lambda start, stop: _as_unsigned(table[:, start:stop]),
-                                         table.shape[1]) > max_block_id
-        return jax.lax.cond(outside_anywhere, lambda outside, *rows: masked(*rows), lambda outside, *_: outside,
-                            outside_anywhere, table, row_seq_lens)  # the false branch answers False
-
-    return on_cpu_else(cpu, masked, table, row_seq_lens)
-
-
-def used_ids_outside_masked(table: Int32[Array, "max_num_reqs W"], row_seq_lens: Int32[Array, " max_num_reqs"],
-                            tokens_per_column: int, max_block_id: int) -> Bool[Array, ""]:
-    """`_used_ids_outside` in one pass: each id masked by its column (0, a valid id, where unused)."""
-    # column c holds positions [c * B, (c + 1) * B): used when c * B < seq_len, i.e. c < cdiv(seq_len, B)
-    columns_used = -(-row_seq_lens // tokens_per_column)[:, None]
-
-    def used_ids(start, stop):
-        column = jax.lax.broadcasted_iota(jnp.int32, (1, stop - start), 1) + start
-        return jnp.where(column < columns_used, _as_unsigned(table[:, start:stop]), jnp.uint32(0))
-
-    return max_of_blocks(used_ids, table.shape[1]) > max_block_id
 
 
 def feature_messages(config) -> dict[int, str]:
@@ -181,10 +97,7 @@ def feature_row_flags(state, config) -> list[tuple[int, Bool[Array, " max_num_re
     in_batch = scheduled > 0
     flags = []
     if features.spec_decode:
-        drafts = state.num_draft_tokens
-        # S < D + 1 written as S - 1 < D: no int32 wrap for D near 2**31 (S >= 1 on a scheduled row)
-        flags += [(DRAFTS_OUT_OF_RANGE, (drafts < 0) | (in_batch & (drafts > features.num_speculative_tokens))),
-                  (DRAFTS_PAST_SCHEDULED, in_batch & (scheduled - 1 < drafts))]
+        flags += draft_row_flags(state.num_draft_tokens, scheduled, features.num_speculative_tokens)
     if features.discard_request_mask or features.mrope or features.drafter or features.hybrid:
         flags.append((PREFILL_LEN_OUT_OF_RANGE, (state.prefill_len < 0) | (state.prefill_len > config.max_model_len)))
     if features.prompt_embeds:

@@ -22,6 +22,25 @@ from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
 from jaxprep._ragged import token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
 
+# this feature's bits of the error word (`jaxprep.features.flags` lists every feature's)
+DRAFTS_OUT_OF_RANGE = 1 << 8
+DRAFTS_PAST_SCHEDULED = 1 << 9
+
+
+def draft_row_flags(drafts: Int32[Array, " rows"], scheduled: Int32[Array, " rows"],
+                    num_speculative_tokens: int) -> list[tuple[int, Bool[Array, " rows"]]]:
+    """``(bit, rows that break its bound)`` for the draft counts (`check_drafts`' bounds on the device):
+    `jaxprep.features.flags.feature_row_flags` on the XLA path and `jaxprep.kernels.rows` in the kernels.
+
+    ```
+    # drafts [1, 3, 2], scheduled [2, 4, 2], K 2 -> DRAFTS_OUT_OF_RANGE [0,1,0], DRAFTS_PAST_SCHEDULED [0,0,1]
+    ```
+    """
+    in_batch = scheduled > 0
+    # S < D + 1 written as S - 1 < D: no int32 wrap for D near 2**31 (S >= 1 on a scheduled row)
+    return [(DRAFTS_OUT_OF_RANGE, (drafts < 0) | (in_batch & (drafts > num_speculative_tokens))),
+            (DRAFTS_PAST_SCHEDULED, in_batch & (scheduled - 1 < drafts))]
+
 
 @jax.tree_util.register_dataclass
 @typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxprep.validate import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK
+from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK
 
 TOKEN_BLOCK = 128
 """Tokens (and logits rows, draft rows) per program of the token kernel; below 512 tokens a bucket
@@ -26,7 +26,6 @@ COLUMN_BLOCK = 256
 ROW_BLOCK = 32
 """State rows one program of the sorting row kernel ranks (a batch order on: `rows.py`)."""
 MIN_ROW_PROGRAMS = 4
-INT32_MIN = -(2**31)
 TOKEN_FLAGS = (BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK)
 """The error bits the token kernel sets; the row kernel sets the others."""
 COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=1)
@@ -46,7 +45,7 @@ def any_lane(mask) -> jax.Array:
 class Sizes:
     """The static sizes and switches both kernels are specialised to (part of the compile key).
 
-    The switches are the features the kernels cover (`jaxprep.kernels.KERNEL_FEATURES`):
+    The switches are the features the kernels cover (`jaxprep.config.KERNEL_FEATURES`):
     ``num_speculative_tokens`` (K > 0: `SpecDecodeMetadata`), ``order`` (`FeatureConfig.batch_order`),
     ``descending_ties`` (``runner="v2"``: ties of the V2 order by descending slot) and ``indirection``
     (`LogitsIndirection`).
@@ -95,7 +94,7 @@ class Sizes:
 
     @property
     def token_block(self) -> int:
-        """# T 16 -> 4, T 256 -> 64, T 8192 -> 128"""
+        """Tokens per program of the token kernel: ``T 16 -> 4, T 256 -> 64, T 8192 -> 128``."""
         return min(TOKEN_BLOCK, pow2(-(-self.num_tokens_padded // MIN_TOKEN_PROGRAMS)))
 
     @property
@@ -118,7 +117,9 @@ def batch_row_of(values, ends_ref, first: int, count: int):
     ``ends_ref[first + b] <= v`` (b < count), by binary search over those non-decreasing ends, clipped
     to the last row (as `jaxprep._ragged.token_request_index`). Every read lies in ``[first, first + count)``.
 
+    ```
     # ends [2, 7, 10, 10] (query_start_loc[1:]), values [0, 1, 2, 6, 7, 9, 10, 11] -> [0, 0, 1, 1, 2, 2, 3, 3]
+    ```
     """
     low = jnp.zeros(values.shape, jnp.int32)
     high = jnp.full(values.shape, count, jnp.int32)

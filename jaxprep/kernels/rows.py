@@ -12,8 +12,8 @@ when on, the spec-decode counts (``num_draft_tokens``, ``cu_num_draft_tokens``,
 ``cu_num_sampled_tokens``, ``bonus_logits_indices``) and V2's ``cu_num_logits`` and
 ``num_draft_tokens_per_req``; then the 0-d counts and maxima and the error bits of the counts. A row
 that breaks a row-level bound is dropped from the batch (its scheduled count taken as 0; over the
-bucket every row is), as `jaxprep.validate.flag_rows` drops it on the XLA path. It zeroes the token
-kernel's error scratch.
+bucket every row is), as `jaxprep.validate.flag_rows` drops it on the XLA path (both take the bounds
+of `jaxprep.bounds.core_row_flags`). It zeroes the token kernel's error scratch.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxprep._constants import PAD_LOGITS_INDEX, PAD_NUM_DRAFT_TOKENS, PAD_SEQ_LEN, PAD_STATE_ROW
-from jaxprep.features.flags import DRAFTS_OUT_OF_RANGE, DRAFTS_PAST_SCHEDULED
-from jaxprep.kernels.common import INT32_MIN, TOKEN_FLAGS, Sizes, any_lane, pow2
-from jaxprep.validate import NEGATIVE_COUNT, OVER_BUCKET, PAST_MAX_MODEL_LEN
+from jaxprep._constants import INT32_MIN, PAD_LOGITS_INDEX, PAD_NUM_DRAFT_TOKENS, PAD_SEQ_LEN, PAD_STATE_ROW
+from jaxprep.bounds import OVER_BUCKET, core_row_flags
+from jaxprep.features.spec_decode import draft_row_flags
+from jaxprep.kernels.common import TOKEN_FLAGS, Sizes, any_lane, pow2
 
 NOT_IN_BATCH = 3
 """Primary sort key of a row without work: after every real request (`jaxprep.features.reorder`)."""
@@ -99,21 +99,18 @@ def _rows_at(refs, start, count: int, sizes: Sizes, over) -> Rows:
 
 
 def _row_flags(computed, scheduled, drafts, in_table, sizes: Sizes) -> list[tuple[int, jax.Array]]:
-    """``(bit, rows that break its bound)``: `jaxprep.validate.flag_rows` with the spec-decode bounds of
-    `jaxprep.features.flags.feature_row_flags`; OVER_BUCKET is `_over_bucket`'s.
+    """``(bit, rows that break its bound)``: the XLA path's row bounds (`jaxprep.bounds.core_row_flags`, and
+    `jaxprep.features.spec_decode.draft_row_flags` with spec decode) over the lanes inside the table;
+    OVER_BUCKET is `_over_bucket`'s.
 
+    ```
     # computed [3, -1, 30], scheduled [2, 1, 4], M 32 -> NEGATIVE_COUNT [0,1,0], PAST_MAX_MODEL_LEN [0,0,1]
+    ```
     """
-    flags = [(NEGATIVE_COUNT, in_table & ((computed < 0) | (scheduled < 0))),
-             # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
-             (PAST_MAX_MODEL_LEN, in_table & (scheduled > sizes.max_model_len - computed))]
+    flags = core_row_flags(computed, scheduled, sizes.max_model_len)
     if sizes.spec_decode:
-        in_batch = in_table & (scheduled > 0)
-        # S < D + 1 written as S - 1 < D: no int32 wrap for D near 2**31 (S >= 1 on a scheduled row)
-        flags += [(DRAFTS_OUT_OF_RANGE,
-                   in_table & ((drafts < 0) | (in_batch & (drafts > sizes.num_speculative_tokens)))),
-                  (DRAFTS_PAST_SCHEDULED, in_batch & (scheduled - 1 < drafts))]
-    return flags
+        flags += draft_row_flags(drafts, scheduled, sizes.num_speculative_tokens)
+    return [(bit, in_table & mask) for bit, mask in flags]
 
 
 def _over_bucket(refs, sizes: Sizes):
@@ -131,7 +128,9 @@ def _ranks(refs, block: Rows, over, sizes: Sizes):
     how many rows sort before it, and the tokens and drafts of those rows and itself. Chunks of
     `Sizes.row_block` rows are compared against the block in turn ([row_block, row_block] per step).
 
+    ```
     # keys [5, 2, 5, 9(no work)], S [3, 1, 2, 0], ascending ties -> ranks [1, 0, 2, 3], ends [4, 1, 6, 6]
+    ```
     """
     key, tie = _sort_key(block, sizes)
     width = sizes.row_block
@@ -159,7 +158,9 @@ def _sort_key(rows: Rows, sizes: Sizes):
     - "v2": V2's ``(not has_drafts, S != 1 + K, S)`` as ``(primary * 2 + (S != 1 + K)) * (T + 1) + S``
       (S <= T on a row with work; at most 8 (T + 1), checked by the wrapper to fit int32);
     - ties by ascending state row, or descending under ``runner="v2"`` (V2's slots: arrival order).
+    ```
     # v2, K 1, T 8: S [2, 5, 1], D [1, 0, 0] -> primary [0, 1, 1], S != 2 [0, 1, 1] -> keys [2, 32, 28]
+    ```
     """
     scheduled, drafts, has_work = rows.scheduled, rows.drafts, rows.has_work
     if sizes.order == "decode_first":
@@ -176,8 +177,10 @@ def _write_batch_rows(refs, rows: Rows, rank, ends, draft_ends, sizes: Sizes):
     """Scatters each row with work to batch row ``rank``: rows past the bucket's batch (none once the
     bucket check holds: each row schedules a token) and rows without work store nothing.
 
+    ```
     # rank [-, 0, -, 1], ends [0, 3, 3, 5], computed [_, 4, _, 7], scheduled [0, 3, 0, 2]
     #   -> idx_mapping [1, 3], query_start_loc [0, 3, 5], seq_lens [7, 9], logits_indices [2, 4]
+    ```
     """
     in_batch = rows.has_work & (rank < sizes.num_reqs_padded)
     batch_row = jnp.where(in_batch, rank, sizes.num_reqs_padded)
@@ -225,7 +228,9 @@ def _pad_rows(refs, num_reqs, total, total_drafts, sizes: Sizes):
     """Batch rows [num_reqs, Rp) get their pad values; a cumulative array's leading 0 and its tail the
     total. Disjoint from the rows `_write_batch_rows` writes, so no two lanes store to one address.
 
+    ```
     # num_reqs 2, Rp 4, total 5 -> query_start_loc [0, _, _, 5, 5], idx_mapping [_, _, -1, -1]
+    ```
     """
     rows = jnp.arange(pow2(sizes.num_reqs_padded + 1), dtype=jnp.int32)
     padded = (rows >= num_reqs) & (rows < sizes.num_reqs_padded)

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jaxprep._constants import NULL_BLOCK_ID, PAD_INPUT_ID, PAD_POSITION, PAD_SEQ_LEN, PAD_STATE_ROW
 from jaxprep._ragged import prefix_sum, stack, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.bounds import OVER_BUCKET
 from jaxprep.config import PrepConfig, cdiv
-from jaxprep.features.flags import OVER_BUCKET
 from jaxprep.metadata import StepInputs
 
 MIN_NUM_SEQS = 8
