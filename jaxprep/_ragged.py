@@ -119,6 +119,18 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     return on_cpu_else(_f32_prefix_sum, _int_prefix_sum, rows).reshape(values.shape)
 
 
+def counts_per_target(targets, claimed, size: int):
+    """How many claimed entries name each target in [0, size); unclaimed ones write a spare entry.
+
+    ```
+    # targets [2, 0, 2, 5], claimed [T, T, T, F], size 4 -> counts [1, 0, 2, 0] -> per entry [2, 1, 2, 0]
+    ```
+    """
+    index = jnp.where(claimed, jnp.clip(targets, 0, size - 1), size)
+    counts = jnp.zeros((size + 1,), jnp.int32).at[index].add(1, mode="promise_in_bounds")
+    return jnp.where(claimed, counts[index], 0)
+
+
 def take_rows(table: Array, rows: Int32[Array, " n"], fill_value: int | float) -> Array:
     """``table[rows]`` along axis 0 for rows in ``[0, len(table)]``; the sentinel ``len(table)``
     reads ``fill_value``, and so does any row outside ``[0, len(table))``.

@@ -3,8 +3,8 @@
 and the block-id bounds of the block tables.
 
 A feature-free module: it imports nothing of jaxprep but the constants, the types and
-the index helpers, so the XLA step, the kernels and the features' own checks (`jaxprep.features.flags`
-keeps the feature bits) all stand above it. The host checks that name the field, the row and the
+the index helpers, so the XLA step, the kernels and the features (whose bits `jaxprep.features.flags`
+numbers) all stand above it. The host checks that name the field, the row and the
 bound are `jaxprep.validate`; each bit here mirrors one of them (messages in
 `jaxprep.validate.error_messages`).
 """

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 
-from jaxprep._checks import cdiv, check_positive_int, max_block_id, module_available
+from jaxprep._checks import block_table_width, cdiv, check_positive_int, max_block_id, module_available
 from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig
 
@@ -17,18 +16,6 @@ STEPS_PER_OCTAVE = 2
 """From 64 tokens every power of two is split into 2 rungs (x1, x1.5): a step is padded by at most
 50% (100% below 64 tokens, where a step costs little either way), with 18 rungs for an 8192-token
 budget. The measured waste of this ladder and its alternatives is in BENCHMARKS.md, "Padding waste"."""
-
-
-def block_table_width(max_model_len: int, block_size: int) -> int:
-    """vLLM's block-table width: cdiv(max_model_len, B) aligned to 128 tokens.
-
-    ```
-    # B=2, M=12 -> 6 blocks, alignment 64 -> 64 columns; B=16, M=240 -> 15 blocks, alignment 8 -> 16
-    ```
-    """
-    num_blocks = cdiv(max_model_len, block_size)
-    alignment = 128 // math.gcd(128, block_size)
-    return cdiv(num_blocks, alignment) * alignment
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from jaxprep._constants import NULL_BLOCK_ID, PAD_SEQ_LEN, PAD_SLOT_ID
 from jaxprep._ragged import token_blocks
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import DCPConfig
+from jaxprep.features.record import Feature
 
 
 def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: Int32[Array, " num_tokens_padded"],
@@ -50,3 +51,6 @@ def dcp_local_seq_lens(seq_lens: Int32[Array, " num_reqs_padded"], is_real_req: 
     tail = jnp.clip(seq_lens % span - dcp.rank * interleave, 0, interleave)
     return jnp.where(is_real_req, (seq_lens // span) * interleave + tail, PAD_SEQ_LEN)
 
+
+FEATURE = Feature(name="dcp", is_on=lambda features: features.dcp is not None)
+"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxprep._constants import PAD_DISCARD
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.features.record import Feature
 
 
 def discard_request_mask(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Array, " num_reqs_padded"],
@@ -24,3 +25,7 @@ def discard_request_mask(computed: Int32[Array, " num_reqs_padded"], scheduled: 
     ```
     """
     return jnp.where(is_real_req, computed + scheduled < prefill_len, PAD_DISCARD)
+
+
+FEATURE = Feature(name="discard", is_on=lambda features: features.discard_request_mask)
+"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""

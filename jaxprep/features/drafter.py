@@ -41,6 +41,7 @@ from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._ragged import take_rows, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
 from jaxprep.features.discard import discard_request_mask
+from jaxprep.features.record import Feature
 
 
 @jax.tree_util.register_dataclass
@@ -242,3 +243,7 @@ def check_verification(step, num_sampled, last_sampled) -> None:
         b = int(np.flatnonzero(bad)[0])
         raise InvalidBatchError(f"num_sampled at batch row {b} is {int(sampled[b])}, outside [1, num_draft_tokens + 1"
                                 f" = {int(most[b])}]: a verified row accepts at least one token and at most all")
+
+
+FEATURE = Feature(name="drafter", is_on=lambda features: features.drafter is not None)
+"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, cdiv, check_blocks, max_block_id
+from jaxprep._checks import InvalidBatchError, block_table_width, cdiv, check_blocks, max_block_id
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._typing import Array, Int32, StepArray
 from jaxprep.features.config import KVCacheGroupSpec
+from jaxprep.features.flags import KV_GROUP_BLOCK_OUT_OF_RANGE, KV_GROUP_NULL_BLOCK
+from jaxprep.features.record import Feature
 
 
 @jax.tree_util.register_dataclass
@@ -95,3 +97,31 @@ def check_group_blocks(host: dict, computed, scheduled, config) -> None:
         spec = groups[g]
         check_blocks(table, computed, scheduled, spec.block_size, max_block_id(spec.num_blocks, spec.block_size),
                      dcp_world=config.features.dcp_world_size, name=f"extra_block_tables[{g - 1}]")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _inputs(features) -> dict[str, str]:
+    groups = len(features.kv_groups)
+    return {"extra_block_tables": f"kv_groups (G={groups})"} if groups > 1 else {}
+
+
+def _empty_inputs(config) -> dict[str, tuple]:
+    groups = config.features.kv_groups[1:]
+    if not groups:
+        return {}
+    return {"extra_block_tables": tuple(
+        np.full((config.max_num_reqs, block_table_width(config.max_model_len, g.block_size)), NULL_BLOCK_ID, np.int32)
+        for g in groups)}
+
+
+FEATURE = Feature(
+    name="kv_groups",
+    is_on=lambda features: bool(features.kv_groups),
+    inputs=_inputs,
+    empty_inputs=_empty_inputs,
+    messages=lambda config: {
+        KV_GROUP_BLOCK_OUT_OF_RANGE: "extra_block_tables holds a block id outside [0, the group's max_block_id] "
+                                     "in a column a request uses (KVCacheGroupSpec.num_blocks)",
+        KV_GROUP_NULL_BLOCK: f"extra_block_tables: a scheduled token's block is the null block {NULL_BLOCK_ID}"},
+)

@@ -34,6 +34,7 @@ from jaxprep._constants import (
 )
 from jaxprep._ragged import prefix_sum, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.features.record import Feature
 from jaxprep.features.spec_decode import padded_sizes
 
 
@@ -92,3 +93,7 @@ def logits_indirection(idx_mapping: Int32[Array, " num_reqs_padded"], drafts: In
         is_padding=~is_real_token,
         num_draft_tokens_per_req=drafts,
     )
+
+
+FEATURE = Feature(name="logits_indirection", is_on=lambda features: features.logits_indirection_on)
+"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""

@@ -21,16 +21,14 @@ from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
 from jaxprep._ragged import token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
-
-# this feature's bits of the error word (`jaxprep.features.flags` lists every feature's)
-DRAFTS_OUT_OF_RANGE = 1 << 8
-DRAFTS_PAST_SCHEDULED = 1 << 9
+from jaxprep.features.flags import DRAFTS_OUT_OF_RANGE, DRAFTS_PAST_SCHEDULED
+from jaxprep.features.record import Feature
 
 
 def draft_row_flags(drafts: Int32[Array, " rows"], scheduled: Int32[Array, " rows"],
                     num_speculative_tokens: int) -> list[tuple[int, Bool[Array, " rows"]]]:
     """``(bit, rows that break its bound)`` for the draft counts (`check_drafts`' bounds on the device):
-    `jaxprep.features.flags.feature_row_flags` on the XLA path and `jaxprep.kernels.rows` in the kernels.
+    the spec-decode record's row flags on the XLA path and `jaxprep.kernels.rows` in the kernels.
 
     ```
     # drafts [1, 3, 2], scheduled [2, 4, 2], K 2 -> DRAFTS_OUT_OF_RANGE [0,1,0], DRAFTS_PAST_SCHEDULED [0,0,1]
@@ -145,3 +143,27 @@ def check_drafts(drafts, computed, scheduled, config) -> None:
         row = int(np.flatnonzero(past)[0])
         raise InvalidBatchError(f"the drafts of row {row} reach position {int(computed[row] + scheduled[row]) - 1}, "
                                 f"past the token table (max_model_len={config.max_model_len})")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _check_values(host, computed, scheduled, config) -> None:
+    check_drafts(host["num_draft_tokens"].astype(np.int64), computed, scheduled, config)
+
+
+def _messages(config) -> dict[int, str]:
+    return {DRAFTS_OUT_OF_RANGE: f"num_draft_tokens is outside [0, num_speculative_tokens="
+                                 f"{config.features.num_speculative_tokens}]",
+            DRAFTS_PAST_SCHEDULED: "num_scheduled_tokens is below num_draft_tokens + 1 on a scheduled row"}
+
+
+FEATURE = Feature(
+    name="spec_decode",
+    is_on=lambda features: features.spec_decode,
+    inputs=lambda features: {"num_draft_tokens": f"num_speculative_tokens={features.num_speculative_tokens}"},
+    empty_inputs=lambda config: {"num_draft_tokens": np.zeros((config.max_num_reqs,), np.int32)},
+    check_values=_check_values,
+    row_flags=lambda state, config, in_batch: draft_row_flags(state.num_draft_tokens, state.num_scheduled_tokens,
+                                                              config.features.num_speculative_tokens),
+    messages=_messages,
+)

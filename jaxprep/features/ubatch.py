@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxprep._constants import NULL_BLOCK_ID, PAD_LOGITS_INDEX, PAD_SEQ_LEN, PAD_STATE_ROW
+from jaxprep.features.record import Feature
 from jaxprep.metadata import AttentionMetadata, MicroBatches, StepInputs
 
 
@@ -81,3 +82,7 @@ def _micro_batch(step: StepInputs, start: int, end: int):
         idx_mapping=jnp.where(is_real, step.idx_mapping[source], PAD_STATE_ROW), attn_metadata=sub,
         errors=step.errors, num_tokens_padded=num_tokens_padded)
     return batch, jnp.where(num_reqs > 0, first, 0)
+
+
+FEATURE = Feature(name="ubatch", is_on=lambda features: features.num_ubatches > 1)
+"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""
