@@ -1,7 +1,7 @@
 """Adds the outputs of the optional features to a prepared step (inside `prepare_padded`'s jit).
 
 `prepare_padded` builds the plain step and, only if some feature of ``config.features`` is on,
-hands it here with the batch layout it computed (`jaxprep._layout.Layout`). Each feature is one
+hands it here with the batch layout it computed (`jaxprep._ragged.Layout`). Each feature is one
 call into its own module under a static switch; a feature that is off adds nothing to the traced
 computation.
 """
@@ -12,8 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxprep._layout import Layout
-from jaxprep._ragged import slot_mapping, take_rows, token_blocks
+from jaxprep._ragged import Layout, slot_mapping, take_rows, token_blocks
 from jaxprep._typing import Array, Int32
 from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, safe_block_table, token_flags
 from jaxprep.features.async_tokens import clamp_placeholders, write_prev_tokens

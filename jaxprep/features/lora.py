@@ -92,7 +92,7 @@ def adapter_slots(lora_ids: Int32[Array, " n"], lora_slots: Int32[Array, " max_l
 
 def lora_metadata(lora_ids, lora_slots, rows, is_real_req, drafts, token_rows, is_real_token, query_start_loc,
                   features) -> LoRAMetadata:
-    """The step's `LoRAMetadata`; batch-row inputs as `jaxprep._layout.Layout` holds them."""
+    """The step's `LoRAMetadata`; batch-row inputs as `jaxprep._ragged.Layout` holds them."""
     lora = features.lora
     if tuple(lora_slots.shape) != (lora.max_loras,):
         raise ValueError(f"BatchState.lora_slots has shape {tuple(lora_slots.shape)}, config expects "
