@@ -132,6 +132,27 @@ def _empty_inputs(config) -> dict[str, np.ndarray]:
     return out
 
 
+def _metadata(build) -> None:
+    """Last step's sampled (and draft) tokens written into the ids (before the placeholder clamp)."""
+    step, state, layout = build.step, build.state, build.layout
+    build.unclamped = write_prev_tokens(build.input_ids, layout.rows, step.attn_metadata.query_start_loc,
+                                        layout.is_real_req, build.drafts, state.prev_batch_rows,
+                                        state.prev_sampled_token_ids,
+                                        state.prev_draft_token_ids if build.config.features.spec_decode else None)
+
+
+def _clamp(build) -> None:
+    # vLLM's -1 placeholder drafts (the async scheduler's, and the sync scheduler's pad_spec_decode):
+    # read as drafts before the clamp, so never accepted; clamped to 0 in input_ids, as V1's _preprocess
+    build.input_ids = clamp_placeholders(build.unclamped)
+
+
+PLACEHOLDERS = Feature(name="placeholders",
+                       is_on=lambda features: features.async_tokens or features.spec_decode, metadata=_clamp)
+"""A step of `jaxprep.features.registry.STEP_ORDER` that no switch owns: the clamp of placeholder drafts
+in ``input_ids``, after last step's tokens are written and before anything reads the ids."""
+
+
 FEATURE = Feature(
     name="async_tokens",
     is_on=lambda features: features.async_tokens,
@@ -144,4 +165,5 @@ FEATURE = Feature(
     messages=lambda config: {
         PREV_BATCH_ROW_OUT_OF_RANGE: f"prev_batch_rows is outside [{NO_PREV_ROW}, max_num_reqs="
                                      f"{config.max_num_reqs}), or two scheduled rows claim one last-step batch row"},
+    metadata=_metadata,
 )

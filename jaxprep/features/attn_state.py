@@ -45,5 +45,12 @@ def attn_state(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Arra
     return jnp.where(every(computed == 0), AttnState.PrefillNoCache, state).astype(jnp.int32)
 
 
-FEATURE = Feature(name="attn_state", is_on=lambda features: features.attn_state)
-"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""
+def _metadata(build) -> None:
+    layout = build.layout
+    build.outputs["attn_state"] = attn_state(layout.computed, layout.scheduled, build.drafts, layout.is_real_req,
+                                             build.config.features)
+
+
+FEATURE = Feature(name="attn_state", is_on=lambda features: features.attn_state, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

@@ -245,5 +245,13 @@ def check_verification(step, num_sampled, last_sampled) -> None:
                                 f" = {int(most[b])}]: a verified row accepts at least one token and at most all")
 
 
-FEATURE = Feature(name="drafter", is_on=lambda features: features.drafter is not None)
-"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""
+def _metadata(build) -> None:
+    state, layout = build.state, build.layout
+    prefill_len = take_rows(state.prefill_len, layout.rows, fill_value=0)
+    build.outputs["drafter"] = drafter_target_inputs(state.token_ids, layout.rows, layout.computed, layout.scheduled,
+                                                     prefill_len, layout.is_real_req)
+
+
+FEATURE = Feature(name="drafter", is_on=lambda features: features.drafter is not None, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

@@ -151,6 +151,11 @@ def _bad_grammar_index(index, in_batch):
     return outside | (claimed & ((counts_per_target(index, claimed, rows) > 1) | (index >= num_blocks)))
 
 
+def _metadata(build) -> None:
+    build.outputs["grammar"] = grammar_metadata(build.state.grammar_index, build.step.idx_mapping, build.logits,
+                                                1 + build.config.features.num_speculative_tokens)
+
+
 FEATURE = Feature(
     name="grammar",
     is_on=lambda features: features.structured_outputs,
@@ -163,4 +168,5 @@ FEATURE = Feature(
     messages=lambda config: {
         GRAMMAR_INDEX_INVALID: f"grammar_index is outside [{NO_GRAMMAR}, max_num_reqs={config.max_num_reqs}), or "
                                f"the scheduled rows do not number their bitmask blocks 0..G-1 once each"},
+    metadata=_metadata,
 )

@@ -283,6 +283,13 @@ def _messages(config) -> dict[int, str]:
     }
 
 
+def _metadata(build) -> None:
+    step, layout = build.step, build.layout
+    build.outputs["hybrid"] = hybrid_metadata(build.state, step.attn_metadata.query_start_loc, build.config,
+                                              HybridRows(layout.rows, layout.scheduled, layout.computed,
+                                                         build.drafts, layout.is_real_req), step.num_tokens_padded)
+
+
 FEATURE = Feature(
     name="hybrid",
     is_on=lambda features: features.hybrid is not None,
@@ -291,4 +298,5 @@ FEATURE = Feature(
     check_values=check_hybrid_values,
     row_flags=_hybrid_flags,
     messages=_messages,
+    metadata=_metadata,
 )

@@ -95,5 +95,25 @@ def logits_indirection(idx_mapping: Int32[Array, " num_reqs_padded"], drafts: In
     )
 
 
-FEATURE = Feature(name="logits_indirection", is_on=lambda features: features.logits_indirection_on)
-"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""
+def _rows(build) -> None:
+    step, layout = build.step, build.layout
+    build.logits = logits_indirection(step.idx_mapping, build.drafts, layout.is_real_req,
+                                      step.attn_metadata.query_start_loc, step.positions, build.input_ids,
+                                      layout.is_real_token, build.config.features.num_speculative_tokens)
+
+
+ROWS = Feature(name="logits_rows", metadata=_rows,
+               is_on=lambda features: (features.logits_indirection_on or features.structured_outputs
+                                       or features.sampling is not None))
+"""A step of `jaxprep.features.registry.STEP_ORDER` that no switch owns: V2's logits rows, an output of
+their own and what structured outputs and the sampling rows read (built from the final ``input_ids``)."""
+
+
+def _metadata(build) -> None:
+    build.outputs["logits_indirection"] = build.logits
+
+
+FEATURE = Feature(name="logits_indirection", is_on=lambda features: features.logits_indirection_on,
+                  metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

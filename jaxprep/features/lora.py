@@ -310,6 +310,13 @@ def _empty_inputs(config) -> dict[str, np.ndarray]:
             "lora_slots": np.full((config.features.lora.max_loras,), EMPTY_LORA_SLOT, np.int32)}
 
 
+def _metadata(build) -> None:
+    state, layout = build.state, build.layout
+    build.outputs["lora"] = lora_metadata(state.lora_ids, state.lora_slots, layout.rows, layout.is_real_req,
+                                          build.drafts, layout.token_rows, layout.is_real_token,
+                                          build.step.attn_metadata.query_start_loc, build.config.features)
+
+
 FEATURE = Feature(
     name="lora",
     is_on=lambda features: features.lora is not None,
@@ -325,4 +332,5 @@ FEATURE = Feature(
                             f"lora_slots holds it",
         LORA_SLOTS_INVALID: f"lora_slots holds a value that is neither {EMPTY_LORA_SLOT} (empty) nor an adapter "
                             f"id >= 1, or one adapter in two slots"},
+    metadata=_metadata,
 )

@@ -107,6 +107,12 @@ def _row_flags(state, config, in_batch) -> list:
                                               - state.num_computed_tokens))]
 
 
+def _metadata(build) -> None:
+    features = build.config.features
+    build.outputs["attn_mask"] = attn_mask(build.step.positions, features.attn_mask,
+                                           features.mask_columns(build.config), features.attn_mask_dtype)
+
+
 FEATURE = Feature(
     name="masks",
     is_on=lambda features: features.attn_mask is not None,
@@ -115,4 +121,5 @@ FEATURE = Feature(
     messages=lambda config: {
         ROW_MASK_TOO_NARROW: f"num_computed_tokens + num_scheduled_tokens of a scheduled row exceeds the row "
                              f"mask's FeatureConfig.mask_kv_len={config.features.mask_columns(config)} columns"},
+    metadata=_metadata,
 )

@@ -141,6 +141,14 @@ def _check_values(host, computed, scheduled, config) -> None:
                            host["mrope_position_delta"].astype(np.int64))
 
 
+def _metadata(build) -> None:
+    state, layout = build.state, build.layout
+    build.outputs["mrope_positions"], mrope_errors = mrope_positions(
+        state.mrope_positions, state.mrope_position_delta, state.prefill_len, layout.token_rows, build.step.positions,
+        layout.is_real_token)
+    build.errors = build.errors | mrope_errors
+
+
 FEATURE = Feature(
     name="mrope",
     is_on=lambda features: features.mrope,
@@ -151,4 +159,5 @@ FEATURE = Feature(
         MROPE_POSITION_MISSING: "mrope_positions is missing (-1) or outside [0, MROPE_POSITION_LIMIT=2**24) at a "
                                 "scheduled prompt position, or a completion position (position + "
                                 "mrope_position_delta) leaves [0, 2**24)"},
+    metadata=_metadata,
 )

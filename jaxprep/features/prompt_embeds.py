@@ -67,6 +67,13 @@ def _row_flags(state, config, in_batch) -> list:
     return [(PROMPT_EMBEDS_START_OUT_OF_RANGE, in_batch & ((start < 0) | (start > INT32_MAX - config.max_model_len)))]
 
 
+def _metadata(build) -> None:
+    step, state, layout = build.step, build.state, build.layout
+    build.outputs["prompt_embeds"], build.input_ids = prompt_embeds_metadata(
+        state.is_token_ids, state.prompt_embeds_start, layout.token_rows, step.positions, layout.is_real_token,
+        build.input_ids)
+
+
 FEATURE = Feature(
     name="prompt_embeds",
     is_on=lambda features: features.prompt_embeds,
@@ -80,4 +87,5 @@ FEATURE = Feature(
         PROMPT_EMBEDS_START_OUT_OF_RANGE: f"prompt_embeds_start of a scheduled row is outside "
                                           f"[0, {INT32_MAX - config.max_model_len}] (INT32_MAX - max_model_len: "
                                           f"int32 pool rows)"},
+    metadata=_metadata,
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 
 def _nothing(*args) -> dict:
@@ -43,6 +44,8 @@ class Feature:
         per state row (`jaxprep.validate.flag_rows` drops a flagged row from the batch).
       state_flags: ``(state, PrepConfig) -> [(bit, flag)]``: device bounds that belong to no row.
       messages: ``PrepConfig -> {bit: what it means}``: its bits of the error word, named for the user.
+      metadata: ``StepBuild -> None``: adds its outputs to the step being built (inside the jit), reading
+        what the features before it in `jaxprep.features.registry.STEP_ORDER` wrote.
     """
 
     name: str
@@ -53,3 +56,40 @@ class Feature:
     row_flags: Callable = _no_flags
     state_flags: Callable = _no_flags
     messages: Callable = _nothing
+    metadata: Callable = _no_check
+
+
+@dataclasses.dataclass
+class StepBuild:
+    """A prepared step while the features that are on add their outputs (`jaxprep.features.dispatch`).
+
+    What they read: the plain ``step``, the ``state``, the ``config``, the batch ``layout``
+    (`jaxprep._ragged.Layout`) and each batch row's ``drafts``. What they write, in
+    `registry.STEP_ORDER`: ``attn_metadata`` (DCP's slots and local lengths), ``input_ids`` (last
+    step's tokens, the clamp of placeholder drafts, prompt embeddings), ``unclamped`` (the ids before
+    that clamp, which spec decode reads), ``errors`` (the bits of tokens flagged where they are known),
+    ``logits`` (V2's logits rows, which structured outputs and sampling read) and ``outputs`` (each
+    feature's `StepInputs` field). A builder local to one trace: `finish` returns the new step.
+    """
+
+    step: Any
+    state: Any
+    config: Any
+    layout: Any
+    drafts: Any
+    attn_metadata: Any = None
+    input_ids: Any = None
+    unclamped: Any = None
+    errors: Any = None
+    logits: Any = None
+    outputs: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.attn_metadata = self.step.attn_metadata
+        self.input_ids = self.unclamped = self.step.input_ids
+        self.errors = self.step.errors
+
+    def finish(self):
+        """The step with every output written so far."""
+        return dataclasses.replace(self.step, input_ids=self.input_ids, errors=self.errors,
+                                   attn_metadata=self.attn_metadata, **self.outputs)

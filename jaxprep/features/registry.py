@@ -3,7 +3,7 @@ loops the central code runs over them.
 
 The order is the order of the host checks (the first broken bound raises) and of the inputs a
 missing-field error names first. Adding a feature: its module exports ``FEATURE``, its tests, one line
-here (and its bits in `jaxprep.features.flags`).
+here and, if it adds outputs to the step, one in `STEP_ORDER` (and its bits in `jaxprep.features.flags`).
 """
 
 from __future__ import annotations
@@ -78,6 +78,34 @@ FEATURES: tuple[Feature, ...] = (
     logits_indirection.FEATURE,
     ubatch.FEATURE,
 )
+
+
+STEP_ORDER: tuple[Feature, ...] = (
+    dcp.FEATURE,
+    kv_groups.FEATURE,
+    attn_state.FEATURE,
+    masks.FEATURE,
+    reorder.FEATURE,
+    async_tokens.FEATURE,
+    async_tokens.PLACEHOLDERS,
+    prompt_embeds.FEATURE,
+    spec_decode.FEATURE,
+    discard.FEATURE,
+    mrope.FEATURE,
+    logits_indirection.ROWS,
+    lora.FEATURE,
+    logits_indirection.FEATURE,
+    sampling.FEATURE,
+    drafter.FEATURE,
+    hybrid.FEATURE,
+    grammar.FEATURE,
+    ubatch.FEATURE,
+)
+"""The order the step's feature outputs are built in (`jaxprep.features.dispatch.with_features`): each
+reads what those before it wrote (`record.StepBuild`): the attention side first, then the token ids
+(last step's tokens, the placeholder clamp, prompt embeddings), the outputs read from them, V2's logits
+rows and what reads those, and the micro-batches of the finished step last. Two steps belong to no
+switch: `async_tokens.PLACEHOLDERS` and `logits_indirection.ROWS`."""
 
 
 def features_on(features) -> tuple[Feature, ...]:

@@ -72,6 +72,15 @@ def request_distribution(scheduled: Int32[Array, " num_reqs_padded"], drafts: In
     return jnp.stack([decode_end, decode_end, num_reqs])
 
 
-FEATURE = Feature(name="reorder",
+def _metadata(build) -> None:
+    """``request_distribution`` when asked for (the batch order itself is the layout's)."""
+    if build.config.features.request_distribution:
+        layout = build.layout
+        build.outputs["request_distribution"] = request_distribution(layout.scheduled, build.drafts,
+                                                                     layout.is_real_req)
+
+
+FEATURE = Feature(name="reorder", metadata=_metadata,
                   is_on=lambda features: features.batch_order is not None or features.request_distribution)
-"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

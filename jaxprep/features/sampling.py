@@ -257,6 +257,11 @@ def _messages(config) -> dict[int, str]:
     }
 
 
+def _metadata(build) -> None:
+    build.outputs["sampling"] = sampling_metadata(build.state, build.step.idx_mapping, build.layout.is_real_req,
+                                                  build.logits, build.config.features.sampling.vocab_size)
+
+
 FEATURE = Feature(
     name="sampling",
     is_on=lambda features: features.sampling is not None,
@@ -265,4 +270,5 @@ FEATURE = Feature(
     check_values=lambda host, computed, scheduled, config: check_sampling_inputs(host, config),
     row_flags=lambda state, config, in_batch: _sampling_flags(state, config.features.sampling.vocab_size),
     messages=_messages,
+    metadata=_metadata,
 )

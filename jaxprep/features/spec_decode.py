@@ -157,6 +157,12 @@ def _messages(config) -> dict[int, str]:
             DRAFTS_PAST_SCHEDULED: "num_scheduled_tokens is below num_draft_tokens + 1 on a scheduled row"}
 
 
+def _metadata(build) -> None:
+    build.outputs["spec_decode"] = spec_decode_metadata(build.drafts, build.step.attn_metadata.query_start_loc,
+                                                        build.layout.is_real_req, build.unclamped,
+                                                        build.config.features.num_speculative_tokens)
+
+
 FEATURE = Feature(
     name="spec_decode",
     is_on=lambda features: features.spec_decode,
@@ -166,4 +172,5 @@ FEATURE = Feature(
     row_flags=lambda state, config, in_batch: draft_row_flags(state.num_draft_tokens, state.num_scheduled_tokens,
                                                               config.features.num_speculative_tokens),
     messages=_messages,
+    metadata=_metadata,
 )

@@ -84,5 +84,11 @@ def _micro_batch(step: StepInputs, start: int, end: int):
     return batch, jnp.where(num_reqs > 0, first, 0)
 
 
-FEATURE = Feature(name="ubatch", is_on=lambda features: features.num_ubatches > 1)
-"""This feature's record (`jaxprep.features.registry`): it reads no input of its own and checks nothing."""
+def _metadata(build) -> None:
+    """Last in `jaxprep.features.registry.STEP_ORDER`: it splits the finished step."""
+    build.outputs["ubatches"] = split_step(build.finish(), build.config.features.num_ubatches)
+
+
+FEATURE = Feature(name="ubatch", is_on=lambda features: features.num_ubatches > 1, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

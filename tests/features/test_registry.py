@@ -79,3 +79,23 @@ def test_records_ask_for_exactly_the_inputs_every_feature_reads():
     assert needed["prefill_len"] == "hybrid"
     empty = registry.empty_inputs(CONFIG)
     assert empty["prev_batch_rows"].dtype == np.int32 and (empty["prev_batch_rows"] == -1).all()
+
+
+def step_order_problems(features, order) -> list[str]:
+    """Records that add outputs to the step (a metadata function of their own) but are missing from the
+    step's build order, and records listed there twice."""
+    default = dataclasses.fields(Feature)[-1].default
+    names = [record.name for record in order]
+    problems = [f"{record.name} builds outputs but is not in STEP_ORDER" for record in features
+                if record.metadata is not default and record not in order]
+    return problems + [f"{name} is in STEP_ORDER twice" for name in sorted({n for n in names if names.count(n) > 1})]
+
+
+def test_every_feature_that_builds_outputs_is_in_the_step_order_once():
+    assert step_order_problems(registry.FEATURES, registry.STEP_ORDER) == []
+    assert registry.STEP_ORDER[-1].name == "ubatch"  # it splits the finished step
+    # negative controls: the order without LoRA, and with spec decode twice
+    without_lora = tuple(record for record in registry.STEP_ORDER if record.name != "lora")
+    assert step_order_problems(registry.FEATURES, without_lora) == ["lora builds outputs but is not in STEP_ORDER"]
+    twice = (*registry.STEP_ORDER, registry.FEATURES[0])
+    assert step_order_problems(registry.FEATURES, twice) == ["spec_decode is in STEP_ORDER twice"]
