@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -79,6 +80,7 @@ from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.state import StepUpdates, draft_width, num_kv_groups
 from jaxprep.serving.vllm_checks import InvalidSchedulerOutputError, fail
+from jaxprep.step_buffer import StepBuffer
 
 GRAMMAR_NOT_GIVEN = object()
 """`VllmAdapter.step`'s default ``grammar_output``: none given (an explicit None is the ``None`` that
@@ -87,9 +89,14 @@ GRAMMAR_NOT_GIVEN = object()
 
 @dataclasses.dataclass(frozen=True)
 class AdapterStep:
-    """One prepared step and the request ids of its batch rows."""
+    """One prepared step and the request ids of its batch rows.
 
-    inputs: StepInputs | None  # prepare_padded's outputs, at num_tokens_padded; None: nothing scheduled
+    The step leaves the device call as ONE int32 buffer, ``buffer`` (`jaxprep.step_buffer.StepBuffer`): a JAX
+    model reads its fields inside its own jit (``buffer.views()``), torch takes it with one DLPack handoff
+    (``torch_bridge.to_torch(step.buffer)``), NumPy views it (``buffer.to_numpy()``). ``inputs`` is the same
+    step as `StepInputs` of JAX arrays (unpacked by one more jitted call, on first use)."""
+
+    buffer: StepBuffer | None  # the prepared step at num_tokens_padded, as one buffer; None: nothing scheduled
     req_ids: list[str]  # batch row -> request id (ModelRunnerOutput.req_ids)
     req_id_to_index: dict[str, int]  # request id -> batch row (ModelRunnerOutput.req_id_to_index)
     num_tokens_padded: int  # the bucket of PrepConfig.token_buckets the step was prepared at
@@ -97,6 +104,11 @@ class AdapterStep:
     # (inputs.grammar maps each logits row to its bitmask row); None: no structured-output rows this step
     grammar_bitmask: np.ndarray | None = None
     num_acceptable_drafts: list[int] | None = None  # GrammarOutput.num_acceptable_drafts, per bitmask block
+
+    @functools.cached_property
+    def inputs(self) -> StepInputs | None:
+        """`prepare_padded`'s `StepInputs` of this step (JAX arrays, equal field for field); None: nothing scheduled."""
+        return None if self.buffer is None else self.buffer.inputs()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,18 +227,22 @@ class VllmAdapter:
         prepares nothing: ``inputs`` is ``None`` and ``req_ids`` is empty, as V1's ``execute_model``
         returns ``EMPTY_MODEL_RUNNER_OUTPUT`` after ``_update_states``."""
         plan = self._plan(scheduler_output, grammar_output)
-        self.batch.apply_updates(plan.updates)  # host checks first: raises with nothing dispatched
+        # host checks first (they raise with nothing dispatched), then ONE jitted call: update and prepare
+        if plan.total == 0:
+            self.batch.apply_updates(plan.updates)
+            buffer = None
+        else:
+            buffer = self.batch.update_and_prepare(plan.updates, plan.num_tokens_padded)
         self.rows, self.admitted, self._free = plan.requests.rows, plan.requests.admitted, plan.requests.free
         if plan.lora_slots is not None:
             self._lora_slots = plan.lora_slots
         self._verifying = plan.verifying
-        if plan.total == 0:
+        if buffer is None:
             self._last = None
-            return AdapterStep(inputs=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
+            return AdapterStep(buffer=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
         req_ids = sorted(plan.scheduled, key=self.rows.__getitem__)
         grammar = plan.grammar or (None, None, None)
-        self._last = AdapterStep(inputs=self.batch.prepare(plan.num_tokens_padded), req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        self._last = AdapterStep(buffer=buffer, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
                                  num_acceptable_drafts=grammar[2])
         return self._last
@@ -243,7 +259,7 @@ class VllmAdapter:
                              "scheduler sends the drafts (update_draft_token_ids)")
         if self._last is None:
             raise ValueError("record_sampled needs a prepared step first (VllmAdapter.step)")
-        idx_mapping = self._last.inputs.idx_mapping
+        idx_mapping = self._last.buffer  # its idx_mapping is read inside the record's jit
         if self.async_scheduling and self.config.prep.features.async_tokens:
             self.batch.record_prev_tokens(idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
         self.batch.record_sampled(idx_mapping, sampled_token_ids, num_sampled)
