@@ -78,7 +78,7 @@ from jaxprep.metadata import StepInputs
 from jaxprep.serving import vllm_checks
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.state import StepUpdates, draft_width, num_kv_groups
+from jaxprep.serving.state import AppendBlocks, StepUpdates, draft_width, num_kv_groups
 from jaxprep.serving.vllm_checks import InvalidSchedulerOutputError, fail
 from jaxprep.step_buffer import StepBuffer
 
@@ -401,16 +401,29 @@ class VllmAdapter:
             # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
             unverified = self._verifying.get(req_ids[running[k]], 0) if self.async_scheduling and pending[k] else 0
             resume.append(dict(row=int(rows[k]), num_computed_tokens=int(computed[k]), unverified_drafts=unverified))
-        new_block_ids, groups = cached.new_block_ids, self._num_groups
+        return resume, self._appended_blocks(cached.new_block_ids, row_list, running)
+
+    def _appended_blocks(self, new_block_ids: list, row_list: list[int], running: list[int]):
+        """The running requests' new blocks (``CachedRequestData.new_block_ids``, mostly None in a decode
+        step) as one `AppendBlocks`, converted in one pass; a malformed entry is named by position."""
+        groups = self._num_groups
+        given = [k for k, i in enumerate(running) if new_block_ids[i] is not None]
         try:
-            append = {row: vllm_checks.block_groups("CachedRequestData.new_block_ids", new_block_ids[i], groups)
-                      for row, i in zip(row_list, running) if new_block_ids[i] is not None and any(new_block_ids[i])}
-        except TypeError:  # an entry that is not a tuple of lists (any() of an int): named by position
+            lists = [vllm_checks.block_groups("CachedRequestData.new_block_ids", new_block_ids[running[k]], groups)
+                     for k in given]
+        except TypeError:  # an entry that is not a tuple of lists: named by position
             for i in running:
                 if new_block_ids[i] is not None:
                     vllm_checks.block_groups(f"CachedRequestData.new_block_ids[{i}]", new_block_ids[i], groups)
             raise
-        return resume, append
+        rows = [row_list[k] for k in given]
+        if groups == 1:
+            fast = AppendBlocks.from_lists(rows, [0] * len(rows), lists)
+        else:
+            fast = AppendBlocks.from_lists([r for r in rows for _ in range(groups)], list(range(groups)) * len(rows),
+                                           [ids for per_group in lists for ids in per_group])
+        # a value that is not an int32 integer: StepUpdates' builder names it
+        return fast if fast is not None else dict(zip(rows, lists))
 
     def _schedule(self, requests: _RequestMap, scheduler_output, scheduled: dict, counts: np.ndarray,
                   grammar) -> tuple[dict, dict]:
