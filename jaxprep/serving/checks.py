@@ -312,9 +312,49 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
     """Counts non-negative; only busy, settled rows scheduled; total within the token budget; S >= D + 1
     for rows with drafts, draft ids in the vocabulary (-1 only where `placeholders_allowed`); C + S
     within the known tokens (+ drafts), max_model_len and every group's allocated blocks; a row that
-    samples has room for its new tokens below max_model_len; grammar rows only on scheduled rows."""
+    samples has room for its new tokens below max_model_len; grammar rows only on scheduled rows.
+
+    Every bound is evaluated at once (`_schedule_fits`, one pass of NumPy over the rows); only a schedule
+    that breaks one walks the bounds in order (`_schedule_named`) to name the first."""
     if payload is None:
         return
+    if not _schedule_fits(rows, payload, config):
+        _schedule_named(rows, payload, config)
+        raise AssertionError("a schedule bound failed without a named error")  # pragma: no cover
+    rows.num_scheduled_tokens[:] = payload.num_scheduled_tokens
+    rows.num_draft_tokens[:] = payload.num_draft_tokens
+
+
+def _schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
+    """Whether ``payload`` keeps every bound of `_schedule` (the same bounds as `_schedule_named`, joined)."""
+    prep, width = config.prep, draft_width(config)
+    scheduled, drafts = payload.num_scheduled_tokens, payload.num_draft_tokens
+    active = scheduled > 0
+    if scheduled.min() < 0 or drafts.min() < 0 or drafts.max() > width or int(scheduled.sum()) > \
+            prep.max_num_batched_tokens:
+        return False
+    seq_lens = rows.num_computed_tokens + scheduled
+    new_len = rows.num_tokens + drafts + 1
+    bad = active & ((rows.num_tokens <= 0) | (rows.pending_drafts >= 0) | (seq_lens > rows.num_tokens + drafts)
+                    | (seq_lens > prep.max_model_len) | ((seq_lens >= rows.num_tokens) & (new_len > prep.max_model_len)))
+    bad |= (drafts > 0) & (scheduled < drafts + 1)
+    grammar = payload.grammar_index
+    bad |= (grammar != NO_GRAMMAR) & ((grammar < 0) | ~active)
+    for g, size in enumerate(_group_block_sizes(config)):
+        bad |= active & (-(-seq_lens // size) > rows.table_blocks[:, g])
+    if bad.any():
+        return False
+    if width and drafts.any():
+        ids = payload.draft_token_ids
+        low = -1 if placeholders_allowed(config) else 0
+        drafted = np.arange(width)[None, :] < drafts[:, None]
+        if (drafted & ((ids < low) | (ids >= config.token_id_bound))).any():
+            return False
+    return True
+
+
+def _schedule_named(rows: HostRows, payload, config: ServingConfig) -> None:
+    """`_schedule`'s bounds one by one, in order: raises naming the first that ``payload`` breaks."""
     prep, width = config.prep, draft_width(config)
     scheduled, drafts = payload.num_scheduled_tokens, payload.num_draft_tokens
     _require(scheduled >= 0, "Schedule.num_scheduled_tokens", scheduled, "is negative")
@@ -349,8 +389,6 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
     new_len = rows.num_tokens + drafts + 1
     _require(~samples | (new_len <= prep.max_model_len), "num_tokens + num_draft_tokens + 1", new_len,
              f"exceeds max_model_len={prep.max_model_len}: the sampled token has no column")
-    rows.num_scheduled_tokens[:] = scheduled
-    rows.num_draft_tokens[:] = drafts
 
 
 def check_updates(rows: HostRows, updates, config: ServingConfig) -> HostRows:

@@ -593,12 +593,24 @@ def _read_data(blob, start, n_data, segments, length: int):
     lengths = segments["len"]  # clipped to [0, words] by `_all_segments`
     ends = jnp.cumsum(lengths)
     j = jnp.arange(length, dtype=jnp.int32)
-    seg = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, lengths.shape[0] - 1).astype(jnp.int32)
+    seg = _segment_of_word(ends, lengths, length)
     valid = (j < n_data) & (j < ends[-1])
     first = ends[seg] - lengths[seg]
     kind = jnp.where(valid, segments["kind"][seg], -1)
     disagree = jnp.any(ends > blob.shape[0], keepdims=True) | (ends[-1:] != n_data)
     return kind, segments["row"][seg], segments["col"][seg] + j - first, _read(blob, start + j), disagree
+
+
+def _segment_of_word(ends: jax.Array, lengths: jax.Array, length: int) -> jax.Array:
+    """Per word j < ``length``: the segment holding it, ``#{s: ends[s] <= j}`` (the last segment past the
+    data), without a search loop: each non-empty segment marks its first word with its index, and a running
+    maximum carries the mark over the segment's words (the segments are contiguous, so the marks rise).
+    # lengths [2, 0, 1] (ends [2, 2, 3]) -> marks [0, _, 2, _] -> words 0..3 in segments [0, 0, 2, 2]
+    """
+    count = lengths.shape[0]
+    first = jnp.where(lengths > 0, ends - lengths, length)  # an empty segment marks nothing
+    marks = jnp.zeros((length,), jnp.int32).at[first].max(jnp.arange(count, dtype=jnp.int32), mode="drop")
+    return jnp.clip(jax.lax.cummax(marks), 0, count - 1)
 
 
 def pack_updates(updates: StepUpdates, config: ServingConfig,

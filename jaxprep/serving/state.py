@@ -508,6 +508,12 @@ def _int64_array(values, where: str) -> np.ndarray:
 
 def _dense(values, size: int, fill: int, where: str) -> np.ndarray:
     """A [size] int64 array holding ``values`` then ``fill``."""
+    if values is None:
+        return np.full(size, fill, np.int64)
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.shape == (size,):  # the adapter's own
+        if size and (values.max() > INT32_MAX or values.min() < -INT32_MAX - 1):
+            raise ValueError(f"{where} has values outside int32")
+        return values.copy()
     values = _int64_array([] if values is None else values, where).ravel()
     if len(values) > size:
         raise ValueError(f"{where}: got {len(values)} entries, the payload holds {size}")

@@ -296,8 +296,11 @@ class VllmAdapter:
                 add.append(self._resumed_request(requests, cached, i, req_id, computed))
             else:
                 running.append(i)
-        resume, append = self._running_requests(requests, cached, running, computed)
-        schedule, verifying = self._schedule(requests, scheduler_output, scheduled, counts, grammar)
+        resume, append, running_rows = self._running_requests(requests, cached, running, computed)
+        # a decode step schedules exactly the running requests, in CachedRequestData's order (vLLM fills both from
+        # its running list): their rows are known already
+        known = running_rows if not add and list(scheduled) == cached.req_ids else None
+        schedule, verifying = self._schedule(requests, scheduler_output, scheduled, counts, grammar, known)
         lora_slots = self._lora_update(requests, scheduled)
         updates = StepUpdates.build(self.config, finish=finish, add=add, resume=resume, append=append,
                                     lora_slots=lora_slots, **schedule)
@@ -382,17 +385,18 @@ class VllmAdapter:
         return positions.astype(np.int64), vllm_checks.integer_value(f"{where}: mrope_positions(...) delta", delta)
 
     def _running_requests(self, requests: _RequestMap, cached, running: list[int],
-                          computed_all: np.ndarray) -> tuple[list, dict]:
-        """Block appends of the running requests, and a resume entry for each whose computed count the host
-        mirror does not know (pending drafts) or knows differently from vLLM."""
+                          computed_all: np.ndarray) -> tuple[list, AppendBlocks | dict, np.ndarray]:
+        """Block appends of the running requests, a resume entry for each whose computed count the host
+        mirror does not know (pending drafts) or knows differently from vLLM, and the requests' rows."""
         req_ids, row_of = cached.req_ids, requests.rows
+        every = len(running) == len(req_ids)  # the common step: no request resumed, ``running`` is range(len)
         try:
-            row_list = [row_of[req_ids[i]] for i in running]
+            row_list = list(map(row_of.__getitem__, req_ids)) if every else [row_of[req_ids[i]] for i in running]
         except KeyError:
             missing = next(req_ids[i] for i in running if req_ids[i] not in row_of)
             fail(f"scheduled_cached_reqs: request {missing} holds no row (never added, or preempted and not resumed)")
         rows = np.array(row_list, np.int64)
-        computed = computed_all[running] if running else np.zeros(0, np.int64)
+        computed = computed_all if every else computed_all[running] if running else np.zeros(0, np.int64)
         mirror = self.batch.rows
         pending = mirror.pending[rows]
         restate = pending | (mirror.num_computed_tokens[rows] != computed)
@@ -401,13 +405,16 @@ class VllmAdapter:
             # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
             unverified = self._verifying.get(req_ids[running[k]], 0) if self.async_scheduling and pending[k] else 0
             resume.append(dict(row=int(rows[k]), num_computed_tokens=int(computed[k]), unverified_drafts=unverified))
-        return resume, self._appended_blocks(cached.new_block_ids, row_list, running)
+        return resume, self._appended_blocks(cached.new_block_ids, row_list, running, every), rows
 
-    def _appended_blocks(self, new_block_ids: list, row_list: list[int], running: list[int]):
+    def _appended_blocks(self, new_block_ids: list, row_list: list[int], running: list[int], every: bool):
         """The running requests' new blocks (``CachedRequestData.new_block_ids``, mostly None in a decode
         step) as one `AppendBlocks`, converted in one pass; a malformed entry is named by position."""
         groups = self._num_groups
-        given = [k for k, i in enumerate(running) if new_block_ids[i] is not None]
+        if every:
+            given = [k for k, ids in enumerate(new_block_ids) if ids is not None]
+        else:
+            given = [k for k, i in enumerate(running) if new_block_ids[i] is not None]
         try:
             lists = [vllm_checks.block_groups("CachedRequestData.new_block_ids", new_block_ids[running[k]], groups)
                      for k in given]
@@ -426,14 +433,16 @@ class VllmAdapter:
         return fast if fast is not None else dict(zip(rows, lists))
 
     def _schedule(self, requests: _RequestMap, scheduler_output, scheduled: dict, counts: np.ndarray,
-                  grammar) -> tuple[dict, dict]:
-        """The `Schedule`'s arrays, and the requests verifying drafts (their draft counts)."""
+                  grammar, rows: np.ndarray | None = None) -> tuple[dict, dict]:
+        """The `Schedule`'s arrays, and the requests verifying drafts (their draft counts). ``rows``: the
+        scheduled requests' rows, in ``scheduled``'s order, when the caller has them."""
         num_rows, width = self.config.max_num_reqs, draft_width(self.config)
         num_scheduled, drafts = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
         draft_ids = np.zeros((num_rows, width), np.int64)
         row_of = requests.rows
         try:
-            rows = np.fromiter(map(row_of.__getitem__, scheduled), np.int64, len(scheduled))
+            if rows is None:
+                rows = np.array(list(map(row_of.__getitem__, scheduled)), np.int64)
         except KeyError:
             missing = next(r for r in scheduled if r not in row_of)
             fail(f"SchedulerOutput.num_scheduled_tokens names request {missing!r}, which holds no row (not among "
