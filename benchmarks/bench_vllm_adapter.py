@@ -118,9 +118,9 @@ def replay_jaxprep(config: ServingConfig, recorded: list) -> list[float]:
     for so, (_, sampled) in zip(outputs, recorded):
         start = time.perf_counter()
         step = adapter.step(so)
-        jax.block_until_ready(step.inputs)
+        jax.block_until_ready(ready(step))
         times.append(time.perf_counter() - start)
-        rows = step.inputs.idx_mapping.shape[0]
+        rows = config.prep.num_reqs_padded(step.num_tokens_padded)
         tokens, counts = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
         for b, req_id in enumerate(step.req_ids):
             if sampled[req_id]:
@@ -128,6 +128,12 @@ def replay_jaxprep(config: ServingConfig, recorded: list) -> list[float]:
         adapter.record_sampled(jax.device_put(tokens), jax.device_put(counts))
         jax.block_until_ready(adapter.batch.state)
     return times
+
+
+def ready(step):
+    """What a step is ready with: its one buffer (`AdapterStep.buffer`), or on a checkout from before it its
+    `StepInputs`."""
+    return step.buffer if hasattr(step, "buffer") else step.inputs
 
 
 def replay_v1(work: Workload, recorded: list) -> list[float]:
