@@ -285,7 +285,8 @@ def run_generate(runner: Runner, args, part: str) -> None:
 
 
 def run_benchmark(runner: Runner, args) -> None:
-    repeats = ["--repeats", "5", "--profile-steps", "3"] if args.dry_run else ["--repeats", str(args.repeats)]
+    repeats = ["--dry-run", "--repeats", "5", "--profile-steps", "3", "--dispatch-steps", "5"] if args.dry_run \
+        else ["--repeats", str(args.repeats)]
     output = run_table_step(runner, "bench_gpu", ["benchmarks/bench_gpu.py", *repeats], log_name="benchmark")
     if output is None:
         return

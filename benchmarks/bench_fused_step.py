@@ -5,16 +5,20 @@ step, for jaxprep's XLA and Pallas paths against vLLM's own paths, in one proces
     PYTHONPATH=. python benchmarks/bench_fused_step.py --dry-run     # tiny shapes, any machine
 
 Steps (bench_prepare.make_batch; max_model_len 4096, block size 16): 256 decoding requests; 256
-requests / 8192 tokens; 1024 requests / 16384 tokens. Paths, each checked equal to jaxprep's XLA
-step before it is timed:
+requests / 8192 tokens; 1024 requests / 16384 tokens. Then the steps with features the kernels cover
+(`mrv2_triton_baseline.make_draft_batch`: decodes schedule their last token and 0-3 drafts, K = 3):
+256 decodes with spec decode (V1's ``SpecDecodeMetadata``); the same with ``runner="v2"`` (V2's
+batch order and logits rows); 256 requests / 8192 tokens with ``runner="v2"``, half of them decodes
+with drafts. Paths, each checked equal to jaxprep's XLA step before it is timed:
 
 - jaxprep XLA: `prepare_padded` with ``kernel="xla"``; jaxprep Pallas: ``kernel="pallas"`` (the two
-  Triton kernels of jaxprep/kernels/prepare_pallas.py; Pallas' interpreter without a GPU);
-- vLLM V1 + copies: its host preparation into pinned buffers and the ``CpuGpuBuffer`` copies
-  (`vllm_v1_copies.VllmV1WithCopies`; without CUDA, NumPy and one ``jax.device_put``);
-- MRV2 real kernels: V2's own Triton kernels and host part (`mrv2_triton_baseline`, sources from
+  Triton kernels of jaxprep/kernels/; Pallas' interpreter without a GPU);
+- vLLM V1 + copies (plain steps): its host preparation into pinned buffers and the ``CpuGpuBuffer``
+  copies (`vllm_v1_copies.VllmV1WithCopies`; without CUDA, NumPy and one ``jax.device_put``);
+- MRV2 real kernels (plain steps and ``runner="v2"``): V2's own Triton kernels and host part, its
+  sort and ``cu_num_logits`` included with drafts (`mrv2_triton_baseline`, sources from
   ``.vllm_src``: `vllm_sources.py`), on CUDA only;
-- MRV2 torch ops: the same step in torch ops (`mrv2_torch_baseline`).
+- MRV2 torch ops (plain steps): the same step in torch ops (`mrv2_torch_baseline`).
 
 Columns: *launches* = device operations per step (kernels, copies, memsets) in a profiler trace
 (``jax.profiler`` / ``torch.profiler``); *device µs* = their summed duration; *thread µs* = the
@@ -70,11 +74,15 @@ from common import assert_same_step, load_line, machine_line  # noqa: E402
 from profile_gpu import dispatch_us, end_to_end_us, kernel_profile  # noqa: E402
 from vllm_v1_copies import VllmV1WithCopies  # noqa: E402
 
-from jaxprep import BatchState, prepare_padded  # noqa: E402
+from jaxprep import BatchState, FeatureConfig, PrepConfig, prepare_padded  # noqa: E402
 
+SPEC_DECODE, RUNNER_V2 = FeatureConfig(num_speculative_tokens=3), FeatureConfig(num_speculative_tokens=3, runner="v2")
 SHAPES = [("256 decode", 256, 256, True), ("256 req / 8192 tok", 256, 8192, False),
-          ("1024 req / 16384 tok", 1024, 16384, False)]
-DRY_RUN_SHAPES = [("16 decode", 16, 16, True)]
+          ("1024 req / 16384 tok", 1024, 16384, False),
+          ("256 decode + drafts, spec decode", 256, 256, True, SPEC_DECODE),
+          ("256 decode + drafts, runner V2", 256, 256, True, RUNNER_V2),
+          ("256 req / 8192 tok + drafts, runner V2", 256, 8192, False, RUNNER_V2)]
+DRY_RUN_SHAPES = [("16 decode", 16, 16, True), ("16 decode + drafts, runner V2", 16, 16, True, RUNNER_V2)]
 MAX_MODEL_LEN, BLOCK_SIZE = 4096, 16
 GOALS = dict(launches=2, decode_device_us=10.0, decode_thread_us=25.0, decode_vs_v1=3.0)
 
@@ -146,15 +154,25 @@ def best_median_us(call, repeats: int) -> float:
 class StepCase:
     """One step's batch, its padded bucket and jaxprep's XLA step (the reference every path must equal)."""
     name: str
-    config: object
+    config: object  # kernel="xla"
     arrays: dict
     state: BatchState
     bucket: int
     reference: object
 
     @classmethod
-    def make(cls, name: str, num_reqs: int, num_tokens: int, decode_only: bool) -> StepCase:
-        config, arrays = make_batch(num_reqs, num_tokens, MAX_MODEL_LEN, BLOCK_SIZE, decode_only)
+    def make(cls, name: str, num_reqs: int, num_tokens: int, decode_only: bool,
+             features: FeatureConfig | None = None) -> StepCase:
+        if features is not None:
+            from mrv2_triton_baseline import make_draft_batch
+
+            arrays, budget = make_draft_batch(num_reqs, num_tokens, features.num_speculative_tokens, decode_only,
+                                              MAX_MODEL_LEN, BLOCK_SIZE)
+            config = PrepConfig(max_num_reqs=num_reqs, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget,
+                                block_size=BLOCK_SIZE, features=features)
+        else:
+            config, arrays = make_batch(num_reqs, num_tokens, MAX_MODEL_LEN, BLOCK_SIZE, decode_only)
+        config = dataclasses.replace(config, kernel="xla")  # the default ("auto") would be the kernels on a GPU
         state = jax.device_put(BatchState.from_numpy(**arrays))
         bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
         return cls(name, config, arrays, state, bucket, jax.device_get(prepare_padded(state, config, bucket)))
@@ -165,7 +183,7 @@ def jax_rows(case: StepCase, args) -> list[dict]:
     held CUPTI in a process, jax.profiler's later traces come back without device events."""
     config, state, bucket = case.config, case.state, case.bucket
     fused = dataclasses.replace(config, kernel="pallas")
-    rows = [jax_row("jaxprep XLA", lambda: prepare_padded(state, config, bucket), args)]
+    rows = [jax_row("jaxprep XLA", lambda: prepare_padded(state, config, bucket), args)]  # config: kernel="xla"
     problem = fused_problem(case.reference, state, fused, bucket)
     rows.append(dict(path="jaxprep Pallas", note=problem) if problem else
                 jax_row("jaxprep Pallas", lambda: prepare_padded(state, fused, bucket), args))
@@ -173,8 +191,12 @@ def jax_rows(case: StepCase, args) -> list[dict]:
 
 
 def torch_rows(case: StepCase, args) -> list[dict]:
-    """vLLM's paths: V1's host preparation and its copies, MRV2's real kernels and its torch-ops twin."""
+    """vLLM's paths: V1's host preparation and its copies, MRV2's real kernels and its torch-ops twin; with
+    drafts, MRV2's real kernels alone (under ``runner="v2"``, whose outputs are V2's)."""
     config, arrays, bucket = case.config, case.arrays, case.bucket
+    if config.features.any_on:
+        rows = mrv2_rows(config, arrays, case.reference, bucket, args) if config.features.runner == "v2" else []
+        return [dict(row, step=case.name) for row in rows]
     num_reqs_padded, scheduled = config.num_reqs_padded(bucket), arrays["num_scheduled_tokens"]
     if has_cuda():
         v1 = VllmV1WithCopies(config, arrays, torch.device("cuda"))
@@ -212,31 +234,39 @@ def _leaf_names(step) -> list[str]:
 
 
 def mrv2_rows(config, arrays: dict, reference, bucket: int, args) -> list[dict]:
-    """MRV2's real kernels (CUDA and copied sources only) and its torch-ops twin."""
+    """MRV2's real kernels (CUDA and copied sources only) and, on a plain step, its torch-ops twin."""
     rows = []
     scheduled = arrays["num_scheduled_tokens"]
     idx_mapping = np.flatnonzero(scheduled > 0)
     num_reqs_padded = config.num_reqs_padded(bucket)
     device = "cuda" if has_cuda() else "cpu"
+    k = config.features.num_speculative_tokens
     if has_cuda():
-        from mrv2_triton_baseline import Mrv2TritonPrep, mismatches
+        from mrv2_triton_baseline import Mrv2TritonPrep, mismatches, v2_batch_order
         from vllm_sources import load_mrv2_kernels
+
+        def v2_step():  # with drafts V2 sorts its batch and sums its logits rows on the host, each step
+            if not k:
+                return prep.prepare(idx_mapping, scheduled[idx_mapping], bucket, num_reqs_padded)
+            order, batch_scheduled, batch_drafts = v2_batch_order(scheduled, arrays["num_draft_tokens"], k)
+            return prep.prepare(order, batch_scheduled, bucket, num_reqs_padded, batch_drafts)
 
         try:
             kernels = load_mrv2_kernels()
-            prep = Mrv2TritonPrep(kernels, arrays, config.block_size, config.max_num_batched_tokens, device)
-            wrong = mismatches(reference, prep.prepare(idx_mapping, scheduled[idx_mapping], bucket, num_reqs_padded))
+            prep = Mrv2TritonPrep(kernels, arrays, config.block_size, config.max_num_batched_tokens, device, k)
+            wrong = mismatches(reference, v2_step())
         except Exception as error:  # missing sources, or a kernel this Triton cannot build: the finding
             rows.append(dict(path="MRV2 real kernels", note=f"{type(error).__name__}: {error}"))  # one_line cuts it
         else:
             if wrong:  # reported in the table, not timed
                 rows.append(dict(path="MRV2 real kernels", note=f"differ from jaxprep in {wrong}"))
             else:
-                rows.append(torch_row(f"MRV2 real kernels (vLLM {kernels.version})", lambda: prep.prepare(
-                    idx_mapping, scheduled[idx_mapping], bucket, num_reqs_padded), args))
+                rows.append(torch_row(f"MRV2 real kernels (vLLM {kernels.version})", v2_step, args))
     else:
         rows.append(dict(path="MRV2 real kernels", note="needs CUDA (CPU check: tests/benchmarks/"
                                                          "test_mrv2_triton_kernels.py, Triton's interpreter)"))
+    if k:
+        return rows
     from mrv2_torch_baseline import Mrv2TorchPrep
 
     torch_prep = Mrv2TorchPrep(arrays["token_ids"], arrays["block_table"], arrays["num_computed_tokens"],
@@ -247,7 +277,8 @@ def mrv2_rows(config, arrays: dict, reference, bucket: int, args) -> list[dict]:
 
 
 def goals(row: dict, rows: list[dict]) -> str:
-    """The issue's goals, on the Pallas rows: launches, decode device/thread time, vs V1 and vs MRV2."""
+    """The issues' goals, on the Pallas rows: launches, decode device/thread time and vs V1 (plain steps),
+    faster than the XLA step (steps with drafts: features no longer force XLA's step) and than MRV2's."""
     if row["path"] != "jaxprep Pallas":
         return ""
     if not on_gpu():
@@ -255,11 +286,14 @@ def goals(row: dict, rows: list[dict]) -> str:
     same = {r["path"].split(" (")[0]: r for r in rows if r["step"] == row["step"] and "e2e_us" in r}
     v1 = next((r for p, r in same.items() if p.startswith("vLLM V1")), None)
     checks = [("≤2 launches", None if row["launches"] is None else row["launches"] <= GOALS["launches"])]
-    if "decode" in row["step"]:
+    if "decode" in row["step"] and "drafts" not in row["step"]:
         device_ok = None if row["device_us"] is None else row["device_us"] <= GOALS["decode_device_us"]
         checks += [("≤10 µs device", device_ok),
                    ("≤25 µs thread", row["thread_us"] <= GOALS["decode_thread_us"]),
                    ("≥3x V1", v1 is not None and v1["e2e_us"] / row["e2e_us"] >= GOALS["decode_vs_v1"])]
+    if "drafts" in row["step"]:
+        xla = same.get("jaxprep XLA")
+        checks.append(("faster than XLA", None if xla is None else row["e2e_us"] < xla["e2e_us"]))
     real = same.get("MRV2 real kernels")
     checks.append(("faster than MRV2 real", None if real is None else row["e2e_us"] < real["e2e_us"]))
     return "; ".join(f"{name}: {'n/a' if ok is None else 'met' if ok else 'missed'}" for name, ok in checks)

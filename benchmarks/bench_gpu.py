@@ -30,6 +30,7 @@ and says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -144,7 +145,8 @@ def mrv2_path(config, arrays: dict, bucket: int):
 
 def bench_step(name, num_reqs, num_tokens, max_model_len, block_size, decode_only, repeats, profile_steps):
     config, arrays = make_batch(num_reqs, num_tokens, max_model_len, block_size, decode_only)
-    device = jax.devices()[0]
+    config = dataclasses.replace(config, kernel="xla")  # this table times the XLA step (the default, "auto",
+    device = jax.devices()[0]                         # is the fused kernels on CUDA: bench_fused_step.py)
     state = jax.device_put(BatchState.from_numpy(**arrays), device)
     bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
     compiled = prepare_padded.lower(state, config, bucket).compile()
@@ -187,14 +189,14 @@ def dispatch_us(call, steps: int) -> float:
     return best
 
 
-def dispatch_rows(steps: int) -> list[dict]:
+def dispatch_rows(steps: int, shapes=DISPATCH_SHAPES) -> list[dict]:
     """Dispatch cost of the plain step and of the step with every feature on, per shape."""
     rows = []
-    for name, num_reqs, num_tokens, max_num_reqs in DISPATCH_SHAPES:
+    for name, num_reqs, num_tokens, max_num_reqs in shapes:
         row = dict(name=name)
         for label, features in (("plain", FeatureConfig()), ("every feature", EVERY_FEATURE)):
             config = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=2048, max_num_batched_tokens=num_tokens,
-                                block_size=16, features=features)
+                                block_size=16, features=features, kernel="xla")
             arrays = feature_batch(config, num_reqs, num_tokens, np.random.default_rng(0))
             state = jax.device_put(BatchState.from_numpy(**arrays))
             validate(state, config)
@@ -221,6 +223,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=100, help="calls per round (best of 5 rounds)")
     parser.add_argument("--profile-steps", type=int, default=50, help="steps in the profiler trace")
     parser.add_argument("--dispatch-steps", type=int, default=100, help="steps queued per dispatch round")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the runbook's CPU check: the dispatch table at its smallest shape only")
     add_runtime_argument(parser)
     args = parser.parse_args()
     backend = jax.default_backend()
@@ -233,7 +237,7 @@ def main() -> int:
         print(f"measured: {backend} ({kind}); device time = kernel time on the device's streams")
     print(f"vLLM V1 copies: {'pinned torch buffers, non_blocking' if has_cuda() else 'jax.device_put'}; "
           f"MRV2 torch on: {'none (no torch)' if torch is None else 'cuda' if has_cuda() else 'cpu'}")
-    print_dispatch_table(dispatch_rows(args.dispatch_steps))
+    print_dispatch_table(dispatch_rows(args.dispatch_steps, DISPATCH_SHAPES[:1] if args.dry_run else DISPATCH_SHAPES))
     rows = [bench_step(*step, repeats=args.repeats, profile_steps=args.profile_steps) for step in STEPS]
     print("| step | jaxprep device µs | jaxprep host µs (end to end) | vLLM V1 + copies µs (each way) "
           "| MRV2 torch µs | speedup vs V1 | jaxprep / MRV2 | goals |")

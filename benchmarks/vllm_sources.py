@@ -32,7 +32,7 @@ VERSION_FILE = "VLLM_VERSION"
 KERNELS = {
     "buffer_utils.py": ("_load_ptr",),
     "input_batch.py": ("_prepare_prefill_inputs_kernel", "_prepare_pos_seq_lens_kernel",
-                       "_combine_sampled_and_draft_tokens_kernel"),
+                       "_combine_sampled_and_draft_tokens_kernel", "_expand_idx_mapping_kernel"),
     "block_table.py": ("_gather_block_tables_kernel", "_compute_slot_mappings_kernel"),
 }
 """File of `vllm/v1/worker/gpu/` -> the functions taken from it (``_load_ptr`` first: the others call it)."""

@@ -26,7 +26,9 @@ def cdiv(a: int, b: int) -> int:
 def max_block_id(num_blocks: int | None, block_size: int) -> int:
     """Largest valid block id: ``num_blocks - 1``, or (no cache size) the last block whose slots fit int32.
 
+    ```
     # num_blocks 64 -> 63; None, block size 16 -> (2**31 - 1) // 16 - 1 = 134217726
+    ```
     """
     return num_blocks - 1 if num_blocks is not None else INT32_MAX // block_size - 1
 

@@ -48,7 +48,9 @@ def batch_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total:
 def state_seq_lens(state) -> Int32[Array, " max_num_reqs"]:
     """Each state row's sequence length if it has work (it is then in the batch), else 0.
 
+    ```
     # computed [4, 9, 7], scheduled [2, 0, 1] -> [6, 0, 8]
+    ```
     """
     scheduled = state.num_scheduled_tokens
     return jnp.where(scheduled > 0, state.num_computed_tokens + scheduled, 0)
@@ -64,8 +66,10 @@ def _layout(state, *, token_rows, num_actual_tokens, num_tokens_padded: int, **b
 def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max_total: int) -> Layout:
     """Batch rows in state-row order: tokens of state row r lie in [ends_state[r] - S[r], ends_state[r]).
 
+    ```
     # S [0, 3, 0, 2] -> has_work [0,1,0,1] -> counts [0,1,1,2], ends_state [0,3,3,5]
     #   batch_row [-,0,-,1] -> rows [1, 3]; token owners [1,1,1,3,3]; shift[r] = C[r] - (ends_state[r] - S[r])
+    ```
     """
     scheduled, computed = state.num_scheduled_tokens, state.num_computed_tokens
     max_num_reqs = scheduled.shape[0]
@@ -94,7 +98,9 @@ def _state_order_layout(state, num_reqs_padded: int, num_tokens_padded: int, max
 def _reordered_layout(state, rows, num_tokens_padded: int, max_total: int) -> Layout:
     """Batch rows in the given order; tokens map to batch rows, then to state rows.
 
+    ```
     # rows [4, 1] (S[4] = 1, S[1] = 3) -> ends [1, 4] -> token batch rows [0,1,1,1] -> state rows [4,1,1,1]
+    ```
     """
     max_num_reqs = state.num_scheduled_tokens.shape[0]
     per_row = stack([state.num_scheduled_tokens, state.num_computed_tokens], axis=1)

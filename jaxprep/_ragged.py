@@ -27,7 +27,10 @@ def stack(arrays, axis: int = 0) -> Array:
 
     XLA:CPU emits a concatenate as one unrolled loop per operand, several times the code (and
     the compile time) of the selects; the result is the same.
+
+    ```
     # stack([a, b], axis=1)[i, j] = (a if j == 0 else b)[i]
+    ```
     """
     shape = (len(arrays), arrays[0].shape[0]) if axis == 0 else (arrays[0].shape[0], len(arrays))
     which = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
@@ -61,7 +64,10 @@ def _scan_f32(values: Float32[Array, "k n"]) -> Float32[Array, "k n"]:
     `on_cpu_else`).
     Each block's sum starts from the carry of the blocks before it, appended as one more column:
     [block | carry] @ [[U], [1 .. 1]] is the block's prefix sum plus its carry.
+
+    ```
     # [1,0,1,1 | 0,1,0,0] in blocks of 4: totals [3, 1] -> carries [0, 3] -> [1,1,2,3 | 3,4,4,4]
+    ```
     """
     k, n = values.shape
     if n <= SINGLE_PRODUCT_SCAN:
@@ -104,7 +110,10 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     Integer ``cumsum`` on accelerators. On XLA:CPU, below 2**24, float32 matrix products
     (`_scan_f32`), exact for such totals and faster than XLA:CPU's ``cumsum``, a serial
     reduce-window (BENCHMARKS.md has the numbers).
+
+    ```
     # [3, 2, 5] -> [3, 5, 10]
+    ```
     """
     rows = values.reshape(-1, values.shape[-1])
     if max_total >= F32_EXACT_BOUND:
@@ -133,7 +142,10 @@ def max_of_blocks(column_block: Callable[[int, int], UInt32[Array, "rows n"]], w
     row blocks of that result, and only the small remainder is reduced: XLA:CPU emits a reduction
     over a large array as a tree of serial loops (reduce-windows) several times slower than the
     array's read (BENCHMARKS.md, "The XLA step recovered"). Exact on every backend (integer maxima).
+
+    ```
     # columns [[1, 5, 2], [7, 2, 0]] in blocks of 2 (starts 0, 1) -> [[5, 5], [7, 2]] -> rows -> 7
+    ```
     """
     block = min(width, -(-max(1, -(-width // FOLD_PARTS)) // VECTOR_LANES) * VECTOR_LANES)
     starts = _fold_starts(width, block)
@@ -157,7 +169,10 @@ def take_rows(table: Array, rows: Int32[Array, " n"], fill_value: int | float) -
     clipped into ``[0, len(table) - 1]`` first: an out-of-range row, from bad input on the
     unchecked path included, reads a real row and is then replaced by ``fill_value``.
     (``jnp.take(mode="fill")`` does the same with more code.)
+
+    ```
     # table rows [a, b, c], rows [2, 3, -1] -> [c, fill, fill]
+    ```
     """
     last = table.shape[0] - 1
     valid = ((rows >= 0) & (rows <= last)).reshape(rows.shape + (1,) * (table.ndim - 1))
@@ -171,7 +186,10 @@ def token_request_index(request_ends: Int32[Array, " num_reqs_padded"],
     Counts, for each token, the request ends at or before it (a scatter and a scan, O(T + R)).
     Ends at or past ``num_tokens_padded`` land in one spare column past the tokens (in bounds,
     and counted by no token); on bad input a negative end is clipped to 0.
+
+    ```
     # ends (= query_start_loc[1:]) [2, 7, 10, 10], 12 tokens -> [0,0,1,1,1,1,1,2,2,2,3,3]
+    ```
     """
     num_reqs = request_ends.shape[0]
     columns = jnp.clip(request_ends, 0, num_tokens_padded)
@@ -202,7 +220,10 @@ def token_blocks(block_table: Int32[Array, "rows width"], token_rows: Int32[Arra
 
     The clip changes nothing for valid input (a position below max_model_len has its column); on
     the unchecked path it keeps a bad position's read inside the table on every backend.
+
+    ```
     # tokens_per_column 2, row [1, 2], positions [0, 1, 2, 9] -> columns [0, 0, 1, 1] -> [1, 1, 2, 2]
+    ```
     """
     columns = jnp.clip(positions // tokens_per_column, 0, block_table.shape[1] - 1)
     return block_table[token_rows, columns]
@@ -213,7 +234,9 @@ def slot_mapping(block_table, token_rows, positions, is_real_token, block_size: 
     does a token whose block id is the null block or outside ``[1, max_block_id]`` (bad input on
     the unchecked path: its slot would write into another request's or no block).
 
+    ```
     # B=2, row [1, 2], positions [0, 1, 2] -> blocks [1, 1, 2] -> slots [2, 3, 4]
+    ```
     """
     blocks = token_blocks(block_table, token_rows, positions, block_size)
     writable = is_real_token & (blocks > NULL_BLOCK_ID) & (blocks <= max_block_id)

@@ -9,7 +9,7 @@ import math
 from jaxprep._checks import cdiv, check_positive_int, max_block_id
 from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig
-from jaxprep.kernels import KERNEL_CHOICES, TRITON_BACKEND, triton_backend_available
+from jaxprep.kernels import KERNEL_CHOICES, TRITON_BACKEND, triton_backend_available, uncovered_features
 
 MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
@@ -22,7 +22,9 @@ budget. The measured waste of this ladder and its alternatives is in BENCHMARKS.
 def block_table_width(max_model_len: int, block_size: int) -> int:
     """vLLM's block-table width: cdiv(max_model_len, B) aligned to 128 tokens.
 
+    ```
     # B=2, M=12 -> 6 blocks, alignment 64 -> 64 columns; B=16, M=240 -> 15 blocks, alignment 8 -> 16
+    ```
     """
     num_blocks = cdiv(max_model_len, block_size)
     alignment = 128 // math.gcd(128, block_size)
@@ -33,7 +35,10 @@ def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Powers of two from 8, with a rung at 1.5x each power from 64 up, capped at the budget.
 
     The budget itself is always the top rung, so no step is padded past it.
+
+    ```
     # budget 300 -> (8, 16, 32, 64, 96, 128, 192, 256, 300)
+    ```
     """
     rungs = {max_num_batched_tokens}
     power = MIN_TOKEN_BUCKET
@@ -62,10 +67,12 @@ class PrepConfig:
       max_blocks_per_req: block-table width of `BatchState.empty`; ``None`` picks vLLM's
         128-token-aligned width.
       features: static switches of the optional features (`jaxprep.FeatureConfig`); all off by default.
-      kernel: how the plain step runs (docs/guides/gpu.md): ``"xla"`` (jnp ops, every backend),
-        ``"pallas"`` (two fused Pallas kernels: Triton on CUDA, Pallas' interpreter elsewhere) or
-        ``"auto"`` (the kernels on CUDA, XLA elsewhere), resolved when lowering. A step with a
-        feature on runs on XLA under ``"auto"``; ``"pallas"`` refuses features.
+      kernel: how the step runs (docs/guides/gpu.md): ``"auto"`` (the default: two fused Pallas
+        kernels on CUDA where Pallas' Triton backend is available, XLA elsewhere: CPU, TPU, ROCm),
+        ``"xla"`` (jnp ops, every backend) or ``"pallas"`` (the kernels: Triton on CUDA, Pallas'
+        interpreter elsewhere). The kernels cover the plain step, spec decode and model runner
+        V2's outputs (`jaxprep.kernels.KERNEL_FEATURES`); with any other feature on the step runs
+        on XLA under ``"auto"`` and ``"pallas"`` is refused, naming the feature.
     """
 
     max_num_reqs: int
@@ -76,7 +83,7 @@ class PrepConfig:
     num_blocks: int | None = None
     max_blocks_per_req: int | None = None
     features: FeatureConfig = dataclasses.field(default_factory=FeatureConfig)
-    kernel: str = "xla"
+    kernel: str = "auto"
 
     def __post_init__(self):
         for name in ("max_num_reqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -107,9 +114,11 @@ class PrepConfig:
         if self.kernel == "pallas" and not triton_backend_available():
             raise ValueError(f"PrepConfig.kernel='pallas' needs Pallas' Triton backend ({TRITON_BACKEND}), which this "
                              "jax does not ship: use kernel='auto' (XLA where the kernels cannot run) or 'xla'")
-        if self.kernel == "pallas" and self.features.any_on:
-            raise ValueError("PrepConfig.kernel='pallas' fuses the plain step only: turn the features off, or use "
-                             "kernel='auto' (the features then run on XLA)")
+        uncovered = uncovered_features(self.features) if self.kernel == "pallas" else ()
+        if uncovered:
+            raise ValueError(f"PrepConfig.kernel='pallas' fuses the plain step, spec decode and model runner V2's "
+                             f"outputs only; the kernels do not cover FeatureConfig {', '.join(uncovered)}: turn "
+                             f"them off, or use kernel='auto' (the step then runs on XLA)")
 
     def _check_buckets(self):
         buckets = self.token_buckets

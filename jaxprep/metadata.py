@@ -128,8 +128,10 @@ def step_from_fields(fields: dict[str, StepArray], num_tokens_padded: int) -> St
 def step_field_shapes(**sizes: int) -> dict[str, tuple[int, ...]]:
     """Shapes of the `STEP_FIELDS` whose dimensions ``sizes`` all name, read from their annotations.
 
+    ```
     # num_tokens_padded=8, num_reqs_padded=3 -> input_ids (8,), query_start_loc (4,), seq_lens (3,),
     #   num_reqs (), ... (block_table needs max_blocks_per_req too)
+    ```
     """
     if "num_reqs_padded" in sizes:
         sizes["num_reqs_padded_plus_1"] = sizes["num_reqs_padded"] + 1

@@ -9,12 +9,24 @@ same on both sides of a transfer. Field kinds say how a field is stored and view
 - ``INT32``: one word per element;
 - ``INT64``: an int32 value as the (low, high) words of its int64 sign extension, so an int64
   view needs no cast (JAX runs with x64 off); it starts at an even word, 8-byte aligned:
+
+  ```
   # positions [5, 7], slot_mapping [9, -1] -> words [5, 0, 7, 0, 9, 0, -1, -1]
   # words[0:4].view(int64) -> [5, 7];  words[4:8].view(int64) -> [9, -1]
+  ```
+
 - ``BOOL``: bytes, four to a word, so a bool view is a byte view of its words:
+
+  ```
   # mask [T, F, T, T, F] -> bytes [1, 0, 1, 1 | 0, 0, 0, 0] -> 2 words;  view(uint8)[:5].view(bool)
+  ```
+
 - ``FLOAT32``: a float32 value's bit pattern, one word per element (a bitcast both ways, never a
-  conversion): # [1.0, -0.5] -> words [0x3F800000, 0xBF000000]
+  conversion):
+
+  ```
+  # [1.0, -0.5] -> words [0x3F800000, 0xBF000000]
+  ```
 
 `unpack` cuts NumPy (any kind) or traced JAX (``INT32``) buffers by slicing; `decode` reads a field of
 any kind back inside a jit (a slice, and for the other kinds a bitcast or a strided slice, which XLA
@@ -68,7 +80,9 @@ def num_words(kind: str, num_elements: int) -> int:
 def layout(fields: tuple[tuple[str, tuple[int, ...], str], ...]) -> tuple[Span, ...]:
     """Offsets of (name, shape, kind) fields laid end to end; an INT64 field starts at an even word.
 
+    ```
     # (a, (3,), INT32), (b, (2,), INT64) -> a at 0 (3 words), one pad word, b at 4 (4 words)
+    ```
     """
     spans, offset = [], 0
     for name, shape, kind in fields:
@@ -94,7 +108,9 @@ def layout_of(arrays: dict, spec: FieldSpec) -> tuple[Span, ...]:
 def path_name(path) -> str:
     """A pytree leaf's path as a field name.
 
+    ```
     # (DictKey('kv_groups'), SequenceKey(1), GetAttrKey('slot_mapping')) -> "kv_groups.1.slot_mapping"
+    ```
     """
     parts = []
     for key in path:
@@ -108,7 +124,9 @@ def path_name(path) -> str:
 def widen(values: Int32[Array, " n"]) -> Int32[Array, " 2*n"]:
     """int32 values as the words of their int64 sign extension, in memory order.
 
+    ```
     # [5, -1] -> [5, 0, -1, -1] (little-endian): the high word is x >> 31 (0 or -1)
+    ```
     """
     high = values >> 31
     pair = (values, high) if sys.byteorder == "little" else (high, values)
@@ -118,7 +136,9 @@ def widen(values: Int32[Array, " n"]) -> Int32[Array, " 2*n"]:
 def bytes_to_words(flags: Bool[Array, " *shape"]) -> Int32[Array, " num_words"]:
     """Booleans as bytes (0 or 1), four to an int32 word, in memory order.
 
+    ```
     # [T, F, T, T, F] -> bytes [1, 0, 1, 1, 0, 0, 0, 0] -> words [0x01010001, 0] (little-endian)
+    ```
     """
     flat = flags.reshape(-1).astype(jnp.uint8)
     padded = jnp.pad(flat, (0, -flat.shape[0] % 4))
@@ -153,7 +173,9 @@ pack.__doc__ = """`pack_body` as one small executable per layout (what torch_bri
 def pack_host(arrays: dict[str, np.ndarray], spans: tuple[Span, ...]) -> np.ndarray:
     """`pack_body` on the host, for ``INT32`` spans: [num_packed_words] int32 NumPy words.
 
+    ```
     # {rows: [4], token_ids: [4, 8]} -> 36 words: rows at 0, token_ids at 4 (raveled)
+    ```
     """
     parts, end = [], 0
     for span in spans:

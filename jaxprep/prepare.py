@@ -82,7 +82,7 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     if uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
         from jaxprep.kernels import prepare_pallas  # imported here: jax 0.11 deprecates its Triton backend
 
-        return prepare_pallas.plain_step(state, config, num_tokens_padded)  # the kernels flag and drop rows
+        return prepare_pallas.kernel_step(state, config, num_tokens_padded)  # the kernels flag and drop rows
     state, row_errors = flag_rows(state, config, num_tokens_padded)  # flagged rows leave the batch
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features
@@ -143,8 +143,14 @@ def _maxima(scheduled: Int32[Array, " max_num_reqs"],
     return jnp.max(stack([scheduled, row_seq_lens]), axis=1)  # one reduction for both
 
 
-prepare_padded = jax.jit(prepare_body, static_argnames=("config", "num_tokens_padded"))
-prepare_padded.__doc__ = """The compiled core of `prepare_inputs`: one executable per (config, num_tokens_padded)."""
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
+def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
+    """The compiled core of `prepare_inputs`: `prepare_body`, one executable per (config, num_tokens_padded).
+
+    No host check and no bucket choice: ``num_tokens_padded`` is a rung of ``config.token_buckets``
+    (a trace-time error otherwise); rows that do not fit set bits of ``step.errors``.
+    """
+    return prepare_body(state, config, num_tokens_padded)
 
 
 # --- the step on the host, in one transfer ------------------------------------------------------

@@ -10,8 +10,11 @@ One jitted call prepares every rank: ``shard_map`` runs `prepare_body` on each d
 Every array of the returned `StepInputs` gains a leading rank axis ``[num_ranks, ...]`` sharded
 over the mesh; ``x.reshape(-1)`` of a token field is tpu-inference's flat layout, rank r's tokens
 at ``[r * T_pad, (r + 1) * T_pad)``, and of ``query_start_loc`` its ``max_num_reqs + dp_size`` array.
+
+```
 # 2 ranks of 3 rows, S [2,0,1 | 0,0,4], bucket 4 -> idx_mapping [[0,2,-1], [2,-1,-1]],
 #   query_start_loc [[0,2,3,3], [0,4,4,4]], positions [[C0, C0+1, C2, 0], [C5, C5+1, C5+2, C5+3]]
+```
 """
 
 from __future__ import annotations

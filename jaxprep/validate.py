@@ -180,7 +180,10 @@ def flag_rows(state, config, num_tokens_padded: int):
     `jaxprep.features.flags`) gives a mask over the state rows; one reduction of their stack gives
     the bits, another the rows to drop. A dropped row schedules nothing, so it leaves the batch and
     every output of the step stays in range. Over the bucket every row is dropped: the step is empty.
+
+    ```
     # computed [3, -1], scheduled [2, 1] -> NEGATIVE_COUNT, scheduled [2, 0]
+    ```
     """
     computed, scheduled = state.num_computed_tokens, state.num_scheduled_tokens
     flags = [

@@ -25,7 +25,10 @@ _DEVICE_STRING = re.compile(r"^(cpu|cuda|npu)(:(\d+))?$")
 def check_device(function: str, device) -> None:
     """``device`` is None, ``"cpu"``, ``"cuda[:N]"`` or ``"npu[:N]"`` (or a torch.device of those
     types), and a CUDA device is one torch sees; raises ValueError naming the device otherwise.
+
+    ```
     # "bogus", "CPU", "meta", 3 -> ValueError naming it; "cuda:1" on a one-GPU host -> ValueError
+    ```
     """
     if device is None:
         return
@@ -62,7 +65,10 @@ def check_consistent(function: str, step_inputs, arrays: dict) -> dict[str, int]
     field ``num_tokens_padded`` entries, every per-request field the same ``num_reqs_padded`` (read
     from ``logits_indices``), the block table ``max_blocks_per_req`` columns (read from itself).
     Raises ValueError naming the first field that disagrees; returns the sizes it read.
+
+    ```
     # num_tokens_padded 16 but input_ids (8,) -> "input_ids has shape (8,), ... needs (16,)"
+    ```
     """
     tokens_padded = step_inputs.num_tokens_padded
     if isinstance(tokens_padded, bool) or not isinstance(tokens_padded, (int, np.integer)):
@@ -91,7 +97,10 @@ def check_features(function: str, step_inputs, sizes: dict[str, int], treedef, l
     ``min(T, R * K)`` for one K in every feature (`jaxprep.features.spec_decode.padded_sizes`); each
     micro-batch's core fields are consistent and their tokens add up to the step's. Raises ValueError naming
     the first field that disagrees.
+
+    ```
     # a bucket-8 step carrying a bucket-16 step's spec_decode -> "spec_decode.logits_indices has shape (12,) ..."
+    ```
     """
     shapes = tuple(tuple(leaf.shape) if hasattr(leaf, "shape") else None for leaf in leaves)
     _check_feature_shapes(function, treedef, shapes, sizes["num_tokens_padded"], sizes["num_reqs_padded"])
@@ -134,7 +143,11 @@ LOGIT_DIMS = ("num_logits_padded", "num_drafts_padded")
 def _check_logit_rows(function: str, logit_rows: list, sizes: dict[str, int]) -> None:
     """Each logits / drafts dimension is ``min(T, R (K + 1))`` / ``min(T, R K)`` for some K >= 0, the same K
     for all: the first field that fits no K, or none that the fields before it fit, is named.
-    # T 8, R 4: logits 8 and drafts 8 fit K >= 2; logits 12 fits no K (more rows than tokens)"""
+
+    ```
+    # T 8, R 4: logits 8 and drafts 8 fit K >= 2; logits 12 fits no K (more rows than tokens)
+    ```
+    """
     tokens, reqs = sizes["num_tokens_padded"], max(sizes["num_reqs_padded"], 1)
     candidates = range(tokens // reqs + 2)  # past it every K gives min(T, ...) = T
     common = set(candidates)

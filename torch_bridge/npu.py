@@ -65,8 +65,11 @@ def fia_layout(arrays: dict[str, Array], group_block_tables: tuple[str, ...] = (
 
     Row ``num_reqs`` becomes the dummy request, holding the padded tokens; later rows are empty.
     ``group_block_tables`` names the KV-cache groups' block tables, laid out like block_table_tensor.
+
+    ```
     # T_pad 8, num_reqs 2 of 3 rows: qsl [0,3,5,5] -> [0,3,5,8,8]  (the dummy holds tokens 5..7)
     #   seq_lens [7,2,0] -> [7,2,1,1];  block_table rows [b0,b1,0] -> [b0,b1,0,0]
+    ```
     """
     num_tokens_padded = arrays["input_ids"].shape[0]
     num_reqs = arrays["num_reqs"]

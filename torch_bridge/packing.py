@@ -40,7 +40,9 @@ def unpack(words: torch.Tensor, spans: tuple[Span, ...], base: int = 0) -> dict[
 def _split_plan(spans: tuple[Span, ...], base: int, num_words: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Chunk sizes covering ``num_words`` words from ``base`` (gaps included), and each span's chunk.
 
+    ```
     # spans at 0 (3 words) and 4 (4 words), 8 words -> sizes [0, 3, 1, 4, 0], chunks [1, 3]
+    ```
     """
     sizes, chunk_index, end = [], [], base
     for span in spans:

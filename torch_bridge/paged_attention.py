@@ -23,7 +23,10 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     """Writes token t's key/value ([num_tokens, num_kv_heads, head_size]) at slot ``slot_mapping[t]``.
 
     Padded tokens (slot -1) write nothing; -1 is masked out, never used as an index (it would wrap).
+
+    ```
     # block_size 4, slot_mapping [5, 14, -1] -> block 1 row 1, block 3 row 2, skipped
+    ```
     """
     written = slot_mapping != PAD_SLOT_ID
     slots = slot_mapping[written].long()
@@ -57,7 +60,10 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """Attention of S queries over L >= S keys, causal and bottom-right aligned (docs/semantics.md#causal-mask).
 
     Query i sits at position L - S + i and sees keys 0 .. L - S + i.
+
+    ```
     # S 2, L 5 -> query 0 sees keys 0..3, query 1 sees keys 0..4
+    ```
     """
     num_queries, num_keys = query.shape[0], keys.shape[0]
     group = query.shape[1] // keys.shape[1]  # grouped-query attention: kv head h serves query heads h*g..

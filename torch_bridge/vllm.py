@@ -86,7 +86,9 @@ class HostMirror:
 def host_mirror(inputs) -> HostMirror:
     """The host values of ``inputs`` (a `torch_bridge.TorchStepInputs`): one device-to-host copy at most.
 
+    ```
     # idx_mapping [2, 0, -1, -1], dcp [5, 3, 0, 0] -> one [8] int32 copy -> split back into [4] + [4]
+    ```
     """
     meta = inputs.attn_metadata
     parts = {"idx_mapping": inputs.idx_mapping}
@@ -182,8 +184,11 @@ def is_prefilling(host: HostMirror, prefill_len) -> torch.Tensor:
 
     As vLLM V1 (``num_computed_tokens_cpu < num_prompt_tokens_cpu``) and V2 (``num_computed_prefill_tokens
     < prefill_len``). num_computed = seq_lens - query lens:
+
+    ```
     # qsl [0, 16, 17], seq_lens [16, 41], prompt by row {3: 40, 1: 20}, idx_mapping [3, 1]
     #   -> computed [0, 40] -> [0 < 40, 40 < 20] = [True, False]
+    ```
     """
     prompt = np.asarray(prefill_len)
     rows = host.idx_mapping
@@ -201,7 +206,9 @@ def fast_prefill_fields(inputs, host: HostMirror) -> dict:
     """``logits_indices_padded`` (pads repeat the last real index, as vLLM's runners pad it),
     ``num_logits_indices`` and ``max_logits_per_req``.
 
+    ```
     # logits_indices [4, 9, 0, 0], 2 real -> [4, 9, 9, 9], num_logits_indices 2, max_logits_per_req 1
+    ```
     """
     indices = inputs.logits_indices if inputs.spec_decode is None else inputs.spec_decode.logits_indices
     count = host.num_logits

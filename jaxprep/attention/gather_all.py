@@ -23,7 +23,10 @@ def paged_context(inputs: StepInputs, block_size: int, max_model_len: int):
 
     Context position j of batch row b lives at slot block_table[b, j // B] * B + j % B; token t of
     row b sees j <= positions[t] (causal) and j < seq_lens[b]; padded tokens see nothing.
+
+    ```
     # B 2, block_table row [4, 9, 0..], position 2 -> slots [8, 9, 18, 19, ..], mask [1, 1, 1, 0, ..]
+    ```
     """
     meta = inputs.attn_metadata
     num_columns = -(-max_model_len // block_size)

@@ -33,8 +33,11 @@ def token_kv_lens(inputs: StepInputs) -> tuple[Int32[Array, " num_tokens_padded"
 
     A real token at ``positions[t]`` of row r sees keys 0..positions[t] that exist: ``min(positions[t] + 1,
     seq_lens[r])``; a padded token sees none.
+
+    ```
     # query_start_loc [0, 3, 4], positions [5, 6, 7, 2, 0, 0], seq_lens [8, 3], 4 real tokens
     #   -> token_row [0, 0, 0, 1, 1, 1], kv_lens [6, 7, 8, 3, 0, 0]
+    ```
     """
     meta = inputs.attn_metadata
     num_tokens = inputs.num_tokens_padded
@@ -50,7 +53,10 @@ def chunk_slots(block_table: Int32[Array, "num_reqs_padded max_blocks_per_req"],
     """Cache slots of chunk ``chunk`` of every tile's row: block_table columns chunk * C .. chunk * C + C - 1,
     each expanded to its ``block_size`` slots (only [num_tiles, C] of the table is read, whatever its
     width). Columns and block ids are clamped: every read is in bounds.
+
+    ```
     # B 2, C 2, a tile's row [4, 9, 7, 0, ..], chunk 1 -> blocks [7, 0] -> slots [14, 15, 0, 1]
+    ```
     """
     columns = chunk * blocks_per_chunk + jnp.arange(blocks_per_chunk, dtype=jnp.int32)
     columns = jnp.minimum(columns, block_table.shape[1] - 1)
@@ -66,7 +72,10 @@ MAX_QUERY_TILE = 16
 def default_query_tile(num_tokens_padded: int, num_reqs_padded: int) -> int:
     """Tokens per tile for a bucket: 1 when the bucket has a row per token (decode-sized: every token its own
     tile), else the bucket's tokens per row, at most `MAX_QUERY_TILE`.
+
+    ```
     # T 8, R_pad 8 -> 1; T 256, R_pad 1 -> 16; T 256, R_pad 64 -> 4
+    ```
     """
     return max(1, min(MAX_QUERY_TILE, num_tokens_padded // num_reqs_padded))
 
@@ -77,8 +86,11 @@ def query_tiles(inputs: StepInputs, tile: int) -> tuple[Int32[Array, " num_tiles
 
     ``cdiv(T, tile) + R_pad`` tiles bound every batch (sum over rows of cdiv(q_len, tile) <= T / tile + R);
     the unused ones have ``tile_len`` 0. With ``tile`` 1, tile t is token t.
+
+    ```
     # query_start_loc [0, 5, 6, 6], 6 real tokens, tile 4 -> tiles per row [2, 1, 0]
     #   -> tile_row [0, 0, 1, ...], tile_start [0, 4, 5, ...], tile_len [4, 1, 1, 0, ...]
+    ```
     """
     meta = inputs.attn_metadata
     num_tokens = inputs.num_tokens_padded

@@ -36,7 +36,10 @@ GPU_K_SPLITS = 16
 
 def to_gpu_pages(cache: jax.Array, block_size: int) -> jax.Array:
     """One layer's cache [num_blocks * B, K, D] -> the GPU kernel's pages [K, num_blocks, B, D].
+
+    ```
     # B 2, slots [s0 s1 | s2 s3] of head k -> pages[k] = [[s0, s1], [s2, s3]]
+    ```
     """
     num_slots, num_kv_heads, head_dim = cache.shape
     return cache.reshape(num_slots // block_size, block_size, num_kv_heads, head_dim).transpose(2, 0, 1, 3)
@@ -45,7 +48,10 @@ def to_gpu_pages(cache: jax.Array, block_size: int) -> jax.Array:
 def to_tpu_kv_pages(k_cache: jax.Array, v_cache: jax.Array, block_size: int) -> jax.Array:
     """One layer's K and V caches [num_blocks * B, K, D] -> the TPU kernel's kv_pages
     [num_blocks, B, 2K, D], K and V interleaved by head: combined head 2k is K head k, 2k + 1 is V head k.
+
+    ```
     # K heads [k0, k1], V heads [v0, v1] -> [k0, v0, k1, v1]
+    ```
     """
     num_slots, num_kv_heads, head_dim = k_cache.shape
     pages = jnp.stack([k_cache, v_cache], axis=2)  # [num_slots, K, 2, D]
@@ -56,7 +62,10 @@ def gpu_kernel_table(block_table: jax.Array) -> tuple[jax.Array, int, int]:
     """``(block_tables, k_splits, pages_per_compute_block)``: the GPU kernel wants pages_per_sequence
     divisible by k_splits, and each split divisible by pages_per_compute_block, a power of 2 (Triton's
     block shapes); columns are padded with the null block 0 (never read: they lie past every length).
+
+    ```
     # width 5 -> pages_per_compute_block 4, k_splits 2, width 8; width 40 -> 8, 5, 40
+    ```
     """
     width = block_table.shape[1]
     per_block = min(GPU_PAGES_PER_COMPUTE_BLOCK, 1 << (width.bit_length() - 1))

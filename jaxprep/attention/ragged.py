@@ -60,12 +60,22 @@ COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _pow2_ceil(n: int) -> int:
-    """# 1 -> 1, 3 -> 4, 16 -> 16"""
+    """The smallest power of 2 >= n (1 for n <= 1).
+
+    ```
+    # 1 -> 1, 3 -> 4, 16 -> 16
+    ```
+    """
     return 1 << max(0, (n - 1).bit_length())
 
 
 def _pow2_floor(n: int) -> int:
-    """# 1 -> 1, 12 -> 8, 16 -> 16"""
+    """The largest power of 2 <= n (1 for n <= 1).
+
+    ```
+    # 1 -> 1, 12 -> 8, 16 -> 16
+    ```
+    """
     return 1 << (max(n, 1).bit_length() - 1)
 
 
@@ -135,8 +145,11 @@ def ragged_tiles(inputs: StepInputs, tile: int) -> Int32[Array, "4 num_tiles"]:
     (after the used ones) writes zeros to tokens ``num_actual + u * tile ..`` (``span`` of them, up to
     ``tile``, none past T), so the padded tail is covered: ``cdiv(T, tile) + R_pad`` tiles leave at least
     ``cdiv(T - num_actual, tile)`` spare ones.
+
+    ```
     # query_start_loc [0, 5, 6, 6], 6 real tokens of T 8, tile 4 -> 5 tiles:
     #   row [0, 0, 1, ..], start [0, 4, 5, 6, 10], len [4, 1, 1, 0, 0], span [4, 1, 1, 2, 0]
+    ```
     """
     tile_row, tile_start, tile_len = query_tiles(inputs, tile)
     num_tiles = tile_row.shape[0]
@@ -151,7 +164,10 @@ def ragged_tiles(inputs: StepInputs, tile: int) -> Int32[Array, "4 num_tiles"]:
 def default_kv_splits(num_tiles: int, num_kv_heads: int) -> int:
     """Splits of each tile's context: doubled while the grid stays within `TARGET_PROGRAMS` (at most
     `MAX_KV_SPLITS`), so a small decode batch over long contexts still fills the GPU.
+
+    ```
     # 1 tile x 8 heads -> 16 (capped); 8 x 8 -> 4; 32 x 8 -> 1
+    ```
     """
     splits = 1
     while splits < MAX_KV_SPLITS and 2 * splits * num_tiles * num_kv_heads <= TARGET_PROGRAMS:
@@ -180,8 +196,11 @@ def plan_ragged(inputs: StepInputs, *, num_heads: int = 1, num_kv_heads: int = 1
 def _rows(tiles_ref, program, sizes: RaggedSizes):
     """Each row's token (clamped, to read at; and where it writes), its query head, whether it is
     computed and whether it is written; a row not written points at `RaggedSizes.spare_row`.
+
+    ```
     # Q 2, G 3 (Gp 4), M 16, tile start 5, len 1, span 1, KV head 1:
     #   rows 0..2 -> token 5, heads 3..5 computed and written; row 3 (g = 3 >= G) and rows 4.. (i >= len) neither
+    ```
     """
     start, length, span = tiles_ref[1, program], tiles_ref[2, program], tiles_ref[3, program]
     r = jnp.arange(sizes.rows, dtype=jnp.int32)

@@ -6,18 +6,27 @@ for the command-line process only, never by the library on import.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
 
-# subcommand -> module with add_arguments(parser) and run(args) -> int
+# subcommand -> module with SUMMARY, DESCRIPTION (its --help, plain text), add_arguments(parser) and run(args) -> int
 COMMANDS = {
-    "demo": "jaxprep.cli.demo",
-    "generate": "jaxprep.cli.generate",
     "simulate": "jaxprep.cli.simulate",
+    "generate": "jaxprep.cli.generate",
+    "demo": "jaxprep.cli.demo",
     "walkthrough": "jaxprep.cli.walkthrough",
 }
 DEFAULT_COMMAND = "simulate"
+DESCRIPTION = """\
+jaxprep turns an LLM scheduler's decision into the model's inputs (positions,
+slot mapping, block tables, ...) with jitted JAX functions. These commands show
+it at work."""
+EPILOG = """\
+With no command, jaxprep runs simulate: "jaxprep --check" is
+"jaxprep simulate --check". "jaxprep COMMAND --help" lists a command's options."""
+"""``jaxprep --help``: plain text for users, wrapped by hand (tests/cli/test_help.py)."""
 
 
 def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None = None,
@@ -70,19 +79,33 @@ def _out_of_memory(args, error: BaseException):
     sys.exit(2)
 
 
+def commands_help(modules: dict) -> str:
+    """The ``commands:`` section of ``jaxprep --help``: a line per subcommand (argparse's own listing
+    wraps a long name onto two lines and adds a ``COMMAND`` line)."""
+    width = max(map(len, modules)) + 3
+    lines = [f"  {name:<{width}}{module.SUMMARY}{' (default)' if name == DEFAULT_COMMAND else ''}"
+             for name, module in modules.items()]
+    return "\n".join(["commands:", *lines])
+
+
 def parse_args(argv: list[str] | None = None):
     """(subcommand module, checked arguments); a bad flag exits 2 with one line naming it, before
     anything is compiled (`jaxprep.cli._args`)."""
     from jaxprep.cli._args import ArgumentParser, UsageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = ArgumentParser(prog="jaxprep", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command")
-    modules, parsers = {}, {}
-    for name, module_path in COMMANDS.items():
-        modules[name] = importlib.import_module(module_path)
-        parsers[name] = subparsers.add_parser(name, help=modules[name].__doc__.splitlines()[0])
-        modules[name].add_arguments(parsers[name])
+    modules = {name: importlib.import_module(path) for name, path in COMMANDS.items()}
+    text = argparse.RawDescriptionHelpFormatter  # the descriptions keep their own lines
+    parser = ArgumentParser(prog="jaxprep", usage="%(prog)s [-h] [COMMAND] [options]", epilog=EPILOG,
+                            description=f"{DESCRIPTION}\n\n{commands_help(modules)}", formatter_class=text)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="jaxprep")
+    parsers = {}
+    for name, module in modules.items():
+        parsers[name] = subparsers.add_parser(name, help=module.SUMMARY, description=module.DESCRIPTION,
+                                              formatter_class=text)
+        module.add_arguments(parsers[name])
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        parser.error(f"{argv[0]}: not a command (one of {', '.join(COMMANDS)}; none runs {DEFAULT_COMMAND})")
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv.insert(0, DEFAULT_COMMAND)
     args = parser.parse_args(argv)

@@ -7,6 +7,9 @@ A dispatch with no prompt token is a decode dispatch: each token it runs is a ge
     prefill tokens/s = prompt tokens of prefill dispatches / their seconds
     decode tokens/s  = tokens of decode dispatches / their seconds
 
+(the decodes riding in a prefill dispatch count to neither: every prompt token is a prefill token,
+but not every decode token a decode dispatch's).
+
 The engine must keep its history (``keep_history=True``: one `DispatchRecord` per dispatch) and call
 ``on_step`` once per dispatch; otherwise (``simulate --async-scheduling``) the figures are None.
 """
@@ -32,25 +35,34 @@ class PhaseClock:
         if self.then is not None:
             self.then(engine)
 
-    def rates(self, stats) -> dict:
-        """``prefill_tokens``, ``prefill_s``, ``prefill_tokens_per_s`` and the same for decode. (The prepare
-        figure of `Engine(time_prep=True)` is replayed after the loop, so no dispatch's seconds include it.)"""
+    def phases(self, stats) -> dict | None:
+        """``{"prefill": (dispatches, tokens, seconds), "decode": (...)}``, seconds unrounded; None when
+        the engine's callbacks are not one per dispatch (async scheduling). (The prepare figure of
+        `Engine(time_prep=True)` is replayed after the loop, so no dispatch's seconds include it.)"""
         records = stats.dispatches_log[-len(self.seconds):] if self.seconds else []
-        if len(records) != len(self.seconds):  # an engine whose callbacks are not one per dispatch (async)
-            return {f"{phase}_{field}": None for phase in ("prefill", "decode") for field in ("tokens", "s",
-                                                                                              "tokens_per_s")}
-        totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+        if len(records) != len(self.seconds):
+            return None
+        totals = {"prefill": [0, 0, 0.0], "decode": [0, 0, 0.0]}
         for record, seconds in zip(records, self.seconds, strict=True):
             if record.prefill_tokens:
                 phase, tokens = "prefill", record.prefill_tokens
             else:
                 phase, tokens = "decode", record.decode_tokens + sum(record.later_tokens)
-            totals[phase][0] += tokens
-            totals[phase][1] += seconds
+            totals[phase][0] += 1
+            totals[phase][1] += tokens
+            totals[phase][2] += seconds
+        return {phase: tuple(total) for phase, total in totals.items()}
+
+    def rates(self, stats) -> dict:
+        """``prefill_dispatches``, ``prefill_tokens``, ``prefill_s``, ``prefill_tokens_per_s`` (tokens over
+        the unrounded seconds) and the same for decode; all None under async scheduling."""
+        phases = self.phases(stats)
         out = {}
-        for phase, (tokens, seconds) in totals.items():
-            out.update({f"{phase}_tokens": tokens, f"{phase}_s": round(seconds, 3),
-                        f"{phase}_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None})
+        for phase in ("prefill", "decode"):
+            dispatches, tokens, seconds = phases[phase] if phases else (None, None, None)
+            out.update({f"{phase}_dispatches": dispatches, f"{phase}_tokens": tokens,
+                        f"{phase}_s": None if seconds is None else round(seconds, 3),
+                        f"{phase}_tokens_per_s": round(tokens / seconds, 1) if seconds else None})
         return out
 
 

@@ -8,6 +8,13 @@ import numpy as np
 
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 
+SUMMARY = "prepare one worked example and print every output"
+DESCRIPTION = """\
+Prepare example A of the documentation (three requests in two steps of chunked
+prefill: block size 2, max_model_len 12, budget 10, prompts of 3, 2 and 8
+tokens) with jaxprep.prepare_inputs, and print every output of each step."""
+"""``jaxprep demo --help``: plain text for users (`jaxprep.cli.parse_args`)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="validate each state before preparing it")

@@ -29,6 +29,18 @@ from jaxprep.cli._progress import add_progress_argument, progress_bar
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
+SUMMARY = "generate from a local Hugging Face checkpoint"
+DESCRIPTION = """\
+Generate from a local Hugging Face checkpoint: a Llama, Qwen2 or Qwen3 model,
+config.json and *.safetensors in DIR. All prompts are served together by the
+scheduler and jitted serving step of simulate, and printed in the order given;
+greedy unless a sampling flag (--temperature, --top-k, ...) says otherwise.
+--prompt TEXT needs DIR/tokenizer.json and the tokenizers package.
+
+example:
+  jaxprep generate --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8"""
+"""``jaxprep generate --help``: plain text for users (`jaxprep.cli.parse_args`)."""
+
 
 def _token_ids(text: str) -> list[int]:
     """'1 2 3' (or '1,2,3') -> [1, 2, 3]; an id past int32 is told the bound (the model's vocabulary is
@@ -50,18 +62,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar='"ID ID ..."', help="a prompt as token ids; repeat for more prompts")
     parser.add_argument("--prompt", dest="prompts", action="append", type=str, metavar="TEXT",
                         help="a prompt as text (needs DIR/tokenizer.json and the tokenizers package); repeatable")
-    parser.add_argument("--max-tokens", type=positive, default=16, help="tokens to generate per prompt (default 16)")
+    parser.add_argument("--max-tokens", type=positive, default=16, metavar="N",
+                        help="tokens to generate per prompt (default 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
-    parser.add_argument("--budget", type=positive, default=256,
+    parser.add_argument("--budget", type=positive, default=256, metavar="N",
                         help="token budget per step (max_num_batched_tokens; default 256)")
-    parser.add_argument("--block-size", type=positive, default=16, help="KV-cache block size (default 16)")
-    parser.add_argument("--max-num-reqs", type=positive, default=None,
+    parser.add_argument("--block-size", type=positive, default=16, metavar="N",
+                        help="KV-cache block size (default 16)")
+    parser.add_argument("--max-num-reqs", type=positive, default=None, metavar="N",
                         help="rows of the batch (default: the number of prompts)")
-    parser.add_argument("--num-blocks", type=int_in(2, why="block 0 is the null block"), default=None,
+    parser.add_argument("--num-blocks", type=int_in(2, why="block 0 is the null block"), default=None, metavar="N",
                         help="KV-cache blocks, the null block included (default: every prompt at once)")
     parser.add_argument("--max-model-len", type=int_in(2, why="one prompt token and one output token"), default=None,
+                        metavar="N",
                         help="longest sequence (default: longest prompt + max tokens, rounded up to a block)")
-    parser.add_argument("--decode-steps", type=positive, default=8,
+    parser.add_argument("--decode-steps", type=positive, default=8, metavar="N",
                         help="decode steps per multi-step dispatch (default 8)")
     add_sampling_arguments(parser)
     add_checkpoint_arguments(parser)
@@ -159,7 +174,10 @@ def serving_config(args, prompts: list[list[int]], eos_token_id: int):
 def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
     """The tokens up to and including the first EOS: the loop stops only at the first EOS id, so a
     model with several (Llama 3 instruct) may decode past another one.
+
+    ```
     # eos (2, 7), [5, 7, 9, 2] -> [5, 7]
+    ```
     """
     for i, token in enumerate(tokens):
         if token in eos_ids:

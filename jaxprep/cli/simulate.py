@@ -22,6 +22,18 @@ from jaxprep.cli._progress import add_progress_argument, progress_bar
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
+SUMMARY = "serve a built-in workload and print what it measured"
+DESCRIPTION = """\
+Serve a built-in workload (by default 64 random prompts arriving over 30 steps)
+with a tiny random-weight transformer through jaxprep's device-resident serving
+loop, and print a summary: steps, tokens, rates (each beside the tokens and the
+seconds it divides), latencies and compiles. --model DIR serves a Hugging Face
+checkpoint instead. --check recomputes every request densely and exits 1 unless
+the loop's greedy tokens are the dense ones and nothing compiled after warm-up.
+
+simulate is the default command: "jaxprep --check" is the same as
+"jaxprep simulate --check"."""
+"""``jaxprep simulate --help``: plain text for users (`jaxprep.cli.parse_args`)."""
 DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_model_len=256, num_blocks=64,
                 layers=2, d_model=64, heads=4, vocab_size=512, decode_steps=8, max_prompt_len=96, max_tokens=64,
                 arrival_spread=30, seed=0)
@@ -173,9 +185,7 @@ def run(args: argparse.Namespace) -> int:
     time_prepare(engine)  # after the loop, on a donated copy of the state: the loop never waits for it
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=warmup_compiles.compiles,
                   warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=args.compile_cache_dir)
-    summary = _summary(engine, workload, finished, wall_s, warmup, compiles)
-    # the phases' seconds and rates (their token counts differ: a decode riding in a prefill pass counts to neither)
-    summary.update({k: v for k, v in clock.rates(engine.stats).items() if not k.endswith("_tokens")})
+    summary = _summary(engine, workload, finished, wall_s, warmup, compiles, clock.phases(engine.stats))
     summary["devices"] = args.devices
     summary.update(_spec_decode_summary(engine.stats, args))
     if args.async_scheduling:
@@ -286,20 +296,34 @@ FIGURES = {
     "prepare_us": "the prepare part alone (unpack + apply the updates + prepare_padded), replayed after the loop "
                   "with the state donated (updated in place, no table copied), to block_until_ready; per "
                   "dispatch the best of several replays",
-    "tokens_per_s": "scheduled and output tokens over the loop's wall_s (prefill_tokens: requests running > 1 "
-                    "token in a pass; decode_tokens: 1-token runs)",
-    "prefill_tokens_per_s": "prompt tokens of the dispatches that run prompt tokens over those dispatches' "
-                            "seconds (prefill_s); decode_tokens_per_s: the tokens of decode-only dispatches over "
-                            "theirs (decode_s)",
+    "tokens_per_s": "scheduled_tokens over the loop's wall_s (prefill_tokens: tokens of requests running > 1 "
+                    "token in a pass; decode_tokens: 1-token runs, in any dispatch); output_tokens_per_s: "
+                    "output_tokens over wall_s",
+    "prefill_tokens_per_s": "prefill_tokens over prefill_s, the seconds of the prefill_dispatches (those that "
+                            "run prompt tokens; the decodes riding in them count to neither phase rate)",
+    "decode_tokens_per_s": "decode_dispatch_tokens, the tokens of the decode_dispatches (those with no prompt "
+                           "token: each token a generated one), over their seconds, decode_s",
     "warmup_s": "compiling every executable the loop uses before the first step (warmup_compiles of them; "
                 "warmup_cache_hits came from the persistent compilation cache)",
 }
 """What each timing figure of the summary includes, printed under it (and as ``figures`` in --json)."""
+RATES = {
+    "tokens_per_s": ("scheduled_tokens", "wall_s"),
+    "output_tokens_per_s": ("output_tokens", "wall_s"),
+    "prefill_tokens_per_s": ("prefill_tokens", "prefill_s"),
+    "decode_tokens_per_s": ("decode_dispatch_tokens", "decode_s"),
+}
+"""Each rate of the summary: (its tokens, its seconds), both figures of the summary; the CLI prints them
+beside the rate (and --json carries this as ``rates``)."""
 
 
-def _summary(engine, workload, finished, wall_s: float, warmup: dict, compiles) -> dict:
+def _summary(engine, workload, finished, wall_s: float, warmup: dict, compiles, phases: dict | None) -> dict:
+    """The summary, in print order. Every rate is two of its figures divided (`RATES`), as printed: the
+    seconds to the microsecond, so that the division gives the printed rate."""
     stats = engine.stats
-    return {
+    prefill, decode = (phases["prefill"], phases["decode"]) if phases else ((None,) * 3, (None,) * 3)
+    prefill_s, decode_s = (None if s is None else round(s, 6) for s in (prefill[2], decode[2]))
+    summary = {
         "steps": stats.model_steps,
         "dispatches": stats.dispatches,
         "multi_step_dispatches": stats.multi_step_dispatches,
@@ -310,10 +334,23 @@ def _summary(engine, workload, finished, wall_s: float, warmup: dict, compiles) 
         "prefill_tokens": stats.prefill_tokens,
         "decode_tokens": stats.decode_tokens,
         "output_tokens": stats.output_tokens,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(wall_s, 6),
+        "tokens_per_s": None,
+        "output_tokens_per_s": None,
+        "prefill_dispatches": prefill[0],
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": None,
+        "decode_dispatches": decode[0],
+        "decode_dispatch_tokens": decode[1],
+        "decode_s": decode_s,
+        "decode_tokens_per_s": None,
+    }
+    for rate, (tokens, seconds) in RATES.items():
+        if summary[tokens] is not None and summary[seconds]:
+            summary[rate] = round(summary[tokens] / summary[seconds], 1)
+    return {
+        **summary,
         **warmup,
-        "tokens_per_s": round(stats.scheduled_tokens / wall_s, 1),
-        "output_tokens_per_s": round(stats.output_tokens / wall_s, 1),
         **_percentiles("step_us", stats.step_us),
         **_percentiles("dispatch_us", stats.dispatch_us),
         **_percentiles("prepare_us", stats.prep_us),
@@ -350,9 +387,17 @@ def _spec_decode_summary(stats, args) -> dict:
 def _print(summary: dict, as_json: bool) -> None:
     print(f"== jaxprep simulate: {summary['model']}, device-resident serving loop")
     for key, value in summary.items():
-        print(f"  {key:24s} {value}")
+        print(f"  {key:26s} {value}{_formula(summary, key)}")
     print("what the figures include:")
     for name, line in FIGURES.items():
         print(f"  {name}: {line}")
     if as_json:
-        print(json.dumps(dict(summary, figures=FIGURES)))
+        print(json.dumps(dict(summary, figures=FIGURES, rates=RATES)))
+
+
+def _formula(summary: dict, key: str) -> str:
+    """``  = decode_dispatch_tokens 1123 / decode_s 0.104`` after a rate, "" after anything else."""
+    if key not in RATES or summary[key] is None:
+        return ""
+    tokens, seconds = RATES[key]
+    return f"  = {tokens} {summary[tokens]} / {seconds} {summary[seconds]}"

@@ -14,6 +14,15 @@ import os
 from jaxprep.cli._args import check_folder, check_matplotlib, flag, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 
+SUMMARY = "walk requests through chunked prefill, step by step"
+DESCRIPTION = """\
+Walk requests through chunked prefill step by step and print every table of
+every step: the requests, the token table, the block table, the KV-cache slots
+in use and every output, each step checked against the NumPy reference (exit 1
+if any output differs). The default is example A of the documentation (block
+size 2, max_model_len 12, budget 10, prompts of 3, 2 and 8 tokens), run until
+every request has finished; the options change the requests and the limits."""
+"""``jaxprep walkthrough --help``: plain text for users (`jaxprep.cli.parse_args`)."""
 DEFAULT_MAX_TOKENS = 4
 """Output tokens per request when the prompts are given and the output lengths are not."""
 MIN_COLUMNS = 4

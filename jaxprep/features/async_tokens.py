@@ -39,8 +39,10 @@ def write_prev_tokens(input_ids: Int32[Array, " num_tokens_padded"], rows: Int32
                       ) -> Int32[Array, " num_tokens_padded"]:
     """``input_ids`` with last step's sampled (and draft) tokens written in; placeholders kept.
 
+    ```
     # last batch [r0, r1, r2], r2 discarded; now [r1, r0, r2] with S [1, 1, 3]:
     #   prev rows [1, 0, -1] -> input_ids[0] = sampled[1], input_ids[1] = sampled[0]; r2 keeps the table's ids
+    ```
     """
     num_tokens_padded = input_ids.shape[0]
     prev = jnp.where(is_real_req, take_rows(prev_batch_rows, rows, fill_value=NO_PREV_ROW), NO_PREV_ROW)
@@ -65,7 +67,9 @@ def write_prev_tokens(input_ids: Int32[Array, " num_tokens_padded"], rows: Int32
 def clamp_placeholders(input_ids: Int32[Array, " num_tokens_padded"]) -> Int32[Array, " num_tokens_padded"]:
     """The model's ``input_ids``: every placeholder left (-1) becomes `PAD_INPUT_ID`.
 
+    ```
     # [502, -1, 34] -> [502, 0, 34]
+    ```
     """
     return jnp.maximum(input_ids, PAD_INPUT_ID)
 
@@ -77,7 +81,10 @@ def prev_batch_rows_from_step(idx_mapping: Int32[Array, " num_reqs_padded"],
 
     A state row gets the batch row it was sampled at, or `NO_PREV_ROW` if it was not in the batch
     or its token was discarded (a partial prefill).
+
+    ```
     # idx_mapping [2, 0, -1], discard [F, T, T], 4 rows -> [-1, -1, 0, -1]
+    ```
     """
     sampled = idx_mapping != PAD_STATE_ROW
     if discard_request_mask is not None:

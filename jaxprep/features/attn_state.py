@@ -27,8 +27,10 @@ def attn_state(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Arra
                features: FeatureConfig) -> Int32[Array, ""]:
     """The `AttnState` value of the batch as a 0-d int32 array.
 
+    ```
     # C [0, 0], S [3, 5] -> PrefillNoCache; C [4, 9], S [1, 1] -> DecodeOnly;
     # C [4, 9], S [1, 3], D [0, 2], K=2, "mtp" -> SpecDecoding; C [4, 0], S [1, 7] -> ChunkedPrefill
+    ```
     """
     def every(condition):
         return jnp.all(condition | ~is_real_req)

@@ -16,9 +16,13 @@ from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.sampling_params import SamplingConfig
 
 ATTN_MASK_MODES = (None, "compressed", "rows_bool", "rows_additive")
+"""`FeatureConfig.attn_mask`: no mask, the constant compressed mask, or one mask row per token."""
 ATTN_MASK_DTYPES = ("float16", "bfloat16", "float32")
+"""`FeatureConfig.attn_mask_dtype`: the dtype of the additive row mask."""
 REORDER_MODES = (None, "decode_first", "v2")
+"""`FeatureConfig.reorder`: state-row order, decodes first (tpu-inference) or vLLM V2's sort."""
 HYBRID_MODES = ("none", "align")
+"""`HybridConfig.mode`: how a hybrid model's state blocks fill a block-table row."""
 RUNNERS = ("v1", "v2")
 """`FeatureConfig.runner`: whose semantics the outputs follow, vLLM's model runner V1 or V2."""
 MROPE_NUM_DIMS = 3

@@ -21,9 +21,11 @@ def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: In
     """This rank's slot of every token, ``PAD_SLOT_ID`` for tokens stored on other ranks (and, as
     in `jaxprep._ragged.slot_mapping`, for a block id outside ``[1, max_block_id]``).
 
+    ```
     # B=2, W=2, row [10, 11], positions 0..7:
     #   I=1: rank 0 [20,-1,21,-1,22,-1,23,-1], rank 1 [-1,20,-1,21,-1,22,-1,23]
     #   I=2: rank 0 [20,21,-1,-1,22,23,-1,-1]
+    ```
     """
     world, interleave = dcp.world_size, dcp.interleave
     virtual_block_size = block_size * world
@@ -39,7 +41,9 @@ def dcp_local_seq_lens(seq_lens: Int32[Array, " num_reqs_padded"], is_real_req: 
                        dcp: DCPConfig) -> Int32[Array, " num_reqs_padded"]:
     """Tokens of each sequence stored on this rank; padded rows `PAD_SEQ_LEN`.
 
+    ```
     # W=2, I=1, seq_len 7 -> rank 0 holds positions 0,2,4,6 (4), rank 1 holds 1,3,5 (3)
+    ```
     """
     world, interleave = dcp.world_size, dcp.interleave
     span = world * interleave

@@ -19,6 +19,8 @@ def discard_request_mask(computed: Int32[Array, " num_reqs_padded"], scheduled: 
                          is_real_req: Bool[Array, " num_reqs_padded"]) -> Bool[Array, " num_reqs_padded"]:
     """True for the batch rows whose sampled token is discarded; padded rows: `PAD_DISCARD`.
 
+    ```
     # C [0, 0, 0], S [3, 2, 5], prompts [3, 2, 8] -> [F, F, T] (docs/semantics.md#example-a-step-1)
+    ```
     """
     return jnp.where(is_real_req, computed + scheduled < prefill_len, PAD_DISCARD)

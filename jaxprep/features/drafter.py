@@ -19,6 +19,7 @@ switch of the prepared step itself (`DrafterConfig`), read from the batch state 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 
 import jax
@@ -89,7 +90,9 @@ class DraftDecodeInputs:
 def drafter_target_inputs(token_ids, rows, computed, scheduled, prefill_len, is_real_req) -> DrafterTargetInputs:
     """The target side, inside the prepared step (``_prepare_prefill_inputs_kernel`` of the target).
 
+    ```
     # C 4, S 6, prefill_len 20 -> next token at position 10; C 9, S 3, prefill_len 5 -> 0 (a decode)
+    ```
     """
     end = computed + scheduled
     inside = is_real_req & (end < prefill_len)
@@ -107,8 +110,11 @@ def draft_prefill_body(step, num_sampled: Int32[Array, " num_reqs_padded"],
     ``num_sampled[b]``: tokens the rejection sampler accepted for batch row b, bonus included
     (prefill chunks are zeroed here, as vLLM's ``get_num_sampled_and_rejected`` does);
     ``last_sampled[s]``: the last accepted token of state row s.
+
+    ```
     # qsl [0,3,5,6,12], n [3,2,1,1], sampled [2,1,1,0] (row 3 a chunk) -> rejected [1,1,0,0]
     #   q' = S - rejected [2,1,1,6] -> last_token_indices [1,3,5,11]
+    ```
     """
     meta, target = step.attn_metadata, step.drafter
     qsl, is_real_req = meta.query_start_loc, step.idx_mapping >= 0
@@ -131,7 +137,9 @@ def _shift_tokens(step, qsl, kept, next_token):
     """Token i of batch row b reads target token i + 1 (i < q' - 1), the next token (i = q' - 1), or
     nothing (a rejected token, i >= q'); positions are the target's for i < q'.
 
+    ```
     # row tokens [19, 50, 51], positions [9, 10, 11], q' 2, next 56 -> [50, 56, ·], [9, 10, ·]
+    ```
     """
     num_tokens_padded = step.input_ids.shape[0]
     token = jnp.arange(num_tokens_padded, dtype=jnp.int32)
@@ -149,8 +157,10 @@ def draft_decode_start_body(draft: DraftInputs, draft_tokens: Int32[Array, " num
                             config) -> DraftDecodeInputs:
     """Draft step 1 from step 0's sampled ``draft_tokens`` (``_prepare_decode_inputs_kernel``).
 
+    ```
     # pos_d [10, 7, 12, 9], seq_lens [12, 9, 13, 10], rejected [1, 1, 0, 0]
     #   -> positions [11, 8, 13, 10], seq_lens [12, 9, 14, 11], sample_src [12, 9, 14, 11]
+    ```
     """
     is_real = draft.idx_mapping >= 0
     seq_lens = jnp.where(is_real, draft.seq_lens - draft.num_rejected, PAD_SEQ_LEN)
@@ -169,7 +179,9 @@ def _decode_inputs(idx_mapping, draft_tokens, positions, seq_lens, sample_src, s
     """One decode step: each row feeds its last draft; position and seq_len advance (clamped) unless
     the drafter keeps them (``advance_draft_positions=False``); the sampling key always advances.
 
+    ```
     # R 4 of R_pad 6 -> query_start_loc [0, 1, 2, 3, 4, 4, 4]
+    ```
     """
     is_real = idx_mapping >= 0
     if config.features.drafter.advance_draft_positions:
@@ -187,10 +199,26 @@ def _decode_inputs(idx_mapping, draft_tokens, positions, seq_lens, sample_src, s
         sample_src_positions=jnp.where(is_real, sample_src + 1, PAD_SAMPLE_SRC_POSITION))
 
 
-draft_prefill = jax.jit(draft_prefill_body)
-draft_prefill.__doc__ = "Jitted `draft_prefill_body`: one executable per step shape."
-draft_decode_start = jax.jit(draft_decode_start_body, static_argnames=("config",))
-draft_decode_advance = jax.jit(draft_decode_advance_body, static_argnames=("config",))
+@jax.jit
+def draft_prefill(step, num_sampled: Int32[Array, " num_reqs_padded"],
+                  last_sampled: Int32[Array, " max_num_reqs"]) -> DraftInputs:
+    """`draft_prefill_body`, jitted (one executable per step shape): draft step 0's inputs from the
+    verified target ``step``, ``num_sampled`` per batch row and ``last_sampled`` per state row."""
+    return draft_prefill_body(step, num_sampled, last_sampled)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def draft_decode_start(draft: DraftInputs, draft_tokens: Int32[Array, " num_reqs_padded"], step,
+                       config) -> DraftDecodeInputs:
+    """`draft_decode_start_body`, jitted: draft step 1 from step 0's sampled ``draft_tokens``."""
+    return draft_decode_start_body(draft, draft_tokens, step, config)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def draft_decode_advance(previous: DraftDecodeInputs, draft_tokens: Int32[Array, " num_reqs_padded"], step,
+                         config) -> DraftDecodeInputs:
+    """`draft_decode_advance_body`, jitted: draft step k + 1 from step k's sampled ``draft_tokens``."""
+    return draft_decode_advance_body(previous, draft_tokens, step, config)
 
 
 def check_verification(step, num_sampled, last_sampled) -> None:

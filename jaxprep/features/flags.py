@@ -73,7 +73,9 @@ def safe_block_table(table: Int32[Array, "max_num_reqs W"], rows: Int32[Array, "
     an id lies in a column a request uses. ``row_seq_lens``: each state row's sequence length if it is in
     the batch, else 0.
 
+    ```
     # B 4, seq_lens [9], max_block_id 39, row [1, 2, 77, 55] -> columns used 0..2 -> [1, 2, 0, 0], bit set
+    ```
     """
     last = table.shape[0] - 1
     gathered = table.at[jnp.clip(rows, 0, last)].get(mode="promise_in_bounds")
@@ -99,7 +101,10 @@ def _used_ids_outside(table: Int32[Array, "max_num_reqs W"], row_seq_lens: Int32
     read only when it is above ``max_block_id``; a table whose unused entries are ids too (vLLM's
     zeros, a finished request's stale ids) never pays the second pass. Elsewhere the masked pass
     alone (a conditional costs a GPU a device-to-host sync).
+
+    ```
     # B 4, seq_lens [9, 0], max_block_id 39, rows [[1, 2, 77, 55], [-1, 0, 0, 0]] -> used ids [1, 2, 77] -> set
+    ```
     """
     masked = functools.partial(used_ids_outside_masked, tokens_per_column=tokens_per_column,
                                max_block_id=max_block_id)
@@ -217,7 +222,9 @@ def feature_state_flags(state, config) -> list[tuple[int, Bool[Array, ""]]]:
 def _counts_per_target(targets, claimed, size: int):
     """How many claimed entries name each target in [0, size); unclaimed ones write a spare entry.
 
+    ```
     # targets [2, 0, 2, 5], claimed [T, T, T, F], size 4 -> counts [1, 0, 2, 0] -> per entry [2, 1, 2, 0]
+    ```
     """
     index = jnp.where(claimed, jnp.clip(targets, 0, size - 1), size)
     counts = jnp.zeros((size + 1,), jnp.int32).at[index].add(1, mode="promise_in_bounds")
@@ -236,7 +243,9 @@ def _bad_prev_batch_rows(prev, in_batch):
 def _unloaded_adapters(lora_ids, lora_slots, in_batch):
     """Scheduled rows whose adapter id is negative, or held by no slot or by two (`lora.check_lora_inputs`).
 
+    ```
     # slots [3, -1, 7, 3], ids [7, 0, 3, 9, -2] -> matches [1, -, 2, 0, -] -> bad [F, F, T, T, T]
+    ```
     """
     matches = jnp.sum(lora_ids[:, None] == lora_slots[None, :], axis=1, dtype=jnp.int32)
     return in_batch & ((lora_ids < NO_LORA_ID) | ((lora_ids > NO_LORA_ID) & (matches != 1)))
@@ -253,7 +262,9 @@ def _sampling_flags(state, vocab_size: int) -> list:
     float compares, NumPy does not). For x >= +0 the int32 patterns order as the floats do; NaN
     patterns lie above the infinity's; -0.0 is the one negative pattern equal to 0.
 
+    ```
     # top_p 1e-45 (bits 1) -> > 0: kept; min_p -1e-45 (bits -2**31 + 1) -> below 0: flagged
+    ```
     """
     def bits(name):
         return jax.lax.bitcast_convert_type(getattr(state, name), jnp.int32)

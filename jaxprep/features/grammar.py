@@ -46,8 +46,11 @@ def grammar_metadata(state_grammar_index: Int32[Array, " max_num_reqs"], idx_map
     """`BatchState.grammar_index` read through the step's rows -> `GrammarMetadata`.
 
     ``idx_mapping`` and ``logits.expanded_idx_mapping`` name state rows (pad -1, read as NO_GRAMMAR).
+
+    ```
     # running example: g per batch row [0, 2, 1, -1], n [3, 2, 1, 1], stride 3
     #   mapping [0,1,2, 6,7,8, 3,4,5]; bitmask_rows [0,1,2, 6,7, 3, -1]
+    ```
     """
     grammar_index = take_rows(state_grammar_index, idx_mapping, fill_value=NO_GRAMMAR)  # per batch row
     row_g = take_rows(state_grammar_index, logits.expanded_idx_mapping, fill_value=NO_GRAMMAR)  # per logits row
@@ -70,7 +73,10 @@ def apply_grammar_bitmask_body(logits: Array, bitmask: Int32[Array, "num_masks w
 
     Rows whose ``bitmask_rows`` is NO_GRAMMAR (no grammar, a padded row) or past the bitmask's
     rows are untouched. Bit ``v % 32`` of word ``v // 32`` allows token ``v``.
+
+    ```
     # word 0b...0101, V 3 -> allowed [T, F, T] -> logits [x0, -inf, x2]
+    ```
     """
     vocab = logits.shape[-1]
     num_masks, words = bitmask.shape
@@ -91,7 +97,10 @@ def grammar_invalid_drafts_body(grammar: GrammarMetadata, num_acceptable_drafts:
     A grammar request accepts drafts up to ``num_acceptable_drafts[g]`` (0 for all when None);
     row ``i`` of it is invalid when ``i`` exceeds that limit; rows without a grammar never are.
     vLLM returns None exactly when ``any_invalid`` is False.
+
+    ```
     # limits [1, 0, 0] per g, rows (g, i) (0,0..2) (2,0..1) (1,0) (-,0) -> [F,F,T, F,T, F, F]
+    ```
     """
     g = grammar.row_grammar_index
     if num_acceptable_drafts is None:
@@ -102,9 +111,18 @@ def grammar_invalid_drafts_body(grammar: GrammarMetadata, num_acceptable_drafts:
     return invalid, jnp.any(invalid)
 
 
-apply_grammar_bitmask = jax.jit(apply_grammar_bitmask_body)
-apply_grammar_bitmask.__doc__ = "Jitted `apply_grammar_bitmask_body`; call it inside a larger jit to fuse it."
-grammar_invalid_drafts = jax.jit(grammar_invalid_drafts_body)
+@jax.jit
+def apply_grammar_bitmask(logits: Array, bitmask: Int32[Array, "num_masks words"], grammar: GrammarMetadata):
+    """`apply_grammar_bitmask_body`, jitted: ``logits`` with ``-inf`` where a row's bitmask bit is 0.
+    Inside a larger jit, call the body to fuse it."""
+    return apply_grammar_bitmask_body(logits, bitmask, grammar)
+
+
+@jax.jit
+def grammar_invalid_drafts(grammar: GrammarMetadata, num_acceptable_drafts: Int32[Array, " g"] | None):
+    """`grammar_invalid_drafts_body`, jitted: ``(invalid [num_logits_padded], any_invalid)``, the rows whose
+    draft was checked against a permissive row."""
+    return grammar_invalid_drafts_body(grammar, num_acceptable_drafts)
 
 
 def check_grammar_index(index, scheduled) -> None:

@@ -101,7 +101,9 @@ def hybrid_metadata(state, query_start_loc: Int32[Array, " num_reqs_padded_plus_
 def _prefill_side(query_start_loc, rows: HybridRows, indices, num_decodes, num_reqs):
     """The prefill rows moved to the front: ``(fields, batch row of each slot, is a real prefill slot)``.
 
+    ```
     # qsl [0, 3, 5, 6, 12], 3 decodes of 4 -> slot 0 is batch row 3 -> query_start_loc_p [0, 6, 6, 6, 6]
+    ```
     """
     num_reqs_padded = rows.is_real_req.shape[0]
     slot = jnp.arange(num_reqs_padded + 1, dtype=jnp.int32)
@@ -118,8 +120,10 @@ def state_indices(table: Int32[Array, "num_reqs_padded width"], seq_lens: Int32[
     """``mamba_get_block_table_tensor``: mode "none" reads the first ``1 + num_speculative_blocks``
     columns; mode "align" the block holding the last token and the ones after it.
 
+    ```
     # align, B 16, seq_lens [33, 16, 1], rows [1..5], [6..11], [12..15] -> columns from [2, 0, 0]
     #   -> [[3, 4, 5], [6, 7, 8], [12, 13, 14]]
+    ```
     """
     columns = hybrid.num_state_columns
     if hybrid.mode == "none":
@@ -135,7 +139,10 @@ def classify_rows(rows: HybridRows, prefill_len, k: int):
     A row is prefilling while ``C < prefill_len``; one that adds a single prompt token (plus any
     placeholder drafts) over existing state runs as a decode (``prefill_runs_as_decode``), and so
     does, in the builder, a prefilling one-token query over existing state.
+
+    ```
     # C [9, 4, 0, 3], S [3, 6, 5, 1], D [2, 0, 0, 0], prefill_len [5, 20, 5, 8] -> [F, T, T, F]
+    ```
     """
     is_prefilling = rows.is_real_req & (rows.computed < prefill_len)
     runs_as_decode = is_prefilling & (rows.scheduled - rows.drafts == 1) & (rows.computed > 0)
@@ -156,7 +163,10 @@ def split_point(rows: HybridRows, is_prefilling, k: int):
 
     The first row that is prefilling or longer than the decode threshold (``1 + K`` with spec
     decode, else 1) starts the prefills; every row after it counts as a prefill too.
+
+    ```
     # S [3, 2, 1, 6], K 2, prefilling [F, F, F, T] -> 3 decodes of 4
+    ```
     """
     threshold = 1 + k
     is_prefill = rows.is_real_req & ((rows.scheduled > threshold) | is_prefilling)

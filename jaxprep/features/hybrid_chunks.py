@@ -54,8 +54,10 @@ def chunk_metadata(computed: Int32[Array, " num_reqs_padded"],
                    hybrid, num_tokens_padded: int) -> HybridChunks:
     """`HybridChunks` of the prefill slots (slot p: ``computed[p]``, query ``qsl_p[p]..qsl_p[p+1]``).
 
+    ```
     # chunk 8, computed [5, 0, 16], qsl_p [0, 10, 13, 33] -> chunks per slot [2, 1, 3]
     #   cu_chunk_seqlen [0, 3, 10, 13, 21, 29, 33], seq_idx [0, 0, 1, 2, 2, 2], last [1, 2, 5]
+    ```
     """
     chunk, num_reqs_padded = hybrid.chunk_size, is_prefill.shape[0]
     capacity = max_num_chunks(num_reqs_padded, num_tokens_padded, chunk, offsets is not None)

@@ -40,7 +40,9 @@ def sliding_window_null(block_table: Int32[Array, "num_reqs_padded W"], computed
                         sliding_window: int, block_size: int) -> Int32[Array, "num_reqs_padded W"]:
     """Nulls the columns wholly before the window of each row's first query token.
 
+    ```
     # window 4, B=2, C=9: reach 3, first kept column (9 - 3) // 2 = 3 -> columns 0..2 become 0
+    ```
     """
     reach = sliding_window - 1
     first_kept = jnp.maximum(computed - reach, 0) // block_size
@@ -52,7 +54,9 @@ def kernel_block_table(block_table: Int32[Array, "num_reqs_padded W"],
                        k: int) -> Int32[Array, "num_reqs_padded kernel_width"]:
     """Expands manager blocks into ``k`` kernel blocks each; the null block stays null.
 
+    ```
     # B=32, b=16, k=2: row [3, 7, 0] -> [6, 7, 14, 15, 0, 0]
+    ```
     """
     if k == 1:
         return block_table

@@ -66,9 +66,11 @@ def logits_indirection(idx_mapping: Int32[Array, " num_reqs_padded"], drafts: In
                        num_speculative_tokens: int) -> LogitsIndirection:
     """The step's `LogitsIndirection` from its batch rows (``idx_mapping``: slots, pad -1).
 
+    ```
     # idx_mapping [5, 1, 2, 3], D [2, 1, 0, 0], qsl [0, 3, 5, 6, 12] -> n [3, 2, 1, 1], cu [0, 3, 5, 6, 7]
     #   logits row -> request [0,0,0, 1,1, 2, 3], local [0,1,2, 0,1, 0, 0]
     #   logits_indices = qsl[b+1] - n[b] + local = [0,1,2, 3,4, 5, 11]; expanded [5,5,5, 1,1, 2, 3]
+    ```
     """
     num_tokens_padded, num_reqs_padded = positions.shape[0], drafts.shape[0]
     num_logits_padded, _ = padded_sizes(num_tokens_padded, num_reqs_padded, num_speculative_tokens)

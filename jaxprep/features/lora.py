@@ -80,7 +80,9 @@ class LoRAMetadata:
 def adapter_slots(lora_ids: Int32[Array, " n"], lora_slots: Int32[Array, " max_loras"]) -> Int32[Array, " n"]:
     """The GPU slot holding each adapter id; -1 for no adapter (and, on unchecked input, an unloaded one).
 
+    ```
     # lora_slots [3, -1, 7, -1], lora_ids [7, 0, 3, 9] -> [2, -1, 0, -1]
+    ```
     """
     match = (lora_ids[:, None] == lora_slots[None, :]) & (lora_ids[:, None] > NO_LORA_ID)
     return jnp.where(jnp.any(match, axis=1), jnp.argmax(match, axis=1).astype(jnp.int32), NO_LORA_SLOT)
@@ -130,9 +132,11 @@ def lora_metadata(lora_ids, lora_slots, rows, is_real_req, drafts, token_rows, i
 def _prompt_mapping(req_ids, req_slots, is_real_req, drafts, num_tokens_padded: int, features):
     """(row ends per request, each row's batch row, adapter id and slot per row) in the runner's layout.
 
+    ```
     # V1, D [2, 1, 0, 0] -> n = D + 1 [3, 2, 1, 1], ends [3, 5, 6, 7], rows of [0,0,0, 1,1, 2, 3]:
     #   ids [7, 7, 3, 0] -> [7,7,7, 7,7, 3, 0]
     # V2 -> one row per request: ends [1, 2, 3, 4], ids [7, 7, 3, 0]
+    ```
     """
     num_reqs_padded = is_real_req.shape[0]
     if not features.lora.prompt_per_logits_row(features.runner):
@@ -157,8 +161,11 @@ def kernel_metas(req_slots: Int32[Array, " num_reqs_padded"], is_real_req: Bool[
     slot ``req_slots[b]``, so a stable sort of the rows by slot is a stable sort of the requests by
     slot, each keeping its rows in order. One sort of the requests serves both mappings, and both
     hold the same slot indices (every request has tokens and logits rows).
+
+    ```
     # slots [2, -1, 0, 2], token ends [3, 9, 10, 12] -> requests by slot [1, 2, 0, 3]
     #   -> sorted rows [3,4,5,6,7,8, 9, 0,1,2, 10,11]; ids [-1, 0, 2], counts [6, 1, 5], start [0, 6, 7, 12]
+    ```
     """
     order = jnp.argsort(jnp.where(is_real_req, req_slots, lora.max_loras), stable=True).astype(jnp.int32)
     hit, to_front, active, num_ids, num_adapters = _active_slots(req_slots, is_real_req, lora.max_loras)
@@ -188,7 +195,10 @@ def _active_slots(req_slots: Int32[Array, " num_reqs_padded"], is_real_req: Bool
     max_loras - 1), ``to_front [W, W]`` (bucket k goes to front position i), ``active_lora_ids [W]``,
     the number of distinct indices and of distinct adapters (-1 not counted). With no adapter at all
     nothing is active (vLLM returns early and leaves its buffers reset).
+
+    ```
     # slots [2, -1, 0, 2], max_loras 4 -> buckets hit [T, T, F, T, F] -> active [-1, 0, 2, -1, -1], 3 ids, 2 adapters
+    ```
     """
     ids = jnp.arange(-1, max_loras, dtype=jnp.int32)
     hit = is_real_req[:, None] & (req_slots[:, None] == ids[None, :])
@@ -208,8 +218,11 @@ def _sorted_rows(order: Int32[Array, " num_reqs_padded"], rank: Int32[Array, " n
     ``owner``: batch row of each row. The padded tail is the identity.
 
     Every row moves by its request's shift, the request's start in sorted order minus its own start:
+
+    ```
     # order [1, 2, 0, 3], ends [3, 9, 10, 12] -> starts [0, 3, 9, 10], sorted starts [7, 0, 6, 10]
     #   -> shifts [7, -3, -3, 0]; rows 0..11 go to [7,8,9, 0,1,2,3,4,5, 6, 10,11] -> [3,4,5,6,7,8, 9, 0,1,2, 10,11]
+    ```
     """
     counts = ends - jnp.pad(ends[:-1], (1, 0))
     sorted_counts = counts[order]
@@ -223,7 +236,9 @@ def _sorted_rows(order: Int32[Array, " num_reqs_padded"], rank: Int32[Array, " n
 def _small_cumsum(values: Int32[Array, "*k w"]) -> Int32[Array, "*k w"]:
     """Inclusive cumsum along the last (short: max_loras + 1) axis as one masked sum, not a scan.
 
+    ```
     # [6, 1, 5] -> lower triangle [[1,0,0], [1,1,0], [1,1,1]] -> [6, 7, 12]
+    ```
     """
     width = values.shape[-1]
     lower = np.tril(np.ones((width, width), bool))

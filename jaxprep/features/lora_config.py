@@ -62,7 +62,9 @@ class LoRAConfig:
     def captured_lora_counts(self) -> tuple[int, ...]:
         """vLLM `vllm/lora/utils.py::get_captured_lora_counts`: the kernel's rounding targets.
 
+        ```
         # max_loras 4: specialize -> (1, 2, 4, 5); else -> (5,)
+        ```
         """
         last = self.max_loras + 1
         if not self.specialize_active_lora:
@@ -75,7 +77,10 @@ class LoRAConfig:
         V1 `vllm/v1/cudagraph_dispatcher.py::CudagraphDispatcher._get_lora_cases`, V2
         `vllm/v1/worker/gpu/lora_utils.py::get_lora_capture_cases`. A step whose key is not here
         runs eagerly: V1 without ``cudagraph_specialize_lora`` captures no case 0.
+
+        ```
         # max_loras 4, defaults: V1 (0, 5), V2 (0, 5); cudagraph_specialize_lora=False: V1 (5,), V2 (0, 5)
+        ```
         """
         if self.cudagraph_specialize_lora:
             return (0, *self.captured_lora_counts())
@@ -86,7 +91,10 @@ class LoRAConfig:
 
         `vllm/lora/ops/triton_ops/lora_kernel_metadata.py::LoRAKernelMeta.prepare_tensors`: the
         smallest captured count >= k, or k itself past them. (No LoRA token at all is handled apart: 0.)
+
+        ```
         # max_loras 4, specialize: k 0..5 -> (0, 1, 2, 4, 4, 5)
+        ```
         """
         return tuple(_round_up(k, self.captured_lora_counts(), clamp=False) for k in range(self.max_loras + 2))
 
@@ -97,7 +105,10 @@ class LoRAConfig:
         ``specialize_active_lora`` the smallest captured count >= n (n past them), else max_loras + 1.
         V2 (`vllm/v1/worker/gpu/cudagraph_utils.py::CudaGraphManager._resolve_effective_loras`): 0 for
         none, else the smallest nonzero capture case >= n, clamped to the largest.
+
+        ```
         # max_loras 4, defaults: V1 and V2 (0, 5, 5, 5, 5, 5); specialize: (0, 1, 2, 4, 4, 5)
+        ```
         """
         table = [0]
         for n in range(1, self.max_loras + 2):

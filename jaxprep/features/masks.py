@@ -53,7 +53,10 @@ def row_mask_bool(positions: Int32[Array, " num_tokens_padded"], columns: int) -
     """Row ``t`` masks the KV positions after token ``t``'s own position (causal within its request).
 
     Padded tokens have position 0, so they see KV position 0 only (no all-masked row).
+
+    ```
     # positions [5, 6, 7], 9 columns -> row 0 [F,F,F,F,F,F,T,T,T], row 2 [F x 8, T]
+    ```
     """
     kv_positions = jnp.arange(columns, dtype=jnp.int32)
     return kv_positions[None, :] > positions[:, None]

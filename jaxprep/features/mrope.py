@@ -32,7 +32,9 @@ def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len
     ``[0, MROPE_POSITION_LIMIT)``: a missing prompt position (-1), a negative or too large one, or a
     completion ``p + delta`` outside it, which sets `MROPE_POSITION_MISSING`.
 
+    ```
     # P=9, delta=-2, positions [7, 8, 9, 10] -> table columns 7 and 8, then [7, 8] on every row
+    ```
     """
     in_prompt = positions < prefill_len[token_rows]
     from_prompt = prompt_positions[token_rows, :, positions].T  # [3, T_pad]
@@ -55,8 +57,10 @@ def qwen2vl_prompt_positions(segments: Sequence, *, spatial_merge_size: int = 2,
     scaled by ``second_per_grid_t * tokens_per_second`` for videos.
     ``delta = max(positions) + 1 - P``.
 
+    ```
     # [2, ("image", (1, 4, 4)), 3], merge 2 -> T [0,1, 2,2,2,2, 4,5,6], H [0,1, 2,2,3,3, 4,5,6],
     #   W [0,1, 2,3,2,3, 4,5,6]; delta = 7 - 9 = -2
+    ```
     """
     columns = []
     start = 0

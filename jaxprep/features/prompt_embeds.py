@@ -39,8 +39,10 @@ def prompt_embeds_metadata(is_token_ids: Bool[Array, "max_num_reqs max_model_len
                            input_ids: Int32[Array, " num_tokens_padded"]):
     """Returns the metadata and ``input_ids`` with 0 at the embedding positions.
 
+    ```
     # start [100], is_token_ids row [F, F, F, T, ...], positions [1, 2, 3] -> is_token_ids [F, F, T],
     #   embeds_indices [101, 102, 0]
+    ```
     """
     is_token = jnp.where(is_real_token, is_token_ids[token_rows, positions], True)
     indices = jnp.where(is_token, PAD_EMBEDS_INDEX, prompt_embeds_start[token_rows] + positions)

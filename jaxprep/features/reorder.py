@@ -30,9 +30,11 @@ _NOT_IN_BATCH = 3
 def reordered_rows(state, num_reqs_padded: int, features: FeatureConfig) -> Int32[Array, " num_reqs_padded"]:
     """State row of each batch row in the ``features.batch_order`` order; padding rows get ``max_num_reqs``.
 
+    ```
     # S [3, 1, 0, 2, 1], decode_first -> [1, 4, 0, 3, 5]
     # S [3, 2, 5] (docs/semantics.md#example-a-step-1), v2 -> [1, 0, 2]
     # S [2, 2] at slots [4, 5], K 1, runner v2 -> ties by descending slot: [5, 4]
+    ```
     """
     scheduled = state.num_scheduled_tokens
     drafts = state.num_draft_tokens if features.spec_decode else jnp.zeros_like(scheduled)
@@ -58,7 +60,10 @@ def request_distribution(scheduled: Int32[Array, " num_reqs_padded"], drafts: In
 
     Like tpu-inference, the prefill-only range is empty (``prefill_end == decode_end``); ``d``
     counts the leading decodes, so it is the number of decodes once they are ordered first.
+
+    ```
     # S [1, 1, 5, 1, pad], D 0 -> decode rows [T, T, F, T, F] -> leading 2 -> [2, 2, 4]
+    ```
     """
     is_decode = is_real_req & (scheduled == 1 + drafts)
     decode_end = jnp.sum(jnp.cumprod(is_decode.astype(jnp.int32)), dtype=jnp.int32)

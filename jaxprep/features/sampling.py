@@ -84,8 +84,10 @@ def sampling_metadata(state, idx_mapping: Int32[Array, " num_reqs_padded"],
     """The step's `SamplingMetadata`: state slots gathered per logits row (``indirection``: the
     step's `LogitsIndirection`).
 
+    ```
     # expanded_idx_mapping [5,5,5, 1,1, 2, 3, -1], temperature by slot [0, 1.5, 1, 0, 0.5, 0.7]
     #   -> temperature per row [0.7,0.7,0.7, 1.5,1.5, 1, 0, 0 (pad)]
+    ```
     """
     check_state_shapes(state, vocab_size)
     rows = indirection.expanded_idx_mapping

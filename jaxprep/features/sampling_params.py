@@ -123,7 +123,9 @@ def _is_int(value) -> bool:
 def seed_words(seed: int) -> tuple[int, int]:
     """An int64 seed as its (high, low) 32-bit words, each an int32 bit pattern.
 
+    ```
     # -1 -> (-1, -1);  2**32 + 5 -> (1, 5);  7 -> (0, 7)
+    ```
     """
     bits = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
     return tuple(int(np.uint32(word).view(np.int32)) for word in (bits >> 32, bits & 0xFFFF_FFFF))

@@ -66,8 +66,10 @@ def spec_decode_metadata(num_draft_tokens: Int32[Array, " num_reqs_padded"],
                          num_speculative_tokens: int) -> SpecDecodeMetadata:
     """Builds the metadata from each batch row's draft count (docs/semantics.md#spec-decode).
 
+    ```
     # qsl [0, 4, 104, 107], D [3, 0, 2] -> n = D + 1 = [4, 1, 3], cu_num_sampled [4, 5, 8]
     # logits_indices [0,1,2,3, 103, 104,105,106]; target [0,1,2, 5,6]; bonus [3, 4, 7]
+    ```
     """
     num_logits_padded, num_drafts_padded = padded_sizes(input_ids.shape[0], is_real_req.shape[0],
                                                         num_speculative_tokens)

@@ -52,7 +52,9 @@ class MicroBatches:
 def token_ranges(num_tokens_padded: int, num_ubatches: int) -> tuple[tuple[int, int], ...]:
     """Static ``[start, end)`` of each micro-batch: cuts at multiples of ``T_pad // n``.
 
+    ```
     # T_pad 16, n 2 -> ((0, 8), (8, 16)); T_pad 10, n 3 -> ((0, 3), (3, 6), (6, 10))
+    ```
     """
     size = num_tokens_padded // num_ubatches
     return tuple((u * size, num_tokens_padded if u == num_ubatches - 1 else (u + 1) * size)
@@ -74,8 +76,10 @@ def split_step(step: StepInputs, num_ubatches: int) -> MicroBatches:
 def _micro_batch(step: StepInputs, start: int, end: int):
     """``(StepInputs of tokens [start, end), its first batch row)``.
 
+    ```
     # qsl [0, 3, 5, 6, 12], tokens [0, 8) -> rows 0..3, qsl [0, 3, 5, 6, 8], seq_lens [12, 9, 13, 10 - 4]
     #                        tokens [8, 16) -> row 3 only, qsl [0, 4, 4, ..], seq_lens [10, 0, ..]
+    ```
     """
     meta, num_tokens_padded = step.attn_metadata, end - start
     num_reqs_padded = min(step.num_reqs_padded, num_tokens_padded)

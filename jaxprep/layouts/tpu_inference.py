@@ -87,7 +87,10 @@ def max_num_seqs(config: PrepConfig) -> int:
 
 def token_paddings(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Powers of two from 16 below the budget, and the budget rounded up to 16 (``build_token_paddings``).
+
+    ```
     # 100 -> (16, 32, 64, 112); 64 -> (16, 32, 64); 10 -> (16,)
+    ```
     """
     budget = cdiv(max_num_batched_tokens, MIN_TOKEN_BUCKET) * MIN_TOKEN_BUCKET
     powers = [MIN_TOKEN_BUCKET << i for i in range(budget.bit_length()) if MIN_TOKEN_BUCKET << i <= budget]
@@ -96,7 +99,10 @@ def token_paddings(max_num_batched_tokens: int) -> tuple[int, ...]:
 
 def request_paddings(config: PrepConfig) -> tuple[int, ...]:
     """Powers of two from 8 below the row count, and the row count (``get_req_paddings``).
+
+    ```
     # 36 rows -> (8, 16, 32, 36); 3 rows -> (8,)
+    ```
     """
     rows = max_num_seqs(config)
     return tuple(sorted({MIN_NUM_SEQS << i for i in range(rows.bit_length()) if MIN_NUM_SEQS << i < rows} | {rows}))
@@ -121,8 +127,11 @@ def two_pointer_order(is_decode: Bool[Array, " n"], num_reqs: Int32[Array, ""]) 
     Its two pointers swap the k-th prefill from the left with the k-th decode from the right while
     the prefill lies left of the decode: so, with d decodes, the k-th prefill among rows [0, d) and
     the k-th decode (from the right) among rows [d, n) trade places and every other row stays.
+
+    ```
     # [P0, D1, P2, D3]: d 2, prefill row 0 <-> decode row 3 -> [3, 1, 2, 0] ([D3, D1, P2, P0], not stable)
     # [D0, P1, P2, D3, D4]: d 3, prefills [1, 2] <-> decodes [4, 3] -> [0, 4, 3, 2, 1]
+    ```
     """
     n = is_decode.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32)
@@ -205,11 +214,14 @@ def tpu_inference_layout_body(step: StepInputs, config: PrepConfig, num_tokens_p
     )
 
 
-tpu_inference_layout = jax.jit(tpu_inference_layout_body, static_argnames=("config", "num_tokens_padded",
-                                                                             "num_reqs_padded"))
-tpu_inference_layout.__doc__ = """A jaxprep step (``prepare_padded(state, config, T)``, plain, state-row order) as
-tpu-inference 0.32.0's runner prepares it (`TpuInferenceInputs`), padded to its ``num_tokens_padded``
-tokens and ``num_reqs_padded`` logits rows (`tpu_inference_sizes`). One executable per (config, both rungs)."""
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded", "num_reqs_padded"))
+def tpu_inference_layout(step: StepInputs, config: PrepConfig, num_tokens_padded: int,
+                         num_reqs_padded: int) -> TpuInferenceInputs:
+    """A jaxprep step (``prepare_padded(state, config, T)``, plain, state-row order) as tpu-inference
+    0.32.0's runner prepares it (`TpuInferenceInputs`), padded to its ``num_tokens_padded`` tokens and
+    ``num_reqs_padded`` logits rows (`tpu_inference_sizes`). One executable per (config, both rungs);
+    `tpu_inference_layout_body` is its traced body."""
+    return tpu_inference_layout_body(step, config, num_tokens_padded, num_reqs_padded)
 
 
 # --- the RPA v3 kernel's KV cache ------------------------------------------------------------------
@@ -223,7 +235,10 @@ def rpa_v3_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head
                        dtype) -> tuple[int, int, int, int, int]:
     """``[pages, page_size, 2K / packing, packing, head_dim]``, 2K padded to the packing and the head
     dim to 128 (``get_kv_cache_shape``).
+
+    ```
     # 12 blocks of 4, K 2, D 64, bfloat16 -> (12, 4, 2, 2, 128)
+    ```
     """
     packing = kv_packing(dtype)
     return (num_blocks, block_size, cdiv(2 * num_kv_heads, packing), packing,
@@ -235,7 +250,10 @@ def to_rpa_v3_cache(k_cache: Array, v_cache: Array, block_size: int) -> Array:
     """One layer's slot-major K and V caches ``[num_blocks * B, K, D]`` (compute dtype: bit-cast a
     uint16-held bf16 cache first, `jaxprep.storage.as_compute`) -> the v3 cache (`rpa_v3_cache_shape`):
     K and V interleaved by head, as ``merge_kv`` packs the kernel's new tokens, zero padded.
+
+    ```
     # K heads [k0, k1], V heads [v0, v1] -> combined heads [k0, v0, k1, v1]; bf16: words [[k0, v0], [k1, v1]]
+    ```
     """
     num_slots, num_kv_heads, head_dim = k_cache.shape
     shape = rpa_v3_cache_shape(num_slots // block_size, block_size, num_kv_heads, head_dim, k_cache.dtype)

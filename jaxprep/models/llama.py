@@ -133,7 +133,10 @@ def _logits(params: dict, x: jax.Array, model) -> jax.Array:
 
 def _vocab_chunk(vocab_size: int) -> int:
     """The largest divisor of ``vocab_size`` in [LOGITS_CHUNK / 8, LOGITS_CHUNK], else ``vocab_size``.
+
+    ```
     # 151936 -> 9496; 128256 -> 16032; 320 -> 320
+    ```
     """
     for chunk in range(min(LOGITS_CHUNK, vocab_size), LOGITS_CHUNK // 8 - 1, -1):
         if vocab_size % chunk == 0:

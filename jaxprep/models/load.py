@@ -214,7 +214,10 @@ def _param_sources(config: DecoderConfig) -> list[tuple[tuple[str, ...], list[st
 
 def _chunks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
     """Row ranges of at most `CHUNK_BYTES` (at float32) covering a tensor's rows.
+
+    ```
     # shape [10, 2**20] float32 (4 MiB a row), CHUNK_BYTES 32 MiB -> [(0, 8), (8, 10)]
+    ```
     """
     rows = num_rows(shape)
     row_bytes = 4 * int(np.prod(shape[1:] if len(shape) > 1 else shape))

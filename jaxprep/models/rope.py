@@ -34,7 +34,9 @@ class RopeConfig:
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Inverse frequency of each rotated pair [head_dim // 2] float32.
 
+        ```
         # default, theta 10000, head_dim 4 -> [1, 0.01]; linear factor 2 -> [0.5, 0.005]
+        ```
         """
         exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
         inv_freq = np.float32(1.0) / (np.float32(self.theta) ** exponents)

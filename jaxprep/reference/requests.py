@@ -1,5 +1,5 @@
-"""NumPy reference of the per-request features (docs/semantics.md#logits-indices, #features, #request-distribution,
-#ascend-state), for reading.
+"""NumPy reference of the per-request features, for reading (docs/semantics.md#logits-indices,
+docs/semantics.md#features, docs/semantics.md#request-distribution, docs/semantics.md#ascend-state).
 
 Written the way vLLM writes them (``np.repeat``, loops over requests), independently of the jitted
 code, on unpadded host arrays in batch order; the oracle of the feature tests.
@@ -14,7 +14,12 @@ from jaxprep.reference.core import prepare_reference
 
 
 def batched_arange(counts) -> np.ndarray:
-    """# counts [3, 0, 2] -> [0, 1, 2, 0, 1]"""
+    """One ``arange(c)`` per count, concatenated.
+
+    ```
+    # counts [3, 0, 2] -> [0, 1, 2, 0, 1]
+    ```
+    """
     return np.concatenate([np.arange(int(c)) for c in counts] + [np.zeros(0, np.int64)]).astype(np.int64)
 
 

@@ -19,7 +19,10 @@ INT32_MIN = -INT32_MAX - 1
 
 def integer(where: str, value, minimum: int | None = None, error: type[Exception] = ValueError) -> int:
     """``value`` as a Python int if it is an integer (Python or NumPy, not a bool) >= ``minimum``.
+
+    ```
     # 3 -> 3; np.int64(3) -> 3; 2.5, True, None, "3" -> error naming ``where``
+    ```
     """
     if isinstance(value, (bool, np.bool_)):
         raise error(f"{where} = {value!r} must be an integer, not a bool")
@@ -35,7 +38,10 @@ def integer(where: str, value, minimum: int | None = None, error: type[Exception
 def integer_array(where: str, values, error: type[Exception] = ValueError) -> np.ndarray:
     """``values`` as an int64 array if every entry is an integer inside int32; a fraction (2.7), NaN,
     a bool array or a value past int32 raises ``error`` naming ``where``, the entry and the value.
+
+    ```
     # [3, 2.0] -> [3, 2]; [3, 2.7] -> "Schedule.num_scheduled_tokens[1] = 2.7 is not an integer"
+    ```
     """
     array = np.asarray([] if values is None else values)
     if array.size == 0 and array.dtype.kind != "b":

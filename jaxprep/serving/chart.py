@@ -18,7 +18,10 @@ PREFILL, DECODE, PADDING, PREP = "#1f77b4", "#ff7f0e", "#d9d9d9", "#2ca02c"
 def pass_columns(stats: LoopStats) -> dict[str, np.ndarray]:
     """Per forward pass: ``prefill``, ``decode`` and ``padded`` tokens, and ``first`` (the pass starts
     a dispatch). A multi-step dispatch's later passes only decode.
+
+    ```
     # records (prefill 5, decode 2, later (2,), padded 8) -> prefill [5, 0], decode [2, 2], padded [8, 8]
+    ```
     """
     prefill, decode, padded, first = [], [], [], []
     for record in stats.dispatches_log:

@@ -464,7 +464,10 @@ def check_record(rows: HostRows, idx_mapping, sampled_token_ids, num_sampled, co
 def _fold_slack(rows: HostRows, real: np.ndarray) -> HostRows:
     """After a step of ``real`` rows: a row whose counts were high by up to ``slack`` (unverified drafts)
     becomes pending, its counts at their low end and ``pending_drafts`` widened by the slack.
+
+    ```
     # C 12 (slack 2), advanced to C 14, N 15, not pending -> C 12, N 13, pending_drafts 2, slack 0
+    ```
     """
     slack = rows.slack[real]
     uncertain = real[slack > 0]
@@ -481,7 +484,10 @@ def advance_unread(rows: HostRows, config: ServingConfig) -> HostRows:
     prepare's batch (every scheduled row once): a prefill chunk computes its tokens; a row without
     drafts that reaches its last token appends one; a row with D drafts keeps 1..D + 1 tokens, so it
     becomes pending: ``num_computed_tokens`` holds its least value, ``pending_drafts`` D.
+
+    ```
     # C 9, S 3, D 2, N 10 -> pending: C 10 (all drafts rejected), N 11, pending_drafts 2
+    ```
     """
     rows = rows.copy()
     scheduled, drafts = rows.num_scheduled_tokens, rows.num_draft_tokens

@@ -30,7 +30,10 @@ class DispatchRecord:
 def dispatch_record(scheduled: list[np.ndarray], tokens: list[np.ndarray], bucket: int) -> DispatchRecord:
     """``scheduled``: each rank's ``num_scheduled_tokens`` [max_num_reqs]; ``tokens``: each rank's
     appended tokens [iterations, max_num_reqs] (-1: none).
+
+    ```
     # one rank, scheduled [5, 1, 0, 1], tokens [[x, x, -1, x], [-1, x, -1, x]] -> prefill 5, decode 2, later (2,)
+    ```
     """
     counts = np.stack([np.asarray(s) for s in scheduled])  # [ranks, max_num_reqs]
     later = sum((np.asarray(t)[1:] >= 0).sum(axis=1) for t in tokens)  # [iterations - 1]

@@ -27,7 +27,10 @@ from jaxprep.sharding import dp_bucket
 
 def route(schedulers: list[Scheduler]) -> int:
     """The rank a new request joins: least demand, then fewest unfinished requests, then lowest rank.
+
+    ```
     # demands [40, 3, 3, 0], requests [2, 1, 1, 0] -> rank 3
+    ```
     """
     keys = [(s.demand, len(s.waiting) + len(s.running), rank) for rank, s in enumerate(schedulers)]
     return min(keys)[2]
@@ -51,8 +54,11 @@ def coordinate(prep: PrepConfig, schedulers: list[Scheduler], outs: list[Schedul
 def shared_bucket(prep: PrepConfig, totals, decodes) -> int:
     """The rung, among those holding every rank's decodes (tokens a rank cannot give back), whose
     step wastes the smallest share of its slots once each rank is cut to it; ties: the larger rung.
+
+    ```
     # ladder (8, 16, 32, 64), totals [64, 12, 64, 64], decodes [0, 12, 0, 0]
     #   -> waste 16: 1 - 60/64, 32: 1 - 108/128, 64: 1 - 204/256 -> 16 (the prefills give back 48 each)
+    ```
     """
     floor = max(int(np.max(decodes)), 1)
     rungs = [b for b in prep.token_buckets if b >= floor]

@@ -42,8 +42,10 @@ def backward_match_lengths(token_ids: Int32[Array, "rows max_model_len"], num_to
     """``B[r, j]``: how many tokens before position ``j`` equal the last tokens of row ``r``, up to
     ``max_n`` (``tokens[j - d] == tokens[T - d]`` for d = 1, 2, ...), for ``1 <= j <= T - 1``; 0 elsewhere.
 
+    ```
     # T 6, tokens [3, 4, 5, 3, 4, 9]: suffix ..4, 9 -> B [0, 0, 0, 0, 0, 0]
     # T 6, tokens [3, 4, 5, 9, 3, 4], max_n 3: B[2] = 2 (tokens[0:2] = [3, 4] = the suffix), else 0
+    ```
     """
     rows, width = token_ids.shape
     column = jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -67,8 +69,10 @@ def propose_ngram(token_ids: Int32[Array, "rows max_model_len"], num_tokens: Int
     """``(draft_token_ids [rows, k] (NO_DRAFT past the count), num_draft_tokens [rows])`` of every
     ``active`` row, from its first ``num_tokens`` tokens.
 
+    ```
     # k 2, T 7, tokens [5, 6, 7, 8, 5, 6, 7], lookup 2..3: suffix [5, 6, 7] matches at 0..2 (B[3] = 3)
     #   -> drafts [8, 5] (the 2 tokens from position 3), num_draft_tokens 2
+    ```
     """
     width = token_ids.shape[1]
     lengths = backward_match_lengths(token_ids, num_tokens, config.prompt_lookup_max)

@@ -35,8 +35,11 @@ PLACEHOLDER_TOKEN = 0
 def predicted_tokens(config: ServingConfig, out: SchedulerOutput) -> np.ndarray:
     """[1, max_num_reqs]: PLACEHOLDER_TOKEN at the rows whose scheduled tokens reach the end of their
     tokens (they sample), NO_TOKEN elsewhere. Read before `Scheduler.after_schedule` advances them.
+
+    ```
     # row 0 computed 4 of 6 tokens, scheduled 2 -> samples; row 1 computed 0 of 9, scheduled 4 -> not
     #   -> [[0, -1, ...]]
+    ```
     """
     tokens = np.full((1, config.max_num_reqs), NO_TOKEN, np.int32)
     for row, request in out.requests.items():

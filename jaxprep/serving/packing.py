@@ -18,8 +18,11 @@ implied by its record's lengths (`add_runs`), a resumed row's likewise (`resume_
 blocks come as explicit segments. A run of kind ``TOKENS`` writes ``token_ids[row, col : col + len]``;
 ``MROPE + d`` writes ``mrope_positions[row, d, col : col + len]``; ``IS_TOKEN_IDS`` writes
 ``is_token_ids``; ``TABLE + t`` writes block table t (`jaxprep.serving.state.table_names`).
+
+```
 # add row 2 tokens [7, 8, 9], blocks [5] (record num_tokens 3, blocks_0 1), append row 0 block 6 at
 #   column 2: segments [(TABLE, 0, 2, 1)], data [7, 8, 9, 5, 6]
+```
 
 The schedule section is dense (rows 0..n-1, no row field) or sparse (a row field), whichever is
 shorter. The buffer is padded with zeros to a rung of the ladder `payload_buckets` (64, 128, ...
@@ -381,7 +384,10 @@ class SectionSizes:
     no more than max_num_reqs rows. `_encode` writes exactly ``HEADER_WORDS`` + the words of its
     sections and `bucket_for` never picks a rung below that, so a packed buffer's counts never
     exceed the sizes of its rung; a header that claims more sets `DeviceUpdates.bad_counts`.
+
+    ```
     # max_num_reqs 256, 6 add fields, words 64: body 54 -> finish 54, add 9, schedule 54, segments 10
+    ```
     """
 
     finish: int
@@ -514,7 +520,10 @@ def refused(updates: DeviceUpdates, bad: jax.Array) -> DeviceUpdates:
 def _bad_counts(head: dict, config: ServingConfig, sizes: SectionSizes, words: int) -> jax.Array:
     """Whether a header count is negative, over its static size, or the counts need more than
     ``words`` words (a buffer `pack_step` did not write: `SectionSizes`).
+
+    ```
     # 6 add fields, words 64: n_add 9 -> 10 + 54 words, fine; n_add 10 -> over sizes.add 9
+    ```
     """
     lay = payload_layout(config)
     counts = jnp.stack([head[name] for name in ("n_finish", "n_add", "n_resume", "n_segments", "n_schedule", "n_data")])
@@ -531,8 +540,11 @@ def _all_segments(config: ServingConfig, add: dict, resume: dict, explicit: dict
     """The runs of the data in data order: each added row's (`add_runs`), each resumed row's
     (`resume_runs`), then the explicit (appended) segments; a padded entry's runs have length 0, and
     every length is clipped to [0, ``words``] (no sum overflows; a longer claim is a value fault).
+
+    ```
     # add rows [2, -1], num_tokens [3, -1], blocks_0 [1, -1] -> runs (TOKENS, 2, 0, 3), (TABLE, 2, 0, 1),
     #   (TOKENS, -1, 0, 0), (TABLE, -1, 0, 0), then the resume runs and the explicit segments
+    ```
     """
     parts = []
     for entries, runs in ((add, add_runs(config)), (resume, resume_runs(config))):
@@ -588,7 +600,10 @@ def _read_data(blob, start, n_data, segments, length: int):
     """Per data word j < ``length``: its segment's kind and row, and its column ``col + j - segment start``;
     and whether the runs disagree with ``n_data`` (their total differs, or passes the buffer: each run is
     clipped to the buffer's words, so the running total passes it before it could overflow int32).
+
+    ```
     # segments len [3, 1], cols [0, 4] -> words 0..3 in segments [0, 0, 0, 1], columns [0, 1, 2, 4]
+    ```
     """
     lengths = segments["len"]  # clipped to [0, words] by `_all_segments`
     ends = jnp.cumsum(lengths)

@@ -36,7 +36,10 @@ def apply_penalties(logits: Logits, rows, batch) -> Logits:
       cnt  = output_bin_counts[s] + sum_{q=1..p} onehot(input_ids[j - p + q])
       seen = prompt_bin_mask[s] | cnt > 0
       x    = where(seen, where(x > 0, x / rep, x * rep), x);  x -= freq * cnt;  x -= pres * (cnt > 0)
+
+    ```
     # rows of one request, input_ids [47, 60], p [0, 1] -> drafts counted [{}, {60}]
+    ```
     """
     vocab = logits.shape[1]
     counts = take_rows(batch.output_bin_counts, rows.idx_mapping, fill_value=0) + _draft_counts(rows, vocab)
@@ -55,7 +58,10 @@ def _draft_counts(rows, vocab: int) -> Int32[Array, "num_logits_padded vocab_siz
     """Per row, how often each token is among the input ids of its request's rows 1..p.
 
     cs = inclusive prefix sum of onehot(input_ids) over rows; row j gets cs[j] - cs[j - p].
+
+    ```
     # input_ids [19, 50, 51], p [0, 1, 2] -> row 1 {50}, row 2 {50, 51}
+    ```
     """
     onehot = (rows.input_ids[:, None] == jnp.arange(vocab, dtype=jnp.int32)[None, :]).astype(jnp.int32)
     cs = jnp.cumsum(onehot, axis=0)
@@ -85,7 +91,10 @@ def apply_top_k_top_p(logits: Logits, rows) -> Logits:
 
     On the ascending sort, top-p masks the prefix whose cumulative probability is <= 1 - p (never
     the largest token); its length m gives the cutoff ``sorted[m]``, and x >= cutoff is kept.
+
+    ```
     # sorted probs [0.1, 0.2, 0.3, 0.4], p 0.6 -> cumsum [0.1, 0.3, 0.6, 1.0] <= 0.4: m 2, keep 0.3 and 0.4
+    ```
     """
     vocab = logits.shape[1]
     descending = -jnp.sort(-logits, axis=1)
@@ -140,7 +149,9 @@ def request_rows(rows):
     logits taken at the requests' last tokens (``logits_indices``). A padded request reads row
     ``L - 1`` (its token is never recorded).
 
+    ```
     # cu_num_logits [0, 3, 5, 6, 7] -> rows [2, 4, 5, 6]
+    ```
     """
     last = jnp.clip(rows.cu_num_logits[1:] - 1, 0, rows.idx_mapping.shape[0] - 1)
     num_reqs_padded = last.shape[0]

@@ -28,7 +28,9 @@ def count_sampled(batch, rows: jax.Array, sampled_token_ids: jax.Array, num_samp
     """``output_bin_counts[s, token] += 1`` for the first ``num_sampled[b]`` tokens of each batch
     row b (``rows``: its state row as a scatter index, the sentinel for padding).
 
+    ```
     # rows [2], sampled [[9, 4]], num_sampled [1] -> output_bin_counts[2, 9] += 1
+    ```
     """
     vocab = batch.output_bin_counts.shape[1]
     offsets = jnp.arange(sampled_token_ids.shape[1], dtype=jnp.int32)[None, :]

@@ -62,6 +62,10 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass
 class Request:
+    """One request as the host scheduler tracks it: its prompt, the tokens it has produced, its
+    blocks, its batch row and its status (vLLM's ``vllm/v1/request.py::Request``, the fields the
+    loop uses)."""
+
     request_id: int
     prompt_token_ids: list[int]
     max_tokens: int
@@ -292,7 +296,10 @@ class Scheduler:
         """Cuts ``out`` to ``budget`` tokens, taking prefill tokens from the last scheduled request
         backwards; decodes are kept (the caller's budget holds them). A request cut to nothing keeps
         its row and blocks and is scheduled again next step.
+
+        ```
         # scheduled in order {row 2: 1 (decode), row 0: 12, row 3: 9}, budget 16 -> {2: 1, 0: 12, 3: 3}
+        ```
         """
         excess = out.total_num_scheduled_tokens - budget
         for row in reversed(list(out.requests)):
@@ -379,7 +386,10 @@ class Scheduler:
     @staticmethod
     def _cut_drafts(out: SchedulerOutput, row: int, cut: int) -> None:
         """`cap` took ``cut`` tokens off the end of ``row``'s scheduled tokens: drafts go first.
+
+        ```
         # 1 + 3 drafts [5, 6, 7] scheduled, cut 2 -> 1 + 1 draft [5]
+        ```
         """
         kept = max(int(out.num_draft_tokens[row]) - cut, 0)
         out.draft_token_ids[row, kept:] = 0

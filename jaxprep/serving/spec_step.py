@@ -92,7 +92,10 @@ def _draft_sampling_rows(inputs, meta, state: ServingState, config: ServingConfi
 
 def _cut_at_stop(state: ServingState, rows, output, num_sampled, eos_token_id: int):
     """Drops the sampled tokens after the request's stop: after an EOS, and past ``stop_len``.
+
+    ```
     # num_tokens 10, stop_len 12, output [4, 1(EOS), 6, -1], n 3 -> n 2, [4, 1, -1, -1]
+    ```
     """
     slot = jnp.arange(output.shape[1], dtype=jnp.int32)[None, :]
     is_eos = (output == eos_token_id) & (slot < num_sampled[:, None])
@@ -104,7 +107,10 @@ def _cut_at_stop(state: ServingState, rows, output, num_sampled, eos_token_id: i
 
 def _clear_rejected(state: ServingState, before_end):
     """Zeroes the token-table entries from the new ``num_tokens`` to the old end of the drafts.
+
+    ```
     # num_tokens 5 -> 7 after 3 drafts (old end 8): token_ids[row, 7] = 0
+    ```
     """
     num_rows, width = state.batch.token_ids.shape
     span = jnp.arange(width, dtype=jnp.int32)[None, :]

@@ -449,8 +449,11 @@ def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = 
     """``token_ids`` as an int64 array if each is an integer in [0, ``bound``) (or -1 with
     ``allow_placeholder``); otherwise raises ``error`` naming ``where``, the position, the value and
     the bound (nothing is stored first, so an id like 2**40 is never wrapped into int32).
+
+    ```
     # where "request 3: prompt_token_ids", ids [5, 2**40], bound 64
     #   -> "request 3: prompt_token_ids[1] = 1099511627776 is outside [0, 64)"
+    ```
     """
     values = np.asarray(token_ids)
     low = -1 if allow_placeholder else 0

@@ -41,12 +41,18 @@ class AppendedTokens:
 
     Iteration 0 computes the scheduled tokens and appends a token to the rows that sample; every
     later iteration computes, and appends, one decode token per row it appends to.
+
+    ```
     # tokens [[7, -1, 9], [8, -1, -1]] -> per row appended [2, 0, 1], decoded [1, 0, 0]; 2 iterations
+    ```
 
     With ``K = num_speculative_tokens > 0`` iteration 0 has K + 1 slots (the accepted drafts, then
     one token from the target), each later iteration one, and K more slots hold the drafts proposed
     for the next step (docs/semantics.md#spec-decode-loop):
+
+    ```
     # K 2, decode_steps 2: slots [first 0, first 1, first 2, iteration 1, draft 0, draft 1]
+    ```
     """
 
     tokens: np.ndarray  # [slots, rows] appended token ids (then the next drafts), NO_TOKEN = none
@@ -221,7 +227,10 @@ def _forward(state, kv_cache, params, config: ServingConfig, model: ServingModel
 
 def _last_token(block: jax.Array) -> jax.Array:
     """[rows] the last appended token of each row in ``block`` [slots, rows], NO_TOKEN if none.
+
+    ```
     # block [[4, 7], [5, -1]] -> [5, 7]
+    ```
     """
     count = jnp.sum(block != NO_TOKEN, axis=0, dtype=jnp.int32)
     last = jnp.take_along_axis(block, jnp.clip(count - 1, 0, block.shape[0] - 1)[None, :], axis=0)[0]

@@ -41,7 +41,9 @@ from jaxprep.step_buffer import StepBuffer
 def row_index(rows: jax.Array, num_rows: int) -> jax.Array:
     """Payload rows as scatter indices: anything outside [0, num_rows) becomes the sentinel num_rows.
 
+    ```
     # num_rows 4: rows [2, -1, 0, 7] -> [2, 4, 0, 4]
+    ```
     """
     rows = jnp.asarray(rows, jnp.int32)
     return jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows)
@@ -137,7 +139,10 @@ def resume_body(state: ServingState, resume: dict) -> ServingState:
 
 def segments_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
     """Writes every data word at its segment's (row, column) of its table.
+
+    ```
     # word 9 of kind TABLE + 1, row 2, column 3 -> extra_block_tables[0][2, 3] = 9
+    ```
     """
     num_rows = state.num_tokens.shape[0]
     kind, value, col = updates.data_kind, updates.data_value, updates.data_col
@@ -166,7 +171,10 @@ def admit_sampling_body(state: ServingState, updates: DeviceUpdates) -> ServingS
     """The added rows' sampling parameters, and their penalty bins from the token words of this
     update (vLLM V2 ``Sampler.add_request``): ``prompt_bin_mask`` bit t % 32 of word t // 32 for
     each prompt token t, ``output_bin_counts`` for the tokens in [prompt_len, num_tokens).
+
+    ```
     # V 64, tokens [3, 40, 3, 7, 7], prompt_len 3 -> mask words [1 << 3, 1 << 8], counts[7] = 2
+    ```
     """
     batch, add = state.batch, updates.add
     num_rows, vocab = state.num_tokens.shape[0], batch.output_bin_counts.shape[1]
@@ -199,7 +207,9 @@ def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool
     schedule entry's drafts after its row's ``num_tokens`` and the step's grammar rows; nothing where
     ``present`` is false.
 
+    ```
     # entry_rows [0], num_tokens [5], num_draft [2], drafts [[41, 42, 0]] -> token_ids[0, 5:7] = [41, 42]
+    ```
     """
     num_rows, max_model_len = state.batch.token_ids.shape
     present = jnp.asarray(present)
@@ -288,7 +298,10 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
       C         += S if discarded else S - (D + 1 - n)   (rejected drafts are not computed);
       token_ids[s, num_tokens : num_tokens + n] = sampled_token_ids[b, :n]; num_tokens += n;
       S, D      -> 0; num_accepted_tokens -> n (hybrid models, where n > 0).
+
+    ```
     # C 4, S 1, D 0, num_tokens 5, sampled [[77]], n 1 -> token_ids[s, 5] = 77, C 5, num_tokens 6
+    ```
     ``idx_mapping`` may be the step's `StepBuffer` (its field is read here).
 
     Inputs it cannot take set a bit of ``state.errors`` (`ERROR_BITS`) and stay in bounds: a token
@@ -352,8 +365,11 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
     Ids it cannot take set a bit of ``state.errors`` and are never written as given: a last sampled
     token outside [0, ``vocab_bound``) is kept as 0 (``sampled_token_id``), a proposal outside
     [-1, ``vocab_bound``) as -1 (``draft_token_id``).
+
+    ```
     # idx_mapping [1, 0], sampled [[7, 8, -1], [9, -1, -1]], num_sampled [2, 1], drafts [[5, 6], [3, 4]]
     #   -> prev_batch_rows [1, 0, ...], prev_sampled_token_ids [8, 9, ...], prev_draft_token_ids [[5, 6], [3, 4], ...]
+    ```
     """
     batch = state.batch
     num_rows, width = batch.prev_sampled_token_ids.shape[0], sampled_token_ids.shape[1]

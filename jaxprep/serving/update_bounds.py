@@ -48,7 +48,11 @@ def _all(checks: list[jax.Array]) -> jax.Array:
 
 def verdict(faults: list[jax.Array]) -> jax.Array:
     """One scalar: any fault at all (one concatenation, one reduction).
-    # [[F, T], [F]] -> True"""
+
+    ```
+    # [[F, T], [F]] -> True
+    ```
+    """
     return jnp.any(jnp.concatenate([jnp.reshape(fault, (-1,)) for fault in faults]))
 
 
@@ -61,7 +65,10 @@ def record_faults(config: ServingConfig, valid: dict, finish, add: dict, resume:
                   segments: dict) -> list[jax.Array]:
     """The finish rows, add and resume records and appended segments (``valid[section]``: the
     entries inside the header's count), each field within its range.
+
+    ```
     # max_model_len 32: an add with num_tokens -5, or stop_len 1000 -> a fault
+    ```
     """
     rows, length = config.max_num_reqs, config.max_model_len
     widths = table_widths(config)
@@ -106,7 +113,11 @@ def _resume_ok(resume: dict, rows: int, length: int, widths: tuple[int, ...]) ->
 
 def _per_table(table: jax.Array, values: tuple[int, ...]) -> jax.Array:
     """``values[table]`` from a short static tuple, as a chain of selects (no gather).
-    # values (3, 7), table [1, 0] -> [7, 3]"""
+
+    ```
+    # values (3, 7), table [1, 0] -> [7, 3]
+    ```
+    """
     out = jnp.full(table.shape, values[0], jnp.int32)
     for t, value in enumerate(values[1:], start=1):
         out = jnp.where(table == t, value, out)
@@ -126,7 +137,10 @@ def data_faults(config: ServingConfig, kind: jax.Array, row: jax.Array, col: jax
                 value: jax.Array) -> list[jax.Array]:
     """Per data word (kind -1: past the data): token ids in [0, vocab bound), M-RoPE positions >= 0,
     is_token_ids 0 or 1, block ids within their table's ids; every word inside its table's columns.
+
+    ```
     # vocab 64: a TOKENS word 5000 -> a fault; a TABLE word 0 in a full-attention table -> a fault (null block)
+    ```
     """
     bounds = [block_bounds(config, t) for t in range(len(table_names(config)))]
     is_table = kind >= TABLE
@@ -175,7 +189,10 @@ def state_faults(num_tokens: jax.Array, finish_rows: jax.Array, add: dict, resum
     to and a scheduled schedule entry's row busy once the added ones are; a resume's computed count (or
     prefill length) within the row's tokens when it keeps them. Payload rows are -1 (or R) past a
     section's count. Two scatters (finish, add) and two gathers.
+
+    ```
     # num_tokens [5, 0], finish [0], add row 0 -> no fault; add row 0 without the finish -> a fault
+    ```
     """
     num_rows = num_tokens.shape[0]
 

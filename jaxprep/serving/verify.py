@@ -8,7 +8,10 @@ is the target at draft ``i``, slot ``D`` the bonus position) and drafts
 ``output [num_reqs_padded, K + 1]`` holds the accepted drafts, then one token from the target (the
 replacement at the first rejection, or the bonus token when every draft is accepted), then
 `PLACEHOLDER` (-1); ``num_sampled`` = accepted + 1 (0 on padded rows).
+
+```
 # D 3, drafts [7, 8, 9], target argmax [7, 5, 9, 4] -> accepted 1, output [7, 5, -1, -1], num_sampled 2
+```
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ PLACEHOLDER = -1
 def _row_slots(meta: SpecDecodeMetadata, k: int, num_logits: int):
     """``(logit_rows [R, K + 1], drafts [R, K], num_drafts [R], is_real [R])`` per batch row.
 
+    ```
     # cu_num_draft [2, 2, 3], bonus [2, 3, 5], K 2 -> logit rows [[0, 1, 2], [3, -, -], [4, 5, -]]
     #   (``-`` past the row's D: clamped to a real row, never read as a result)
+    ```
     """
     num_drafts = meta.num_draft_tokens
     is_real = jnp.diff(meta.cu_num_sampled_tokens, prepend=jnp.zeros((1,), jnp.int32)) > 0
@@ -47,7 +52,10 @@ def _assemble(accept: Bool[Array, "R K"], drafts: Int32[Array, "R K"], replaceme
               num_drafts: Int32[Array, " R"], is_real: Bool[Array, " R"]):
     """Keeps the leading accepted drafts, then the replacement at the first rejected slot (the bonus
     slot D when none is rejected), then placeholders.
+
+    ```
     # accept [1, 0, 1], D 3, drafts [7, 8, 9], replacement [_, 5, _, _] -> [7, 5, -1, -1], 2
+    ```
     """
     k = drafts.shape[1]
     slot = jnp.arange(k + 1, dtype=jnp.int32)[None, :]

@@ -513,7 +513,10 @@ def _mrope_columns(multimodal: tuple[np.ndarray, int] | None, num_tokens: int) -
     """The M-RoPE table columns of a request's ``num_tokens`` tokens (prompt, and the outputs of a resumed or
     re-sent request) and its delta: text ``arange`` on every row (delta 0); a multimodal prompt's positions,
     then ``p + delta`` for the tokens past it, as vLLM's ``get_next_input_positions_tensor`` continues them.
+
+    ```
     # text, 4 tokens -> [[0,1,2,3]] * 3, 0; prompt [[0,1,1],[0,1,2],[0,2,1]] delta -1, 5 tokens -> + columns [2, 3]
+    ```
     """
     if multimodal is None:
         return np.broadcast_to(np.arange(num_tokens, dtype=np.int64), (MROPE_NUM_DIMS, num_tokens)), 0

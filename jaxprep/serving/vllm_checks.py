@@ -39,7 +39,10 @@ def fail(message: str):
 
 def scheduled_counts(scheduler_output) -> tuple[dict, np.ndarray, int]:
     """``num_scheduled_tokens`` (the dict), its counts as int64 in its order, and the checked total.
+
+    ```
     # {"a": 3, "b": 1}, total 4 -> ({...}, [3, 1], 4); {"a": 1.5} -> "... ['a'] = 1.5 is not an integer"
+    ```
     """
     counts = scheduler_output.num_scheduled_tokens
     if not isinstance(counts, dict):
@@ -95,7 +98,10 @@ def block_groups(where: str, block_ids, num_groups: int) -> list:
     """vLLM's ``tuple[list[int], ...]`` (one list per KV-cache group) as `StepUpdates` takes it: the list
     of group 0 alone with one group, else the list of lists; a flat list or a wrong number of groups is
     refused naming ``where`` (each id's type and range are `StepUpdates`' checks, before anything is written).
+
+    ```
     # ([1, 2],) -> [1, 2]; ([1], [7]) -> [[1], [7]]; [1, 2] -> "... block_ids must be one list per group"
+    ```
     """
     if type(block_ids) is tuple and len(block_ids) == num_groups and type(block_ids[0]) is list:  # vLLM's
         return block_ids[0] if num_groups == 1 else [list(ids) for ids in block_ids]

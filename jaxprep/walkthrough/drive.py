@@ -7,7 +7,10 @@ a stand-in model "samples" the next token; `ServingBatch.record_sampled` appends
 
 The stand-in model makes token ids read like addresses: request ``i``'s token at position ``p`` is
 ``(i + 1) * base + p + 1`` with ``base`` the power of ten above ``max_model_len``.
+
+```
 # max_model_len 12 -> base 100: request 0's prompt [101, 102, 103], its first sampled token 104
+```
 """
 
 from __future__ import annotations

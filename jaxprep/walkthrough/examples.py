@@ -10,7 +10,9 @@ from jaxprep.config import PrepConfig, cdiv
 def sequential_block_table(num_blocks_per_row, width: int) -> np.ndarray:
     """Blocks handed out in order from 1 (block 0 is the null block); entries past a row's blocks are 0.
 
+    ```
     # num_blocks_per_row [2, 1, 3] -> rows [1, 2], [3], [4, 5, 6]
+    ```
     """
     table = np.zeros((len(num_blocks_per_row), width), np.int32)
     next_block = 1

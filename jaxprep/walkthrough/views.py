@@ -22,8 +22,10 @@ HIDDEN, CACHED_KEY, NEW_KEY = 0, 1, 2
 def token_table_states(record: StepRecord) -> np.ndarray:
     """[max_num_reqs, max_model_len] cell states of the token table as the step reads it.
 
+    ```
     # computed 5, scheduled 3, known tokens 8 (M 12) -> [C C C C C S S S . . . .]
     # computed 0, scheduled 5, known tokens 8        -> [S S S S S W W W . . . .]
+    ```
     """
     positions = np.arange(record.config.max_model_len)[None, :]
     computed, scheduled = record.computed[:, None], record.scheduled[:, None]
@@ -50,7 +52,9 @@ class KVCacheView:
 def kv_cache_view(record: StepRecord) -> KVCacheView:
     """Slots of every request's positions ``0 .. computed + scheduled - 1`` (docs/semantics.md#slot-mapping).
 
+    ```
     # B 2, row [4, 5, 6, 8], computed 5, scheduled 3 -> p5 in block 6 slot 1 (slot 13), p6 -> slot 16
+    ```
     """
     block_size, table = record.config.block_size, record.state["block_table"]
     num_blocks = record.config.num_blocks or int(table.max()) + 1
@@ -80,8 +84,10 @@ def attention_pattern(record: StepRecord) -> AttentionPattern:
     """From ``query_start_loc``, ``seq_lens`` and ``positions``: query t of request r sees keys
     ``j <= positions[t]`` of r only (bottom-right aligned causal); keys ``j >= seq_len - S`` are new.
 
+    ```
     # seq_lens [4, 3, 8], S [1, 1, 3]: keys r0 p0..3, r1 p0..2, r2 p0..7 (15 keys);
     # r2's query at p6 sees r2's keys p0..4 (cached) and p5..6 (new), and nothing of r0 or r1
+    ```
     """
     qsl, seq_lens = record.unpadded("query_start_loc"), record.unpadded("seq_lens")
     positions = record.unpadded("positions")

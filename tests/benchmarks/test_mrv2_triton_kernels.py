@@ -1,6 +1,8 @@
 """The runbook's MRV2 anchor on CPU: vLLM's real V2 Triton kernels, copied from the installed wheel
 (`benchmarks/vllm_sources.py`) and loaded without importing vLLM, run under Triton's interpreter at
-a tiny shape by `benchmarks/mrv2_triton_baseline.py` and compared with jaxprep's step.
+a tiny shape by `benchmarks/mrv2_triton_baseline.py` and compared with jaxprep's step: a decode step, a
+mixed step, and a mixed step with draft tokens in V2's batch order (``FeatureConfig(runner="v2")``:
+``cu_num_logits``, ``expanded_idx_mapping``, ``expanded_local_pos`` and the logits rows compared too).
 
 The subprocess sets ``TRITON_INTERPRET=1`` and ``CUDA_VISIBLE_DEVICES=""`` before Triton is imported.
 """

@@ -1,11 +1,15 @@
-"""`jaxprep simulate`: the default subcommand; its --check passes and --json ends with the summary."""
+"""`jaxprep simulate`: the default subcommand; its --check passes, --json ends with the summary, and
+every rate it prints is the division of the two figures printed beside it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from jaxprep import cli
 
@@ -26,9 +30,41 @@ def test_simulate_is_the_default_command():
     assert cli.DEFAULT_COMMAND == "simulate"
 
 
-def test_simulate_check_json_summary():
+RATES = {
+    "tokens_per_s": ("scheduled_tokens", "wall_s"),
+    "output_tokens_per_s": ("output_tokens", "wall_s"),
+    "prefill_tokens_per_s": ("prefill_tokens", "prefill_s"),
+    "decode_tokens_per_s": ("decode_dispatch_tokens", "decode_s"),
+}
+"""Each rate's tokens and seconds as docs/guides/serving.md defines them (written here, not read from the CLI)."""
+SUMMARY_LINE = re.compile(r"^  (\w+) +(\S+)(?:  = (\w+) (\S+) / (\w+) (\S+))?$")
+
+
+@pytest.fixture(scope="module")
+def checked_run() -> subprocess.CompletedProcess:
+    """``jaxprep --check --json`` at SMALL's shape (no subcommand: simulate)."""
+    return run_jaxprep("--check", "--json", *SMALL)
+
+
+def printed_summary(stdout: str) -> tuple[dict, dict]:
+    """``({name: printed value}, {rate: (tokens name, tokens, seconds name, seconds)})`` of the text summary."""
+    values, formulas = {}, {}
+    for line in stdout.splitlines():
+        if match := SUMMARY_LINE.match(line):
+            values[match[1]] = match[2]
+            if match[3]:
+                formulas[match[1]] = (match[3], float(match[4]), match[5], float(match[6]))
+    return values, formulas
+
+
+def reconciles(rate: float, tokens: float, seconds: float) -> bool:
+    """The printed rate (rounded to 0.1) is ``tokens / seconds``."""
+    return abs(rate - tokens / seconds) <= 0.05 + 1e-9 * rate
+
+
+def test_simulate_check_json_summary(checked_run):
     """No subcommand named: simulate runs; --check passes, the last stdout line is the JSON summary."""
-    result = run_jaxprep("--check", "--json", *SMALL)
+    result = checked_run
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["check_passed"] is True and summary["check_mismatches"] == 0
@@ -40,6 +76,29 @@ def test_simulate_check_json_summary():
     # stderr is a pipe, not a terminal: a line per phase and per quarter of it, no bar redraws
     assert "\r" not in result.stderr and "warm-up: 2 buckets: 4/4 compile in " in result.stderr, result.stderr
     assert "serving: 10/10 req in " in result.stderr and "check: dense recompute: 10/10 req in " in result.stderr
+
+
+def test_each_printed_rate_is_its_printed_tokens_over_its_printed_seconds(checked_run):
+    """Every rate line names its tokens and seconds, which are the figures printed on their own lines,
+    and the rate recomputed from them is the printed rate; --json carries the same figures and the
+    same pairs. The decode rate's tokens are those of the decode dispatches, not ``decode_tokens``
+    (which counts the decodes riding in prefill dispatches too). Negative control: that rate
+    recomputed from ``decode_tokens``, and the throughput from ``output_tokens``, do not reconcile."""
+    values, formulas = printed_summary(checked_run.stdout)
+    summary = json.loads(checked_run.stdout.strip().splitlines()[-1])
+    assert set(formulas) == set(RATES)
+    for rate, (tokens_name, tokens, seconds_name, seconds) in formulas.items():
+        assert (tokens_name, seconds_name) == RATES[rate]
+        assert tokens == float(values[tokens_name]) == summary[tokens_name]
+        assert seconds == float(values[seconds_name]) == summary[seconds_name] > 0
+        assert float(values[rate]) == summary[rate]
+        assert reconciles(summary[rate], tokens, seconds), (rate, summary[rate], tokens, seconds)
+    assert summary["rates"] == {rate: list(pair) for rate, pair in RATES.items()}
+    assert summary["prefill_dispatches"] + summary["decode_dispatches"] == summary["dispatches"]
+    assert 0 < summary["decode_dispatch_tokens"] < summary["decode_tokens"]  # decodes rode in prefill dispatches
+    assert summary["prefill_s"] + summary["decode_s"] <= summary["wall_s"] + 1e-5  # each rounded to the µs
+    assert not reconciles(summary["decode_tokens_per_s"], summary["decode_tokens"], summary["decode_s"])
+    assert not reconciles(summary["tokens_per_s"], summary["output_tokens"], summary["wall_s"])
 
 
 def test_simulate_spec_decode_reports_acceptance_and_checks():

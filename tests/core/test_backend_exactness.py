@@ -133,7 +133,20 @@ def _cases():
         ("sharded.update_and_prepare_sharded_donated", sharded.update_and_prepare_sharded_donated,
          (state, packed[None]), dict(config=serving, num_tokens_padded=32, mesh=mesh)),
     ]
-    return cases + _runner_feature_cases() + _bridge_cases()
+    return cases + _runner_feature_cases() + _bridge_cases() + _layout_cases()
+
+
+def _layout_cases():
+    """The tpu-inference layout of a plain step, and the RPA v3 cache built from slot-major K and V."""
+    from jaxprep.layouts import tpu_inference
+
+    num_tokens_padded, num_reqs_padded = tpu_inference.tpu_inference_sizes(SMALL, 1, 1)
+    step = prepare_padded(BatchState.empty(SMALL), SMALL, 8)
+    cache = np.zeros((4 * SMALL.block_size, 2, 8), np.float32)  # [slots, kv heads, head dim]
+    return [("layouts.tpu_inference_layout", tpu_inference.tpu_inference_layout,
+             (step, SMALL, num_tokens_padded, num_reqs_padded), {}),
+            ("layouts.to_rpa_v3_cache", tpu_inference.to_rpa_v3_cache, (cache, cache),
+             dict(block_size=SMALL.block_size))]
 
 
 def _runner_feature_cases():
@@ -212,6 +225,7 @@ COVERED = {
     "jaxprep.features.drafter.draft_prefill", "jaxprep.features.drafter.draft_decode_start",
     "jaxprep.features.drafter.draft_decode_advance", "jaxprep.features.grammar.apply_grammar_bitmask",
     "jaxprep.features.grammar.grammar_invalid_drafts", "jaxprep.models.load._write_rows",
+    "jaxprep.layouts.tpu_inference.tpu_inference_layout", "jaxprep.layouts.tpu_inference.to_rpa_v3_cache",
 }
 
 

@@ -59,17 +59,32 @@ def test_kernel_must_be_one_of_the_paths():
         PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="triton")
 
 
-def test_the_pallas_kernel_refuses_features_and_auto_keeps_them_on_xla():
-    from jaxprep import BatchState, FeatureConfig, prepare_padded
+def test_the_kernel_defaults_to_auto():
+    assert PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4).kernel == "auto"
 
-    features = FeatureConfig(discard_request_mask=True)
-    with pytest.raises(ValueError, match="kernel='pallas' fuses the plain step only"):
-        PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="pallas",
-                   features=features)
-    auto = PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel="auto",
-                      features=features)
-    text = prepare_padded.trace(BatchState.empty(auto), auto, 8).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" not in text and "stablehlo.gather" in text
+
+def test_pallas_refuses_the_features_the_kernels_do_not_cover_naming_them_and_auto_keeps_them_on_xla():
+    """Spec decode and runner V2 run on the kernels; any other feature keeps the step on XLA under "auto"
+    (lowered for CUDA: no Triton call) and is named when "pallas" refuses it. Control: the covered
+    features alone lower to the Triton kernels."""
+    from jaxprep import BatchState, FeatureConfig, LoRAConfig, prepare_padded
+    from support.kernels import TRITON_CALL, lowering_target
+
+    def config(features, kernel="auto"):
+        return PrepConfig(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=8, block_size=4, kernel=kernel,
+                          features=features)
+
+    uncovered = FeatureConfig(num_speculative_tokens=1, runner="v2", discard_request_mask=True,
+                              lora=LoRAConfig(max_loras=2))
+    with pytest.raises(ValueError, match="do not cover FeatureConfig discard_request_mask, lora: turn them off"):
+        config(uncovered, "pallas")
+    covered = FeatureConfig(num_speculative_tokens=1, runner="v2", speculative_method="mtp", mask_kv_len=8)
+    assert config(covered, "pallas").kernel == "pallas"
+    for features, on_kernels in ((uncovered, False), (covered, True)):
+        auto = config(features)
+        with lowering_target("cuda"):
+            text = prepare_padded.trace(BatchState.empty(auto), auto, 8).lower(lowering_platforms=("cuda",)).as_text()
+        assert (TRITON_CALL in text) == on_kernels and ("stablehlo.gather" in text) != on_kernels, features
 
 
 def test_importing_jaxprep_does_not_import_the_triton_backend():

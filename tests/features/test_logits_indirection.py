@@ -20,7 +20,7 @@ from jaxprep._constants import (
 )
 from jaxprep.reference.logits import logits_indirection_reference
 from support import mrv2_examples as ex
-from support.feature_batches import RUN_MODES, feature_batches, run_step
+from support.feature_batches import KERNEL_MODES, RUN_MODES, feature_batches, run_step
 from support.mrv2_examples import full_graph_arrays, full_graph_config
 
 PADS = {"logits_indices": PAD_LOGITS_INDEX, "expanded_idx_mapping": PAD_STATE_ROW, "expanded_local_pos": PAD_LOCAL_POS,
@@ -32,10 +32,10 @@ def fields(step) -> dict[str, np.ndarray]:
             for f in dataclasses.fields(step.logits_indirection)}
 
 
-@pytest.mark.parametrize("mode", RUN_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_running_example(mode):
     """Batch [r0, r3, r2, r1] with D [2, 1, 0, 0]: 7 logits rows, 12 tokens in a 16-token bucket."""
-    got = fields(run_step(ex.arrays(ex.V2_SLOTS), ex.config("v2"), mode))
+    got = fields(run_step(ex.arrays(ex.V2_SLOTS), ex.config_for(mode), mode))
     assert got["cu_num_logits"].tolist() == [0, 3, 5, 6, 7, 7, 7]  # [0, 3, 5, 6, 7], pads repeat L
     assert got["logits_indices"][:7].tolist() == [0, 1, 2, 3, 4, 5, 11]
     assert got["expanded_idx_mapping"][:7].tolist() == [5, 5, 5, 1, 1, 2, 3]
@@ -46,7 +46,7 @@ def test_running_example(mode):
     assert got["is_padding"].tolist() == [False] * 12 + [True] * 4
 
 
-@pytest.mark.parametrize("mode", RUN_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_full_graph_example(mode):
     """K 1, two decodes with one draft each (C 9 and 7) at slots 5 and 4, 4 tokens in an 8-token bucket.
 

@@ -13,12 +13,12 @@ from jaxprep.metadata import step_fields
 from jaxprep.reference import pad_reference
 from jaxprep.reference.requests import batch_order_reference, prepare_reference_ordered, request_distribution_reference
 from jaxprep.walkthrough.examples import example_a_config, example_a_step1, example_a_step2, example_b, example_b_config
-from support.feature_batches import RUN_MODES, feature_batches, run_step
+from support.feature_batches import KERNEL_MODES, RUN_MODES, feature_batches, run_step
 
 V2 = FeatureConfig(reorder="v2")
 
 
-@pytest.mark.parametrize("mode", RUN_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_v2_order_of_example_a_step1(mode):
     """docs/semantics.md#v2-order: V2 runs example A step 1 as [r1, r0, r2]."""
     step = run_step(example_a_step1(), dataclasses.replace(example_a_config(), features=V2), mode)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxprep import FeatureConfig, LoRAConfig, PrepConfig
 from support import mrv2_examples as ex
-from support.feature_batches import RUN_MODES, run_step
+from support.feature_batches import KERNEL_MODES, run_step
 from support.mrv2_examples import full_graph_arrays, full_graph_config
 
 
@@ -51,10 +51,10 @@ def test_lora_budget_that_overflows_sampler_indices_padded_is_rejected():
                    features=FeatureConfig(lora=LoRAConfig(max_loras=15)))
 
 
-@pytest.mark.parametrize("mode", RUN_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_running_example_core_outputs_in_v2(mode):
     """The step of vLLM's V2 runner on the running example: batch [r0, r3, r2, r1], slots [5, 1, 2, 3]."""
-    step = run_step(ex.arrays(ex.V2_SLOTS), ex.config("v2"), mode)
+    step = run_step(ex.arrays(ex.V2_SLOTS), ex.config_for(mode), mode)
     meta = step.attn_metadata
     assert np.asarray(step.idx_mapping).tolist() == [5, 1, 2, 3, -1, -1]
     assert np.asarray(meta.query_start_loc)[:5].tolist() == [0, 3, 5, 6, 12]
@@ -64,11 +64,12 @@ def test_running_example_core_outputs_in_v2(mode):
     assert np.asarray(meta.slot_mapping).tolist() == [13, 14, 15, 51, 52, 40, 20, 21, 22, 23, 24, 25, -1, -1, -1, -1]
 
 
-def test_v2_ties_go_by_descending_slot_and_v1_order_by_row():
+@pytest.mark.parametrize("mode", ["jit", "pallas"])
+def test_v2_ties_go_by_descending_slot_and_v1_order_by_row(mode):
     """Two decodes with one draft each (K 1) at slots 4 and 5: V2 took slot 5 for the first arrival."""
     config = full_graph_config("v2")
-    step = run_step(full_graph_arrays(), config, "jit")
+    step = run_step(full_graph_arrays(), config, mode)
     assert np.asarray(step.idx_mapping)[:2].tolist() == [5, 4]
     v1 = run_step(full_graph_arrays(), dataclasses.replace(config, features=FeatureConfig(num_speculative_tokens=1,
-                                                                                          reorder="v2")), "jit")
+                                                                                          reorder="v2")), mode)
     assert np.asarray(v1.idx_mapping)[:2].tolist() == [4, 5]

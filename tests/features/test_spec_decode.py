@@ -13,7 +13,7 @@ from jaxprep.features.spec_decode import padded_sizes
 from jaxprep.reference import prepare_reference
 from jaxprep.reference.requests import spec_decode_reference
 from jaxprep.walkthrough.examples import example_a_config, example_a_step2, sequential_block_table
-from support.feature_batches import RUN_MODES, feature_batches, pad, run_step
+from support.feature_batches import KERNEL_MODES, RUN_MODES, feature_batches, pad, run_step
 
 K = 3
 CONFIG = PrepConfig(max_num_reqs=6, max_model_len=64, max_num_batched_tokens=48, block_size=4,
@@ -24,7 +24,7 @@ def spec_fields(step) -> dict:
     return {f.name: np.asarray(getattr(step.spec_decode, f.name)) for f in dataclasses.fields(step.spec_decode)}
 
 
-@pytest.mark.parametrize("mode", RUN_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_worked_example_from_source(mode):
     """docs/semantics.md#spec-decode: cu_num_tokens [4,104,107,207,209], D [3,0,2,0,1]."""
     config = PrepConfig(max_num_reqs=5, max_model_len=128, max_num_batched_tokens=256, block_size=16,
@@ -47,7 +47,7 @@ def test_worked_example_from_source(mode):
     assert spec["draft_token_ids"][:num_drafts].tolist() == [1, 2, 3, 2001, 2002, 4001]
 
 
-@pytest.mark.parametrize("mode", RUN_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_worked_example_seed_step2(mode):
     """The small example in docs/semantics.md#spec-decode: example A step 2 with 2 drafts on request 2, input_ids
     [14,23,36,37,38]."""

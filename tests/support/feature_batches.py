@@ -7,6 +7,8 @@ chunks or anything in between; some rows hold tokens but have no work.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from hypothesis import strategies as st
@@ -17,10 +19,16 @@ from support.batches import allocate_blocks
 
 VOCAB = 50_000
 RUN_MODES = ("jit", "eager")
+KERNEL_MODES = (*RUN_MODES, "pallas")
+"""`RUN_MODES` and the fused Pallas step (``PrepConfig.kernel="pallas"``, Pallas' interpreter on CPU), for
+tests whose features the kernels cover (spec decode, the batch orders, V2's logits rows)."""
 
 
 def run_step(arrays: dict, config, mode: str, num_tokens_padded: int | None = None):
-    """Validates and prepares ``arrays`` under jit, or op by op (``mode="eager"``, `jax.disable_jit`)."""
+    """Validates and prepares ``arrays`` under jit, op by op (``mode="eager"``, `jax.disable_jit`), or
+    under jit on the fused kernels (``mode="pallas"``)."""
+    if mode == "pallas":
+        config = dataclasses.replace(config, kernel="pallas")
     state = BatchState.from_numpy(**arrays)
     validate(state, config)
     bucket = num_tokens_padded or config.bucket_for(int(np.sum(arrays["num_scheduled_tokens"])))

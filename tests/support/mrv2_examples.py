@@ -43,6 +43,14 @@ def config(runner: str = "v1", **lora_options) -> PrepConfig:
                       features=FeatureConfig(num_speculative_tokens=K, runner=runner, lora=lora))
 
 
+def config_for(mode: str, runner: str = "v2") -> PrepConfig:
+    """`config` for a `feature_batches.KERNEL_MODES` mode: without LoRA on the fused kernels (which do not
+    cover it; the outputs the tests read do not depend on it)."""
+    full = config(runner)
+    return dataclasses.replace(full, features=dataclasses.replace(full.features, lora=None)) if mode == "pallas" \
+        else full
+
+
 def arrays(rows=V2_SLOTS, lora_ids=None) -> dict[str, np.ndarray]:
     """The example's `BatchState` arrays with request i at state row ``rows[i]``."""
     token_ids = np.zeros((6, 32), np.int32)
