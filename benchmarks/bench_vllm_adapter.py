@@ -1,6 +1,6 @@
 """vLLM's scheduler output turned into a prepared step: `VllmAdapter` against vLLM V1's own runner, one process.
 
-    PYTHONPATH=. python benchmarks/bench_vllm_adapter.py [--sizes 64,256,1024] [--steps 32] [--rounds 3]
+    PYTHONPATH=. python benchmarks/bench_vllm_adapter.py [--sizes 64,256,1024] [--steps 32] [--rounds 5]
 
 For each size N (vLLM ``max_num_seqs`` = N requests, all arriving at once: chunked prefills, then decodes),
 vLLM 0.33.0's real ``Scheduler`` (tests/support/vllm_scheduler.py) is driven by the fake model for
@@ -19,7 +19,8 @@ copies, made before the clock starts):
 Between steps, untimed on both sides: the fake model's tokens are recorded (``record_sampled`` on the
 device; ``_bookkeeping_sync`` for V1). A first replay warms jaxprep up (compiles every bucket and payload
 size; reported apart). Reported: per-step mean over the replayed steps, and over its decode-only steps
-(no admission, one token per request), best of ``--rounds`` replays, and the ratios jaxprep / V1 (goal on
+(no admission, one token per request), the median over ``--rounds`` replays (the two sides alternate, round
+by round), and the ratios jaxprep / V1 (goal on
 CPU: <= 1.0x).
 """
 
@@ -164,17 +165,19 @@ def bookkeeping(runner: V1Runner, so, sampled: list[list[int]], num_tokens: int)
                                     torch.zeros(num_tokens, 1), num_tokens)
 
 
-def best_means(rounds: list[list[float]], decode: np.ndarray) -> tuple[float, float]:
-    """Best round's mean step time over all steps, and over the decode-only steps (us)."""
+def median_means(rounds: list[list[float]], decode: np.ndarray) -> tuple[float, float]:
+    """The median over rounds of each round's mean step time over all steps, and over the decode-only
+    steps (us)."""
     times = np.array(rounds) * 1e6
-    return float(times.mean(axis=1).min()), float(times[:, decode].mean(axis=1).min()) if decode.any() else np.nan
+    return (float(np.median(times.mean(axis=1))),
+            float(np.median(times[:, decode].mean(axis=1))) if decode.any() else np.nan)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     print(machine_line())
     print(RUNTIME)
@@ -190,8 +193,9 @@ def main() -> None:
         warmup = time.perf_counter() - start
         decode = np.array([not so.scheduled_new_reqs and max(so.num_scheduled_tokens.values()) == 1
                            for so, _ in recorded])
-        ours = best_means([replay_jaxprep(config, recorded) for _ in range(args.rounds)], decode)
-        theirs = best_means([replay_v1(work, recorded) for _ in range(args.rounds)], decode)
+        rounds = [(replay_jaxprep(config, recorded), replay_v1(work, recorded)) for _ in range(args.rounds)]
+        ours = median_means([a for a, _ in rounds], decode)  # the two sides interleaved, round by round
+        theirs = median_means([b for _, b in rounds], decode)
         tokens = np.mean([so.total_num_scheduled_tokens for so, _ in recorded])
         print(f"| {size} | {len(recorded)} ({decode.sum()}) | {tokens:.0f} | {ours[0]:.0f} | {theirs[0]:.0f} | "
               f"{ours[0] / theirs[0]:.2f}x | {ours[1]:.0f} | {theirs[1]:.0f} | {ours[1] / theirs[1]:.2f}x | "
