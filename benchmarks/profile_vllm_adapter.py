@@ -26,14 +26,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vllm_adapter import RUNTIME, record_outputs, serving_config, workload  # noqa: E402
+import jax
+import numpy as np
+from bench_vllm_adapter import RUNTIME, record_outputs, serving_config, workload
+from common import load_line, machine_line
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from common import load_line, machine_line  # noqa: E402
-
-from jaxprep.serving import checks, transitions  # noqa: E402
-from jaxprep.serving.vllm import GRAMMAR_NOT_GIVEN, VllmAdapter  # noqa: E402
+from jaxprep.serving import checks, transitions
+from jaxprep.serving.vllm import GRAMMAR_NOT_GIVEN, VllmAdapter
 
 PHASES = ("translate", "checks", "pack", "dispatch", "wait")
 

@@ -336,7 +336,8 @@ def _schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
     seq_lens = rows.num_computed_tokens + scheduled
     new_len = rows.num_tokens + drafts + 1
     bad = active & ((rows.num_tokens <= 0) | (rows.pending_drafts >= 0) | (seq_lens > rows.num_tokens + drafts)
-                    | (seq_lens > prep.max_model_len) | ((seq_lens >= rows.num_tokens) & (new_len > prep.max_model_len)))
+                    | (seq_lens > prep.max_model_len)
+                    | ((seq_lens >= rows.num_tokens) & (new_len > prep.max_model_len)))
     bad |= (drafts > 0) & (scheduled < drafts + 1)
     grammar = payload.grammar_index
     bad |= (grammar != NO_GRAMMAR) & ((grammar < 0) | ~active)

@@ -352,7 +352,8 @@ def _schedule_record(schedule, lay: Layout):
 def _encode(config: ServingConfig, chunk: _Chunk, decode_steps: int) -> np.ndarray:
     dense, sched_rows, sched_table = chunk.schedule if chunk.schedule is not None else (True, None, np.zeros((0, 0)))
     n_schedule = sched_table.shape[1] if sched_table.size else 0
-    parts = [np.array([decode_steps, len(chunk.finish), len(chunk.add), len(chunk.resume), sum(len(seg) for seg in chunk.segments),
+    parts = [np.array([decode_steps, len(chunk.finish), len(chunk.add), len(chunk.resume),
+                       sum(len(seg) for seg in chunk.segments),
                        n_schedule, int(dense), int(chunk.lora is not None), sum(map(len, chunk.data)),
                        int(chunk.schedule is not None)], np.int64)]
     for section in (chunk.add, chunk.resume):

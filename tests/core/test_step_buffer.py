@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from jaxprep import BatchState, FeatureConfig, KVCacheGroupSpec, PrepConfig, prepare_inputs
+from jaxprep.config import block_table_width
 from jaxprep.reference import prepare_reference
 from jaxprep.step_buffer import StepBuffer, mismatched_fields, prepare_buffer
-from jaxprep.config import block_table_width
 from support.feature_batches import block_table, build_feature_batch
 
 BASE = PrepConfig(max_num_reqs=5, max_model_len=40, max_num_batched_tokens=32, block_size=4)
