@@ -113,13 +113,18 @@ def numpy_slot_mapping(runner) -> None:
         table.compute_slot_mapping = compute
 
 
-def replay_jaxprep(config: ServingConfig, recorded: list) -> list[float]:
+def replay_jaxprep(config: ServingConfig, recorded: list, finish=None) -> list[float]:
+    """Per step: ``adapter.step`` until the step is ready (``finish(step)``, default: its buffer's
+    ``block_until_ready``), seconds; the fake model's tokens recorded between steps, untimed."""
     adapter, times = VllmAdapter(config), []
     outputs = copy.deepcopy([so for so, _ in recorded])
     for so, (_, sampled) in zip(outputs, recorded):
         start = time.perf_counter()
         step = adapter.step(so)
-        jax.block_until_ready(ready(step))
+        if finish is None:
+            jax.block_until_ready(ready(step))
+        else:
+            finish(step)
         times.append(time.perf_counter() - start)
         rows = config.prep.num_reqs_padded(step.num_tokens_padded)
         tokens, counts = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
@@ -137,7 +142,9 @@ def ready(step):
     return step.buffer if hasattr(step, "buffer") else step.inputs
 
 
-def replay_v1(work: Workload, recorded: list) -> list[float]:
+def replay_v1(work: Workload, recorded: list, finish=None) -> list[float]:
+    """Per step: V1's ``_update_states`` + ``_prepare_inputs`` (then ``finish(runner, num_reqs, num_tokens)``:
+    the GPU benchmark's copies to the device), seconds; ``_bookkeeping_sync`` between steps, untimed."""
     runner, times = V1Runner(work), []
     numpy_slot_mapping(runner.runner)
     outputs = copy.deepcopy([so for so, _ in recorded])
@@ -150,6 +157,8 @@ def replay_v1(work: Workload, recorded: list) -> list[float]:
             req_ids = runner.runner.input_batch.req_ids
             scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
             runner.runner._prepare_inputs(so, scheduled)
+            if finish is not None:
+                finish(runner.runner, len(req_ids), int(scheduled.sum()))
             times.append(time.perf_counter() - start)
             bookkeeping(runner, so, [sampled[r] for r in req_ids], int(scheduled.sum()))
     return times
