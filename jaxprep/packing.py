@@ -215,7 +215,10 @@ def decode(words: Int32[Array, " num_words"], span: Span) -> Array:
     """The field of ``span`` read back from a traced (or device) buffer, in its JAX dtype and shape: INT32 and
     INT64 as int32 (an INT64 field's low words, a strided slice), BOOL as bool, FLOAT32 as float32 (bitcast).
     Inside a jit every read is a slice that XLA fuses into the field's consumer.
+
+    ```
     # words [5, 0, 7, 0], span (positions, 0, (2,), INT64, 4) -> [5, 7]
+    ```
     """
     _, offset, shape, kind, size = span
     chunk = jax.lax.slice(words, (offset,), (offset + size,))

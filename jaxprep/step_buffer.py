@@ -62,8 +62,11 @@ VLLM_INT64_SUFFIXES = (".positions", ".slot_mapping")
 
 def field_kind(name: str, dtype) -> str | None:
     """The packing kind of a step leaf named ``name`` of ``dtype``; None: not packable (an extra).
+
+    ```
     # ("positions", int32) -> INT64; ("kv_groups.1.slot_mapping", int32) -> INT64;
     # ("discard_request_mask", bool) -> BOOL; ("sampling.temperature", float32) -> FLOAT32
+    ```
     """
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
@@ -78,8 +81,11 @@ def field_kind(name: str, dtype) -> str | None:
 def leaf_name(path) -> str:
     """A step leaf's field name from its pytree path: `STEP_FIELDS` names as they are, an attention
     metadata feature without its ``attn_metadata.`` prefix, anything else its dotted path.
+
+    ```
     # (GetAttrKey('attn_metadata'), GetAttrKey('seq_lens')) -> "seq_lens"
     # (GetAttrKey('kv_groups'), SequenceKey(1), GetAttrKey('slot_mapping')) -> "kv_groups.1.slot_mapping"
+    ```
     """
     name = _path_name(path)
     return name.removeprefix("attn_metadata.")

@@ -287,7 +287,10 @@ def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
 
 def _append_columns(blocks: np.ndarray, rows: np.ndarray, tables: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The first column of each appended segment (the table's blocks so far), advancing ``blocks``.
+
+    ```
     # blocks[2, 0] = 3, segments (row 2: 2 blocks), (row 2: 1 block) -> columns [3, 5], blocks[2, 0] = 6
+    ```
     """
     keys = rows * blocks.shape[1] + tables
     if len(keys) > 1 and len(np.unique(keys)) < len(keys):  # a (row, table) twice: in payload order
@@ -621,7 +624,10 @@ def _segment_of_word(ends: jax.Array, lengths: jax.Array, length: int) -> jax.Ar
     """Per word j < ``length``: the segment holding it, ``#{s: ends[s] <= j}`` (the last segment past the
     data), without a search loop: each non-empty segment marks its first word with its index, and a running
     maximum carries the mark over the segment's words (the segments are contiguous, so the marks rise).
+
+    ```
     # lengths [2, 0, 1] (ends [2, 2, 3]) -> marks [0, _, 2, _] -> words 0..3 in segments [0, 0, 2, 2]
+    ```
     """
     count = lengths.shape[0]
     first = jnp.where(lengths > 0, ends - lengths, length)  # an empty segment marks nothing

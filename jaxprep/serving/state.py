@@ -189,7 +189,10 @@ class AppendBlocks:
     """Block ids appended to rows after their last allocated column, per table: segment ``s`` appends
     ``block_ids[starts[s] : starts[s] + lengths[s]]`` to table ``tables[s]`` of row ``rows[s]`` (arrays, so
     the checks and the packing handle every segment at once; `segments` lists them one by one).
+
+    ```
     # {2: [5, 6], 0: [9]} -> rows [2, 0], tables [0, 0], lengths [2, 1], block_ids [5, 6, 9]
+    ```
     """
 
     rows: np.ndarray  # [S] int64
