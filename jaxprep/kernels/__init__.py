@@ -44,8 +44,10 @@ def triton_backend_available() -> bool:
 def uncovered_features(features) -> tuple[str, ...]:
     """The `FeatureConfig` fields that are on and that the kernels do not cover (empty: they cover the step).
 
+    ```
     # FeatureConfig(num_speculative_tokens=2, runner="v2") -> ()
     # FeatureConfig(lora=LoRAConfig(...), mrope=True) -> ("mrope", "lora")
+    ```
     """
     defaults = type(features)()
     return tuple(field.name for field in dataclasses.fields(features)

@@ -95,7 +95,12 @@ class Sizes:
 
     @property
     def token_block(self) -> int:
-        """# T 16 -> 4, T 256 -> 64, T 8192 -> 128"""
+        """Tokens per program: T / MIN_TOKEN_PROGRAMS rounded up to a power of 2, at most TOKEN_BLOCK.
+
+        ```
+        # T 16 -> 4, T 256 -> 64, T 8192 -> 128
+        ```
+        """
         return min(TOKEN_BLOCK, pow2(-(-self.num_tokens_padded // MIN_TOKEN_PROGRAMS)))
 
     @property
@@ -118,7 +123,9 @@ def batch_row_of(values, ends_ref, first: int, count: int):
     ``ends_ref[first + b] <= v`` (b < count), by binary search over those non-decreasing ends, clipped
     to the last row (as `jaxprep._ragged.token_request_index`). Every read lies in ``[first, first + count)``.
 
+    ```
     # ends [2, 7, 10, 10] (query_start_loc[1:]), values [0, 1, 2, 6, 7, 9, 10, 11] -> [0, 0, 1, 1, 2, 2, 3, 3]
+    ```
     """
     low = jnp.zeros(values.shape, jnp.int32)
     high = jnp.full(values.shape, count, jnp.int32)

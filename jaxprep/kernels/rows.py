@@ -102,7 +102,9 @@ def _row_flags(computed, scheduled, drafts, in_table, sizes: Sizes) -> list[tupl
     """``(bit, rows that break its bound)``: `jaxprep.validate.flag_rows` with the spec-decode bounds of
     `jaxprep.features.flags.feature_row_flags`; OVER_BUCKET is `_over_bucket`'s.
 
+    ```
     # computed [3, -1, 30], scheduled [2, 1, 4], M 32 -> NEGATIVE_COUNT [0,1,0], PAST_MAX_MODEL_LEN [0,0,1]
+    ```
     """
     flags = [(NEGATIVE_COUNT, in_table & ((computed < 0) | (scheduled < 0))),
              # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
@@ -131,7 +133,9 @@ def _ranks(refs, block: Rows, over, sizes: Sizes):
     how many rows sort before it, and the tokens and drafts of those rows and itself. Chunks of
     `Sizes.row_block` rows are compared against the block in turn ([row_block, row_block] per step).
 
+    ```
     # keys [5, 2, 5, 9(no work)], S [3, 1, 2, 0], ascending ties -> ranks [1, 0, 2, 3], ends [4, 1, 6, 6]
+    ```
     """
     key, tie = _sort_key(block, sizes)
     width = sizes.row_block
@@ -159,7 +163,9 @@ def _sort_key(rows: Rows, sizes: Sizes):
     - "v2": V2's ``(not has_drafts, S != 1 + K, S)`` as ``(primary * 2 + (S != 1 + K)) * (T + 1) + S``
       (S <= T on a row with work; at most 8 (T + 1), checked by the wrapper to fit int32);
     - ties by ascending state row, or descending under ``runner="v2"`` (V2's slots: arrival order).
+    ```
     # v2, K 1, T 8: S [2, 5, 1], D [1, 0, 0] -> primary [0, 1, 1], S != 2 [0, 1, 1] -> keys [2, 32, 28]
+    ```
     """
     scheduled, drafts, has_work = rows.scheduled, rows.drafts, rows.has_work
     if sizes.order == "decode_first":
@@ -176,8 +182,10 @@ def _write_batch_rows(refs, rows: Rows, rank, ends, draft_ends, sizes: Sizes):
     """Scatters each row with work to batch row ``rank``: rows past the bucket's batch (none once the
     bucket check holds: each row schedules a token) and rows without work store nothing.
 
+    ```
     # rank [-, 0, -, 1], ends [0, 3, 3, 5], computed [_, 4, _, 7], scheduled [0, 3, 0, 2]
     #   -> idx_mapping [1, 3], query_start_loc [0, 3, 5], seq_lens [7, 9], logits_indices [2, 4]
+    ```
     """
     in_batch = rows.has_work & (rank < sizes.num_reqs_padded)
     batch_row = jnp.where(in_batch, rank, sizes.num_reqs_padded)
@@ -225,7 +233,9 @@ def _pad_rows(refs, num_reqs, total, total_drafts, sizes: Sizes):
     """Batch rows [num_reqs, Rp) get their pad values; a cumulative array's leading 0 and its tail the
     total. Disjoint from the rows `_write_batch_rows` writes, so no two lanes store to one address.
 
+    ```
     # num_reqs 2, Rp 4, total 5 -> query_start_loc [0, _, _, 5, 5], idx_mapping [_, _, -1, -1]
+    ```
     """
     rows = jnp.arange(pow2(sizes.num_reqs_padded + 1), dtype=jnp.int32)
     padded = (rows >= num_reqs) & (rows < sizes.num_reqs_padded)

@@ -113,8 +113,10 @@ def _model_input_ids(token_ids, sizes: Sizes):
 def _prepare_tokens(program, refs, sizes: Sizes):
     """Positions, input ids and slots of one token block; the formulas of `jaxprep.prepare.prepare_body`.
 
+    ```
     # B=2, owner row's computed 3, its first token t=4: tokens [4, 5] -> positions [3, 4]
     #   -> block columns [1, 2] -> slots [blocks[1] * 2 + 1, blocks[2] * 2 + 0]
+    ```
     """
     start = program * sizes.token_block
     tokens = start + jnp.arange(sizes.token_block, dtype=jnp.int32)
@@ -155,8 +157,10 @@ def _logits_rows(program, refs, sizes: Sizes):
     ``j`` picks token ``qsl[b + 1] - n + (j - start_b)`` (`jaxprep.features.logits_indirection`,
     `jaxprep.features.spec_decode.spec_decode_metadata`).
 
+    ```
     # qsl [0, 3, 5, 6], D [2, 1, 0], ends [3, 5, 6] -> rows [0,0,0, 1,1, 2], local [0,1,2, 0,1, 0]
     #   -> tokens [0,1,2, 3,4, 5]
+    ```
     """
     first, rp = logits_ends_first(sizes), sizes.num_reqs_padded
     ends = refs["logits_ends"]
@@ -191,7 +195,9 @@ def _draft_rows(program, refs, sizes: Sizes):
     one bonus row), and is the token after that row's: position ``computed + S - D + (k - draft_start_b)``.
     Its id is read before any clamp (`jaxprep.features.spec_decode`).
 
+    ```
     # D [3, 0, 2] -> draft ends [3, 3, 5]: drafts [0,1,2, 3,4] of rows [0,0,0, 2,2] -> target [0,1,2, 5,6]
+    ```
     """
     cu_drafts, rp = refs["cu_num_draft_tokens"], sizes.num_reqs_padded
     start = program * sizes.token_block
@@ -216,7 +222,9 @@ def _copy_block_table_row(batch_row, refs, sizes: Sizes):
     BLOCK_ID_OUT_OF_RANGE if such an id lies in a column the request uses (`safe_block_table`);
     a padded row (-1) gets the null block.
 
+    ```
     # B 4, seq_lens[b] 9, max_block_id 39, row [1, 2, 77, 55] -> columns used 0..2 -> [1, 2, 0, 0], bit set
+    ```
     """
     row = refs["idx_mapping"][batch_row]
     read_row = jnp.clip(row, 0, sizes.num_rows - 1)
