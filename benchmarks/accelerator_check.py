@@ -2,7 +2,7 @@
 torch_bridge tests and every test with JAX on the GPU, and print one table.
 
     benchmarks/accelerator_check.sh [--wheels DIR] [--workers N] [--repeats N] [--log-dir DIR]
-                                    [--budget-s S] [--steps kernel,equality,generate,fused,floor,gpu,bridge,suite]
+                                    [--budget-s S] [--steps kernel,equality,generate,fused,door,floor,gpu,bridge,suite]
     benchmarks/accelerator_check.sh --dry-run    # on a machine without a GPU: the CPU path
 
 The steps run in that order, most wanted first: a lent machine's time is short (the device tool
@@ -49,10 +49,11 @@ CUDA_BRIDGE_TESTS = ["tests/torch_bridge/test_cuda.py", "tests/torch_bridge/test
 DRY_RUN_TESTS = ["tests/core/test_worked_examples.py"]
 KERNEL_TESTS = ["tests/attention/test_ragged_attention.py", "-k", "triton"]
 """The ragged attention kernel compiled by Triton against the oracle (skipped without a GPU)."""
-STEPS = ("kernel", "equality", "generate", "fused", "floor", "gpu", "bridge", "suite")
+STEPS = ("kernel", "equality", "generate", "fused", "door", "floor", "gpu", "bridge", "suite")
 """The runbook's steps in the order they run: the ragged attention kernel on the GPU, the float32
 greedy equality of `jaxprep generate` with transformers, the generate table against transformers,
-the fused-step benchmark (command buffers off, then on; serve_step's launches), the call floor
+the fused-step benchmark (command buffers off, then on; serve_step's launches), the door (bench_door.py:
+vLLM's SchedulerOutput to torch CUDA tensors against V1, its thread time against the no-op floor), the call floor
 (call_floor.py with PJRT_NPROC unset, then 1), bench_gpu.py, the CUDA torch_bridge tests, the whole suite."""
 MIN_STEP_S = 30
 """A step is not started with less than this left of ``--budget-s``."""
@@ -331,6 +332,13 @@ def run_fused_benchmark(runner: Runner, args) -> None:
         run_table_step(runner, label, ["benchmarks/bench_fused_step.py", *extra])
 
 
+def run_door_benchmark(runner: Runner, args) -> None:
+    """bench_door.py: vLLM's SchedulerOutput to torch tensors ready, jaxprep's door against V1 with its copies
+    and MRV2's kernels, at 256 decode, 256/8192 and 1024/16384 (dry run: its CPU check, decode16)."""
+    extra = ["--dry-run"] if args.dry_run else ["--rounds", "3"]
+    run_table_step(runner, "bench_door", ["benchmarks/bench_door.py", *extra])
+
+
 def add_table_rows(runner: Runner, prefix: str, output: str) -> None:
     """One runbook row per result row of every Markdown table in ``output``, named by its first cell.
     A table's header is the row just above a ``|---|`` line; a blank line ends the table, and a line that
@@ -369,6 +377,7 @@ def format_table(rows, header: str) -> str:
 
 STEP_FUNCTIONS = {"kernel": run_kernel_tests, "equality": lambda runner, args: run_generate(runner, args, "equality"),
                   "generate": lambda runner, args: run_generate(runner, args, "speed"), "fused": run_fused_benchmark,
+                  "door": run_door_benchmark,
                   "floor": run_call_floor, "gpu": run_benchmark, "bridge": run_bridge_tests, "suite": run_suite}
 
 

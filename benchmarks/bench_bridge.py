@@ -11,6 +11,8 @@ The previous step's tensors are freed outside the clock. Sets PJRT_NPROC=1 and s
 (`jaxprep.cli.configure_runtime`) before JAX starts. Warms up first and reports the first call
 (compilation) apart; rounds alternate the strategies so drift hits both alike. Prints the median
 microseconds per step of each strategy and their ratio, with the machine and versions.
+A third row, ``buffer``, hands over the step as the serving door prepares it, one `StepBuffer` (packed
+inside the jit that prepared it, `jaxprep.step_buffer.prepare_buffer`): no pack of its own, one capsule.
 ``--features`` turns on `BENCH_FEATURES` (the feature inputs are `BatchState.empty`'s: the values
 do not change the work), so the run shows what the features' outputs add to a handoff.
 """
@@ -38,6 +40,7 @@ import jaxprep  # noqa: E402
 import torch_bridge  # noqa: E402
 from jaxprep.config import cdiv  # noqa: E402
 from jaxprep.state import OPTIONAL_FIELDS  # noqa: E402
+from jaxprep.step_buffer import prepare_buffer  # noqa: E402
 from jaxprep.walkthrough.examples import sequential_block_table  # noqa: E402
 from torch_bridge.step import STRATEGIES  # noqa: E402
 
@@ -107,21 +110,28 @@ def main() -> int:
           f"num_tokens_padded {step.num_tokens_padded}, num_reqs_padded {step.num_reqs_padded}, "
           f"block table width {config.max_blocks_per_req}, features {'on' if args.features else 'off'}")
     bridges = {name: functools.partial(torch_bridge.to_torch, strategy=name) for name in STRATEGIES}
+    bridges["buffer"] = torch_bridge.to_torch  # the step as one StepBuffer: one handoff, views by its layout
 
     def fresh_step():
         return jax.block_until_ready(jaxprep.prepare_padded(state, config, step.num_tokens_padded))
 
+    def fresh_buffer():
+        return jax.block_until_ready(prepare_buffer(state, config, step.num_tokens_padded))
+
+    buffer = fresh_buffer()
+    makers = {name: (fresh_buffer if name == "buffer" else fresh_step) for name in bridges}
+    same_inputs = {name: (buffer if name == "buffer" else step) for name in bridges}
     for name, bridge in bridges.items():
         start = time.perf_counter()
-        bridge(step)
+        bridge(same_inputs[name])
         print(f"  first call ({name}, includes compilation): {(time.perf_counter() - start) * 1e3:.1f} ms")
-        time_calls(bridge, fresh_step, 200)  # warm-up
+        time_calls(bridge, makers[name], 200)  # warm-up
     fresh = {name: [] for name in bridges}
     same = {name: [] for name in bridges}
     for _ in range(args.rounds):
         for name, bridge in bridges.items():
-            fresh[name] += time_calls(bridge, fresh_step, args.iters)
-            same[name] += time_calls(bridge, lambda: step, args.iters)
+            fresh[name] += time_calls(bridge, makers[name], args.iters)
+            same[name] += time_calls(bridge, lambda name=name: same_inputs[name], args.iters)
     prepare = time_calls(lambda x: jax.block_until_ready(jaxprep.prepare_padded(*x)),
                          lambda: (state, config, step.num_tokens_padded), args.iters)
     for label, samples in (("fresh step", fresh), ("same step", same)):
@@ -129,7 +139,8 @@ def main() -> int:
         for name, value in medians.items():
             print(f"  {label:10s} to_torch strategy={name:9s}: median {value:7.1f} us/step over "
                   f"{len(samples[name])} steps")
-        print(f"  {label:10s} ratio per_field / packed: {medians['per_field'] / medians['packed']:.2f}")
+        print(f"  {label:10s} ratio per_field / packed: {medians['per_field'] / medians['packed']:.2f}; "
+              f"buffer / packed: {medians['buffer'] / medians['packed']:.2f}")
     print(f"  (for scale) prepare_padded: median {statistics.median(prepare) * 1e6:7.1f} us/step")
     return 0
 

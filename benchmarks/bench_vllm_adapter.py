@@ -1,6 +1,6 @@
 """vLLM's scheduler output turned into a prepared step: `VllmAdapter` against vLLM V1's own runner, one process.
 
-    PYTHONPATH=. python benchmarks/bench_vllm_adapter.py [--sizes 64,256,1024] [--steps 32] [--rounds 3]
+    PYTHONPATH=. python benchmarks/bench_vllm_adapter.py [--sizes 64,256,1024] [--steps 32] [--rounds 5]
 
 For each size N (vLLM ``max_num_seqs`` = N requests, all arriving at once: chunked prefills, then decodes),
 vLLM 0.33.0's real ``Scheduler`` (tests/support/vllm_scheduler.py) is driven by the fake model for
@@ -19,7 +19,8 @@ copies, made before the clock starts):
 Between steps, untimed on both sides: the fake model's tokens are recorded (``record_sampled`` on the
 device; ``_bookkeeping_sync`` for V1). A first replay warms jaxprep up (compiles every bucket and payload
 size; reported apart). Reported: per-step mean over the replayed steps, and over its decode-only steps
-(no admission, one token per request), best of ``--rounds`` replays, and the ratios jaxprep / V1 (goal on
+(no admission, one token per request), the median over ``--rounds`` replays (the two sides alternate, round
+by round), and the ratios jaxprep / V1 (goal on
 CPU: <= 1.0x).
 """
 
@@ -112,15 +113,20 @@ def numpy_slot_mapping(runner) -> None:
         table.compute_slot_mapping = compute
 
 
-def replay_jaxprep(config: ServingConfig, recorded: list) -> list[float]:
+def replay_jaxprep(config: ServingConfig, recorded: list, finish=None) -> list[float]:
+    """Per step: ``adapter.step`` until the step is ready (``finish(step)``, default: its buffer's
+    ``block_until_ready``), seconds; the fake model's tokens recorded between steps, untimed."""
     adapter, times = VllmAdapter(config), []
     outputs = copy.deepcopy([so for so, _ in recorded])
     for so, (_, sampled) in zip(outputs, recorded):
         start = time.perf_counter()
         step = adapter.step(so)
-        jax.block_until_ready(step.inputs)
+        if finish is None:
+            jax.block_until_ready(ready(step))
+        else:
+            finish(step)
         times.append(time.perf_counter() - start)
-        rows = step.inputs.idx_mapping.shape[0]
+        rows = config.prep.num_reqs_padded(step.num_tokens_padded)
         tokens, counts = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
         for b, req_id in enumerate(step.req_ids):
             if sampled[req_id]:
@@ -130,7 +136,15 @@ def replay_jaxprep(config: ServingConfig, recorded: list) -> list[float]:
     return times
 
 
-def replay_v1(work: Workload, recorded: list) -> list[float]:
+def ready(step):
+    """What a step is ready with: its one buffer (`AdapterStep.buffer`), or on a checkout from before it its
+    `StepInputs`."""
+    return step.buffer if hasattr(step, "buffer") else step.inputs
+
+
+def replay_v1(work: Workload, recorded: list, finish=None) -> list[float]:
+    """Per step: V1's ``_update_states`` + ``_prepare_inputs`` (then ``finish(runner, num_reqs, num_tokens)``:
+    the GPU benchmark's copies to the device), seconds; ``_bookkeeping_sync`` between steps, untimed."""
     runner, times = V1Runner(work), []
     numpy_slot_mapping(runner.runner)
     outputs = copy.deepcopy([so for so, _ in recorded])
@@ -143,6 +157,8 @@ def replay_v1(work: Workload, recorded: list) -> list[float]:
             req_ids = runner.runner.input_batch.req_ids
             scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
             runner.runner._prepare_inputs(so, scheduled)
+            if finish is not None:
+                finish(runner.runner, len(req_ids), int(scheduled.sum()))
             times.append(time.perf_counter() - start)
             bookkeeping(runner, so, [sampled[r] for r in req_ids], int(scheduled.sum()))
     return times
@@ -158,17 +174,19 @@ def bookkeeping(runner: V1Runner, so, sampled: list[list[int]], num_tokens: int)
                                     torch.zeros(num_tokens, 1), num_tokens)
 
 
-def best_means(rounds: list[list[float]], decode: np.ndarray) -> tuple[float, float]:
-    """Best round's mean step time over all steps, and over the decode-only steps (us)."""
+def median_means(rounds: list[list[float]], decode: np.ndarray) -> tuple[float, float]:
+    """The median over rounds of each round's mean step time over all steps, and over the decode-only
+    steps (us)."""
     times = np.array(rounds) * 1e6
-    return float(times.mean(axis=1).min()), float(times[:, decode].mean(axis=1).min()) if decode.any() else np.nan
+    return (float(np.median(times.mean(axis=1))),
+            float(np.median(times[:, decode].mean(axis=1))) if decode.any() else np.nan)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     print(machine_line())
     print(RUNTIME)
@@ -184,8 +202,9 @@ def main() -> None:
         warmup = time.perf_counter() - start
         decode = np.array([not so.scheduled_new_reqs and max(so.num_scheduled_tokens.values()) == 1
                            for so, _ in recorded])
-        ours = best_means([replay_jaxprep(config, recorded) for _ in range(args.rounds)], decode)
-        theirs = best_means([replay_v1(work, recorded) for _ in range(args.rounds)], decode)
+        rounds = [(replay_jaxprep(config, recorded), replay_v1(work, recorded)) for _ in range(args.rounds)]
+        ours = median_means([a for a, _ in rounds], decode)  # the two sides interleaved, round by round
+        theirs = median_means([b for _, b in rounds], decode)
         tokens = np.mean([so.total_num_scheduled_tokens for so, _ in recorded])
         print(f"| {size} | {len(recorded)} ({decode.sum()}) | {tokens:.0f} | {ours[0]:.0f} | {theirs[0]:.0f} | "
               f"{ours[0] / theirs[0]:.2f}x | {ours[1]:.0f} | {theirs[1]:.0f} | {ours[1] / theirs[1]:.2f}x | "

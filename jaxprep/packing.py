@@ -21,8 +21,17 @@ same on both sides of a transfer. Field kinds say how a field is stored and view
   # mask [T, F, T, T, F] -> bytes [1, 0, 1, 1 | 0, 0, 0, 0] -> 2 words;  view(uint8)[:5].view(bool)
   ```
 
-`unpack` cuts NumPy (any kind) or traced JAX (``INT32``) buffers by slicing; torch cuts its views
-with its own ops (`torch_bridge.packing.unpack`), since a torch view is not a slice of either.
+- ``FLOAT32``: a float32 value's bit pattern, one word per element (a bitcast both ways, never a
+  conversion):
+
+  ```
+  # [1.0, -0.5] -> words [0x3F800000, 0xBF000000]
+  ```
+
+`unpack` cuts NumPy (any kind) or traced JAX (``INT32``) buffers by slicing; `decode` reads a field of
+any kind back inside a jit (a slice, and for the other kinds a bitcast or a strided slice, which XLA
+fuses into its consumer); torch cuts its views with its own ops (`torch_bridge.packing.unpack`), since
+a torch view is not a slice of either.
 """
 
 from __future__ import annotations
@@ -38,8 +47,10 @@ import numpy as np
 
 from jaxprep._typing import Array, Bool, Int32
 
-INT32, INT64, BOOL = "int32", "int64", "bool"
-"""Field kinds: the dtype a field is viewed as. Every field is int32 (or bool) on the JAX side."""
+INT32, INT64, BOOL, FLOAT32 = "int32", "int64", "bool", "float32"
+"""Field kinds: the dtype a field is viewed as. On the JAX side a field is int32 (INT32, INT64), bool
+or float32."""
+KINDS = (INT32, INT64, BOOL, FLOAT32)
 
 FieldSpec = tuple[tuple[str, str], ...]
 """(name, kind) pairs in buffer order: the static part of a layout."""
@@ -54,12 +65,12 @@ class Span(NamedTuple):
     name: str
     offset: int
     shape: tuple[int, ...]
-    kind: str  # INT32 (a word per element), INT64 (two words) or BOOL (a byte)
+    kind: str  # INT32 (a word per element), INT64 (two words), BOOL (a byte) or FLOAT32 (a word of bits)
     num_words: int
 
 
 def num_words(kind: str, num_elements: int) -> int:
-    """Words a field of ``kind`` takes: # 5 elements -> INT32 5, INT64 10, BOOL 2"""
+    """Words a field of ``kind`` takes: # 5 elements -> INT32 5, INT64 10, BOOL 2, FLOAT32 5"""
     if kind == INT64:
         return 2 * num_elements
     return -(-num_elements // 4) if kind == BOOL else num_elements
@@ -75,8 +86,8 @@ def layout(fields: tuple[tuple[str, tuple[int, ...], str], ...]) -> tuple[Span, 
     """
     spans, offset = [], 0
     for name, shape, kind in fields:
-        if kind not in (INT32, INT64, BOOL):
-            raise ValueError(f"field {name}: kind must be {INT32!r}, {INT64!r} or {BOOL!r}, got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"field {name}: kind must be one of {KINDS}, got {kind!r}")
         offset += offset % 2 if kind == INT64 else 0
         spans.append(Span(name, offset, tuple(shape), kind, num_words(kind, math.prod(shape))))
         offset += spans[-1].num_words
@@ -137,6 +148,8 @@ def bytes_to_words(flags: Bool[Array, " *shape"]) -> Int32[Array, " num_words"]:
 def _encode(array: Array, kind: str) -> Int32[Array, " num_words"]:
     if kind == BOOL:
         return bytes_to_words(array)
+    if kind == FLOAT32:
+        return jax.lax.bitcast_convert_type(array.astype(jnp.float32), jnp.int32).reshape(-1)
     flat = array.astype(jnp.int32).reshape(-1)
     return widen(flat) if kind == INT64 else flat
 
@@ -192,5 +205,41 @@ def unpack(words, spans: tuple[Span, ...]) -> dict:
             chunk = chunk.view(np.int64)
         elif kind == BOOL:
             chunk = chunk.view(np.uint8)[:math.prod(shape)].view(np.bool_)
+        elif kind == FLOAT32:
+            chunk = chunk.view(np.float32)
         views[name] = chunk if len(shape) == 1 else chunk.reshape(shape)
     return views
+
+
+def decode(words: Int32[Array, " num_words"], span: Span) -> Array:
+    """The field of ``span`` read back from a traced (or device) buffer, in its JAX dtype and shape: INT32 and
+    INT64 as int32 (an INT64 field's low words, a strided slice), BOOL as bool, FLOAT32 as float32 (bitcast).
+    Inside a jit every read is a slice that XLA fuses into the field's consumer.
+
+    ```
+    # words [5, 0, 7, 0], span (positions, 0, (2,), INT64, 4) -> [5, 7]
+    ```
+    """
+    _, offset, shape, kind, size = span
+    chunk = jax.lax.slice(words, (offset,), (offset + size,))
+    if kind == INT64:
+        chunk = chunk.reshape(-1, 2)[:, 0 if sys.byteorder == "little" else 1]
+    elif kind == BOOL:
+        chunk = jax.lax.bitcast_convert_type(chunk, jnp.uint8).reshape(-1)[:math.prod(shape)] != 0
+    elif kind == FLOAT32:
+        chunk = jax.lax.bitcast_convert_type(chunk, jnp.float32)
+    return chunk.reshape(shape)
+
+
+def host_view(words: np.ndarray, span: Span) -> np.ndarray:
+    """The field of ``span`` as a NumPy view of fetched ``words`` (no copy), in its JAX dtype: an INT64
+    field as its low int32 words (a strided view), BOOL as bool, FLOAT32 as float32; shaped as the field."""
+    _, offset, shape, kind, size = span
+    chunk = words[offset: offset + size]
+    if kind == INT64:
+        chunk = chunk[0 if sys.byteorder == "little" else 1::2]
+    elif kind == BOOL:
+        chunk = chunk.view(np.uint8)[:math.prod(shape)].view(np.bool_)
+    elif kind == FLOAT32:
+        chunk = chunk.view(np.float32)
+    return chunk.reshape(shape)

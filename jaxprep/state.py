@@ -10,6 +10,7 @@ The fields after the four core tables are inputs of optional features (`jaxprep.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 
 import jax
@@ -169,24 +170,41 @@ def check_leaves(state: BatchState) -> None:
     Runs whichever constructor built ``state`` (`from_numpy` converts first; a direct ``BatchState(...)``
     gets no conversion, so a float, bool or int64 table is rejected here instead of being cast or
     wrapped inside the step). Leaves that are not concrete arrays are skipped: JAX rebuilds the pytree
-    with tracers and other leaves while tracing.
+    with tracers and other leaves while tracing. JAX also rebuilds it from every jitted call's outputs,
+    so the walk is kept short: the per-field expectations are computed once (`_field_checks`) and absent
+    (None) features cost one attribute read each.
     """
-    rows = state.token_ids.shape[0] if _is_concrete_array(state.token_ids) and state.token_ids.ndim else None
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
+    token_ids = state.token_ids
+    rows = token_ids.shape[0] if _is_concrete_array(token_ids) and token_ids.ndim else None
+    for name, expected, ndim, per_row in _field_checks():
+        value = getattr(state, name)
+        if value is None:
+            continue
         arrays = value if isinstance(value, tuple) else (value,)
         for i, array in enumerate(arrays):
             if not _is_concrete_array(array):
                 continue
-            name = f"{f.name}[{i}]" if isinstance(value, tuple) else f.name
-            expected = np.dtype(bool if f.name in _BOOL_FIELDS else np.float32 if f.name in _FLOAT_FIELDS else INT32)
-            if array.dtype != expected:
-                raise TypeError(f"BatchState.{name} has dtype {array.dtype}, expected {expected} (build the state "
-                                f"with BatchState.from_numpy, which converts integer tables whose values fit int32)")
-            if array.ndim != _NDIM[f.name]:
-                raise ValueError(f"BatchState.{name} must be {_NDIM[f.name]}-D, got shape {tuple(array.shape)}")
-            if rows is not None and f.name not in NOT_PER_ROW and array.shape[0] != rows:
-                raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
+            if array.dtype != expected or array.ndim != ndim or (per_row and rows is not None
+                                                                 and array.shape[0] != rows):
+                _raise_bad_leaf(f"{name}[{i}]" if isinstance(value, tuple) else name, array, expected, ndim,
+                                per_row, rows)
+
+
+@functools.cache
+def _field_checks() -> tuple[tuple[str, np.dtype, int, bool], ...]:
+    """(field name, expected dtype, rank, indexed by state row) of every `BatchState` field, in field order."""
+    return tuple((f.name, np.dtype(bool if f.name in _BOOL_FIELDS else np.float32 if f.name in _FLOAT_FIELDS
+                                   else INT32), _NDIM[f.name], f.name not in NOT_PER_ROW)
+                 for f in dataclasses.fields(BatchState))
+
+
+def _raise_bad_leaf(name: str, array, expected: np.dtype, ndim: int, per_row: bool, rows: int | None) -> None:
+    if array.dtype != expected:
+        raise TypeError(f"BatchState.{name} has dtype {array.dtype}, expected {expected} (build the state "
+                        f"with BatchState.from_numpy, which converts integer tables whose values fit int32)")
+    if array.ndim != ndim:
+        raise ValueError(f"BatchState.{name} must be {ndim}-D, got shape {tuple(array.shape)}")
+    raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
 
 
 def _feature_inputs_as_host(feature_inputs: dict) -> dict:

@@ -3,7 +3,8 @@
 `jaxprep.packing` lays a step's arrays out in one int32 buffer and packs them inside a jit; torch
 takes the buffer with a single ``torch.from_dlpack`` and cuts one view per field here, with torch
 ops (a view of a torch tensor is not a slice of a NumPy or JAX array, so `jaxprep.packing.unpack`
-does not apply). INT64 fields become int64 views and BOOL fields bool views, without a copy.
+does not apply). INT64 fields become int64 views, FLOAT32 fields float32 views and BOOL fields bool views,
+without a copy.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 
-from jaxprep.packing import BOOL, INT64, Span
+from jaxprep.packing import BOOL, FLOAT32, INT64, Span
 from torch_bridge._torch import torch
 
 
@@ -20,8 +21,8 @@ def unpack(words: torch.Tensor, spans: tuple[Span, ...], base: int = 0) -> dict[
 
     ``words`` is the packed buffer or a copy of its tail, starting at layout word ``base``.
     One ``split_with_sizes`` call cuts every chunk (cheaper than a slice per field); INT64
-    chunks are then viewed as int64 (their word offset is even), BOOL chunks as their leading
-    bytes, and other than 1-D ones reshaped.
+    chunks are then viewed as int64 (their word offset is even), FLOAT32 chunks as float32, BOOL
+    chunks as their leading bytes, and other than 1-D ones reshaped.
     """
     sizes, chunk_index = _split_plan(spans, base, words.shape[0])
     chunks = words.split_with_sizes(sizes)
@@ -30,6 +31,8 @@ def unpack(words: torch.Tensor, spans: tuple[Span, ...], base: int = 0) -> dict[
         chunk = chunks[index]
         if span.kind == INT64:
             chunk = chunk.view(torch.int64)
+        elif span.kind == FLOAT32:  # the words are the values' bit patterns
+            chunk = chunk.view(torch.float32)
         elif span.kind == BOOL:
             chunk = chunk.view(torch.uint8)[:math.prod(span.shape)].view(torch.bool)
         views[span.name] = chunk if len(span.shape) == 1 else chunk.view(span.shape)

@@ -99,18 +99,25 @@ def bridge_packed(arrays: dict[str, jax.Array], pack_spec: PackSpec, device) -> 
     spec = pack_spec.spec
     packed = pack(arrays, spec)
     spans = layout_of(arrays, spec)
-    source = jax_to_torch(packed, "packed step")
+    return bridge_words(packed, spans, len(pack_spec.device_only), pack_spec.scalars, device)
+
+
+def bridge_words(packed: jax.Array, spans: tuple[Span, ...], num_device_only: int, scalars: tuple[str, ...],
+                 device, name: str = "packed step") -> Bridged:
+    """Torch views of a packed buffer laid out as ``spans`` (device fields, then ``scalars``, then the
+    host-mirrored fields): one DLPack capsule, at most one transfer of the whole buffer and, when both
+    sides are accelerators, one device-to-host copy of its tail."""
+    source = jax_to_torch(packed, name)
     target = transfer(source, device)
-    start, host_region = _host_region(spans, len(pack_spec.device_only), len(pack_spec.scalars))
-    views = unpack(target, spans[:len(pack_spec.device_only)] + host_region)
+    start, host_region = _host_region(spans, num_device_only, len(scalars))
+    views = unpack(target, spans[:num_device_only] + host_region)
     if source.device.type == "cpu":  # JAX's own host buffer, shared
         host = views if target is source else unpack(source, host_region)
     elif target.device.type == "cpu":
         host = views
     else:  # one device-to-host copy of the buffer's tail
         host = unpack(source[start:].cpu(), host_region, base=start)
-    return Bridged(device=views, host=host,
-                   scalars=dict(zip(pack_spec.scalars, host["scalars"].tolist())),
+    return Bridged(device=views, host=host, scalars=dict(zip(scalars, host["scalars"].tolist())),
                    jax_buffers=(packed,))
 
 

@@ -94,7 +94,12 @@ class Sizes:
 
     @property
     def token_block(self) -> int:
-        """Tokens per program of the token kernel: ``T 16 -> 4, T 256 -> 64, T 8192 -> 128``."""
+        """Tokens per program: T / MIN_TOKEN_PROGRAMS rounded up to a power of 2, at most TOKEN_BLOCK.
+
+        ```
+        # T 16 -> 4, T 256 -> 64, T 8192 -> 128
+        ```
+        """
         return min(TOKEN_BLOCK, pow2(-(-self.num_tokens_padded // MIN_TOKEN_PROGRAMS)))
 
     @property

@@ -248,7 +248,7 @@ def rpa_v3_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head
 @functools.partial(jax.jit, static_argnames=("block_size",))
 def to_rpa_v3_cache(k_cache: Array, v_cache: Array, block_size: int) -> Array:
     """One layer's slot-major K and V caches ``[num_blocks * B, K, D]`` (compute dtype: bit-cast a
-    uint16-held bf16 cache first, `jaxprep.storage.as_compute`) -> the v3 cache (`rpa_v3_cache_shape`):
+    uint16-held bf16 cache first, `jaxprep._typing.as_compute`) -> the v3 cache (`rpa_v3_cache_shape`):
     K and V interleaved by head, as ``merge_kv`` packs the kernel's new tokens, zero padded.
 
     ```

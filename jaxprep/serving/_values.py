@@ -44,6 +44,8 @@ def integer_array(where: str, values, error: type[Exception] = ValueError) -> np
     ```
     """
     array = np.asarray([] if values is None else values)
+    if array.size == 0 and array.dtype.kind != "b":
+        return np.zeros(array.shape, np.int64)
     if array.dtype.kind == "b":
         raise error(f"{where} holds bools ({array.ravel()[:4].tolist()}...): give integer counts")
     if array.dtype.kind not in "iuf":  # Python ints past int64, strings, None, ...: one by one

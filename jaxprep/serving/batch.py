@@ -13,7 +13,7 @@ from jaxprep.prepare import prepare_padded
 from jaxprep.serving import checks, transitions
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import PackedStep, pack_step, payload_buckets
+from jaxprep.serving.packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
 from jaxprep.serving.state import (
     ERROR_BITS,
     AddRequests,
@@ -26,7 +26,8 @@ from jaxprep.serving.state import (
     check_token_ids,
     draft_width,
 )
-from jaxprep.serving.step import AppendedTokens, serve_step
+from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_buffer
+from jaxprep.step_buffer import StepBuffer
 
 
 class ServingBatch:
@@ -82,11 +83,15 @@ class ServingBatch:
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
     def warmup(self, threads: int | None = None) -> float:
-        """Compiles `transitions.apply_packed` for every rung of `payload_buckets` and `prepare` for
+        """Compiles `transitions.apply_packed` for every rung of `payload_buckets`, the door's step
+        (`update_and_prepare`) for every rung of `step_payload_buckets` and token bucket, and `prepare` for
         every token bucket (`jaxprep.warmup`), so no update or step compiles later; returns seconds."""
         start = time.perf_counter()
         lowered = [transitions.apply_packed.lower(self.state, np.zeros(words, np.int32), config=self.config)
                    for words in payload_buckets(self.config)]
+        lowered += [update_and_prepare_buffer.lower(self.state, np.zeros(words, np.int32), config=self.config,
+                                                    num_tokens_padded=bucket)
+                    for words in step_payload_buckets(self.config) for bucket in self.config.prep.token_buckets]
         compile_all(lowered, threads)
         jaxprep_warmup(self.config.prep, self.state.batch, threads=threads)
         return time.perf_counter() - start
@@ -95,9 +100,32 @@ class ServingBatch:
         """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""
         return prepare_padded(self.state.batch, self.config.prep, num_tokens_padded)
 
+    def update_and_prepare(self, updates: StepUpdates, num_tokens_padded: int) -> StepBuffer:
+        """Checks ``updates``, then applies them and prepares the step in ONE jitted call (the state donated,
+        `step.update_and_prepare_buffer`); returns the step as one `StepBuffer` (`StepBuffer.inputs` for its
+        `StepInputs`, `torch_bridge.to_torch` for torch). As in `serve`, an update too big for the step's
+        payload rungs (`step_payload_buckets`) sends its leading buffers first (`transitions.apply_packed`).
+        Raises `InvalidUpdateError` with nothing dispatched, also for a bucket that is not one of
+        ``config.prep.token_buckets`` or that the scheduled total does not fit."""
+        rows = checks.check_updates(self.rows, updates, self.config)
+        check_bucket(rows, num_tokens_padded, self.config)
+        step = self.dispatch_prepare(self.pack(updates), num_tokens_padded)
+        self.rows = rows
+        return step
+
+    def dispatch_prepare(self, packed: PackedStep, num_tokens_padded: int) -> StepBuffer:
+        """`update_and_prepare`'s device part for a checked update already packed (``batch.pack(updates)``):
+        the leading buffers (if any), then the one call; the caller keeps the checked mirror."""
+        for buffer in packed.before:
+            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
+        self.state, step = update_and_prepare_buffer(self.state, packed.step, config=self.config,
+                                                     num_tokens_padded=num_tokens_padded)
+        return step
+
     def record_sampled(self, idx_mapping, sampled_token_ids, num_sampled) -> None:
         """Records one step's samples (``idx_mapping`` [B], ``sampled_token_ids`` [B, n] or [B],
-        ``num_sampled`` [B]).
+        ``num_sampled`` [B]). ``idx_mapping`` may be the step's `StepBuffer` (`update_and_prepare`'s): its
+        field is read inside the record's own jit, no dispatch of its own.
 
         Host arrays are checked (shapes, rows, counts, token ids against vocab_size) and the mirror
         advances exactly. Device arrays (`jax.Array`) are never read: only their shapes are checked;
@@ -107,7 +135,7 @@ class ServingBatch:
         """
         arrays = (idx_mapping, sampled_token_ids, num_sampled)
         bound = None if self.config.vocab_size is None else self.config.vocab_size
-        if any(isinstance(a, jax.Array) for a in arrays):
+        if any(isinstance(a, (jax.Array, StepBuffer)) for a in arrays):
             idx_mapping, sampled_token_ids, num_sampled = _device_shapes(*arrays)
             rows = checks.advance_unread(self.rows, self.config)
         else:
@@ -128,7 +156,7 @@ class ServingBatch:
             raise ValueError("record_prev_tokens needs FeatureConfig.async_tokens")
         idx_mapping, sampled_token_ids, num_sampled = _device_shapes(idx_mapping, sampled_token_ids, num_sampled)
         if draft_token_ids is not None:
-            draft_token_ids = self._checked_drafts(draft_token_ids, idx_mapping.shape[0])
+            draft_token_ids = self._checked_drafts(draft_token_ids, sampled_token_ids.shape[0])
         self.state = transitions.record_prev_tokens(self.state, idx_mapping, sampled_token_ids, num_sampled,
                                                     draft_token_ids, vocab_bound=self.config.vocab_size)
 
@@ -201,8 +229,13 @@ def _only(config: ServingConfig, **parts) -> StepUpdates:
 
 
 def _device_shapes(idx_mapping, sampled_token_ids, num_sampled):
-    """Shape checks of device arrays (no read): [B], [B, n] (or [B]), [B], integers."""
-    arrays = [jax.numpy.asarray(a) for a in (idx_mapping, sampled_token_ids, num_sampled)]
+    """Shape checks of device arrays (no read): [B], [B, n] (or [B]), [B], integers. A `StepBuffer` in place of
+    ``idx_mapping`` is checked by its field's shape and passed on as it is."""
+    given = idx_mapping
+    if isinstance(idx_mapping, StepBuffer):
+        idx_mapping = jax.ShapeDtypeStruct(idx_mapping.layout.by_name["idx_mapping"].shape, jax.numpy.int32)
+    arrays = [a if isinstance(a, jax.ShapeDtypeStruct) else jax.numpy.asarray(a)
+              for a in (idx_mapping, sampled_token_ids, num_sampled)]
     names = ("idx_mapping", "sampled_token_ids", "num_sampled")
     for name, array in zip(names, arrays):
         if not jax.numpy.issubdtype(array.dtype, jax.numpy.integer):
@@ -214,7 +247,21 @@ def _device_shapes(idx_mapping, sampled_token_ids, num_sampled):
     if idx.ndim != 1 or sampled.ndim != 2 or counts.ndim != 1 or not same_rows:
         raise checks.InvalidUpdateError(f"record_sampled: shapes idx_mapping {idx.shape}, sampled_token_ids "
                                         f"{sampled.shape}, num_sampled {counts.shape} must be [B], [B, n], [B]")
-    return idx, sampled, counts
+    return given if isinstance(given, StepBuffer) else idx, sampled, counts
+
+
+def check_bucket(rows: checks.HostRows, num_tokens_padded: int, config: ServingConfig) -> None:
+    """The step's bucket is a rung of ``config.prep.token_buckets`` that holds the scheduled total (on the mirror
+    after the update), so the prepared call cannot fail after an update went out."""
+    buckets = config.prep.token_buckets
+    if isinstance(num_tokens_padded, bool) or not isinstance(num_tokens_padded, (int, np.integer)) \
+            or num_tokens_padded not in buckets:
+        raise checks.InvalidUpdateError(f"num_tokens_padded={num_tokens_padded!r} is not one of "
+                                        f"PrepConfig.token_buckets {buckets}")
+    total = int(rows.num_scheduled_tokens.sum())
+    if total > num_tokens_padded:
+        raise checks.InvalidUpdateError(f"sum(num_scheduled_tokens)={total} exceeds num_tokens_padded="
+                                        f"{num_tokens_padded}")
 
 
 def check_dispatchable(config: ServingConfig) -> None:

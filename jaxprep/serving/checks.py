@@ -15,6 +15,7 @@ the high end of what the device may hold, and ``slack`` how far below it the dev
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -241,9 +242,9 @@ def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
 
 def _append(rows: HostRows, payload, config: ServingConfig) -> None:
     """Rows busy; a table's blocks after the append fit its width; ids allocatable in its group."""
-    if _appends_fit(rows, payload.segments, config):
-        for row, table, ids in payload.segments:
-            rows.table_blocks[row, table] += len(ids)
+    counts = _appends_fit(rows, payload, config)
+    if counts is not None:
+        rows.table_blocks = counts
         return
     num_tables = len(table_names(config))  # a segment breaks a bound: find the first, name it
     for row, table, ids in payload.segments:
@@ -252,33 +253,45 @@ def _append(rows: HostRows, payload, config: ServingConfig) -> None:
             _fail(f"{where}: the row is outside [0, max_num_reqs={config.max_num_reqs})")
         if not rows.busy[row]:
             _fail(f"AppendBlocks.rows: row {row} holds no request")
+        if not 0 <= table < num_tables:
+            _fail(f"{where}: table {table} is outside the row's tables [0, {num_tables})")
         tables = [np.zeros(0, np.int64)] * num_tables
         tables[table] = ids
         _check_tables(where, tables, config, used=rows.table_blocks[row])
         rows.table_blocks[row, table] += len(ids)
 
 
-def _appends_fit(rows: HostRows, segments, config: ServingConfig) -> bool:
+def _appends_fit(rows: HostRows, payload, config: ServingConfig) -> np.ndarray | None:
     """All of `_append`'s bounds at once (NumPy over every segment): rows in range and busy, each
     table's final block count within its width (counts only grow, so every prefix fits too), every id
-    within its group's bounds. False: `_append` walks the segments to name the first that breaks one."""
-    if not segments:
-        return True
-    seg_rows = np.array([row for row, _, _ in segments], np.int64)
-    seg_tables = np.array([table for _, table, _ in segments], np.int64)
-    lengths = np.array([len(ids) for _, _, ids in segments], np.int64)
-    if ((seg_rows < 0) | (seg_rows >= config.max_num_reqs)).any() or not rows.busy[seg_rows].all():
-        return False
-    if ((seg_tables < 0) | (seg_tables >= rows.table_blocks.shape[1])).any():
-        return False
+    within its group's bounds. Returns the block counts after the append, or None: `_append` then walks
+    the segments to name the first that breaks a bound."""
+    seg_rows, seg_tables, lengths = payload.rows, payload.tables, payload.lengths
+    if not len(seg_rows):
+        return rows.table_blocks
+    num_rows, num_tables = rows.table_blocks.shape
+    if seg_rows.min() < 0 or seg_rows.max() >= num_rows or seg_tables.min() < 0 or seg_tables.max() >= num_tables \
+            or not rows.busy[seg_rows].all() or lengths.min() < 1:
+        return None
+    widths, low, high = _table_bounds(config)
+    if num_tables == 1:  # one table: a row's appended blocks add up by a bincount
+        counts = rows.table_blocks + np.bincount(seg_rows, lengths, minlength=num_rows).astype(np.int64)[:, None]
+        ids = payload.block_ids
+        fits = counts.max() <= widths[0] and ids.min() >= low[0] and ids.max() <= high[0]
+        return counts if fits else None
     counts = rows.table_blocks.copy()
     np.add.at(counts, (seg_rows, seg_tables), lengths)
-    if (counts > np.array(table_widths(config), np.int64)).any():
-        return False
-    bounds = np.array([block_bounds(config, t) for t in range(counts.shape[1])], np.int64)  # [tables, 2]
-    ids = np.concatenate([ids for _, _, ids in segments])
-    low, high = np.repeat(bounds[seg_tables], lengths, axis=0).T
-    return not ((ids < low) | (ids > high)).any()
+    per_id = np.repeat(seg_tables, lengths)
+    if (counts > widths).any() or ((payload.block_ids < low[per_id]) | (payload.block_ids > high[per_id])).any():
+        return None
+    return counts
+
+
+@functools.lru_cache(maxsize=64)
+def _table_bounds(config: ServingConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per table: its width, and the lowest and highest block id it takes (`block_bounds`)."""
+    bounds = np.array([block_bounds(config, t) for t in range(len(table_names(config)))], np.int64)
+    return np.array(table_widths(config), np.int64), bounds[:, 0], bounds[:, 1]
 
 
 def _lora_slots(rows: HostRows, slots, config: ServingConfig) -> None:
@@ -299,9 +312,50 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
     """Counts non-negative; only busy, settled rows scheduled; total within the token budget; S >= D + 1
     for rows with drafts, draft ids in the vocabulary (-1 only where `placeholders_allowed`); C + S
     within the known tokens (+ drafts), max_model_len and every group's allocated blocks; a row that
-    samples has room for its new tokens below max_model_len; grammar rows only on scheduled rows."""
+    samples has room for its new tokens below max_model_len; grammar rows only on scheduled rows.
+
+    Every bound is evaluated at once (`_schedule_fits`, one pass of NumPy over the rows); only a schedule
+    that breaks one walks the bounds in order (`_schedule_named`) to name the first."""
     if payload is None:
         return
+    if not _schedule_fits(rows, payload, config):
+        _schedule_named(rows, payload, config)
+        raise AssertionError("a schedule bound failed without a named error")  # pragma: no cover
+    rows.num_scheduled_tokens[:] = payload.num_scheduled_tokens
+    rows.num_draft_tokens[:] = payload.num_draft_tokens
+
+
+def _schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
+    """Whether ``payload`` keeps every bound of `_schedule` (the same bounds as `_schedule_named`, joined)."""
+    prep, width = config.prep, draft_width(config)
+    scheduled, drafts = payload.num_scheduled_tokens, payload.num_draft_tokens
+    active = scheduled > 0
+    if scheduled.min() < 0 or drafts.min() < 0 or drafts.max() > width or int(scheduled.sum()) > \
+            prep.max_num_batched_tokens:
+        return False
+    seq_lens = rows.num_computed_tokens + scheduled
+    new_len = rows.num_tokens + drafts + 1
+    bad = active & ((rows.num_tokens <= 0) | (rows.pending_drafts >= 0) | (seq_lens > rows.num_tokens + drafts)
+                    | (seq_lens > prep.max_model_len)
+                    | ((seq_lens >= rows.num_tokens) & (new_len > prep.max_model_len)))
+    bad |= (drafts > 0) & (scheduled < drafts + 1)
+    grammar = payload.grammar_index
+    bad |= (grammar != NO_GRAMMAR) & ((grammar < 0) | ~active)
+    for g, size in enumerate(_group_block_sizes(config)):
+        bad |= active & (-(-seq_lens // size) > rows.table_blocks[:, g])
+    if bad.any():
+        return False
+    if width and drafts.any():
+        ids = payload.draft_token_ids
+        low = -1 if placeholders_allowed(config) else 0
+        drafted = np.arange(width)[None, :] < drafts[:, None]
+        if (drafted & ((ids < low) | (ids >= config.token_id_bound))).any():
+            return False
+    return True
+
+
+def _schedule_named(rows: HostRows, payload, config: ServingConfig) -> None:
+    """`_schedule`'s bounds one by one, in order: raises naming the first that ``payload`` breaks."""
     prep, width = config.prep, draft_width(config)
     scheduled, drafts = payload.num_scheduled_tokens, payload.num_draft_tokens
     _require(scheduled >= 0, "Schedule.num_scheduled_tokens", scheduled, "is negative")
@@ -336,8 +390,6 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
     new_len = rows.num_tokens + drafts + 1
     _require(~samples | (new_len <= prep.max_model_len), "num_tokens + num_draft_tokens + 1", new_len,
              f"exceeds max_model_len={prep.max_model_len}: the sampled token has no column")
-    rows.num_scheduled_tokens[:] = scheduled
-    rows.num_draft_tokens[:] = drafts
 
 
 def check_updates(rows: HostRows, updates, config: ServingConfig) -> HostRows:

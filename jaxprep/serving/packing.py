@@ -152,8 +152,8 @@ class _Chunk:
     finish: list = dataclasses.field(default_factory=list)
     add: list = dataclasses.field(default_factory=list)
     resume: list = dataclasses.field(default_factory=list)
-    segments: list = dataclasses.field(default_factory=list)
-    data: list = dataclasses.field(default_factory=list)
+    segments: list = dataclasses.field(default_factory=list)  # int64 arrays [n, 4] (SEGMENT_FIELDS)
+    data: list = dataclasses.field(default_factory=list)  # int64 arrays (or lists), run after run
     lora: np.ndarray | None = None
     schedule: tuple | None = None  # (dense, rows [n] or None, columns [width, n])
     words: int = HEADER_WORDS
@@ -168,8 +168,10 @@ class _Chunk:
             self.schedule = record
         elif record is not None:
             getattr(self, kind).append(record)
-        self.segments += segments
-        self.data += data
+        if segments is not None:
+            self.segments.append(segments)
+        if len(data):
+            self.data.append(data)
         self.words += words
 
 
@@ -202,6 +204,7 @@ def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np
     total = HEADER_WORDS + sum(item[-1] for item in items)
     chunks = [_Chunk()]
     if total > step_cap:
+        items = [part for item in items for part in _per_segment(item)]  # a split may fall between segments
         last = 1 if updates.schedule is not None else 0
         for item in items[: len(items) - last]:  # everything but the schedule, greedily into buffers of the top rung
             if chunks[-1].words + item[-1] > top and chunks[-1].words > HEADER_WORDS:
@@ -215,6 +218,16 @@ def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np
     buffers = [_encode(config, chunk, decode_steps if i == len(chunks) - 1 else 1) for i, chunk in enumerate(chunks)]
     content = sum(c.words - HEADER_WORDS for c in chunks)
     return PackedStep(before=tuple(buffers[:-1]), step=buffers[-1], content_words=content, changed_words=changed)
+
+
+def _per_segment(item) -> list:
+    """The appended segments' item as one item per segment (a buffer split falls between them)."""
+    kind, _, segments, data, _ = item
+    if kind != "append":
+        return [item]
+    ends = np.cumsum(segments[:, 3])
+    return [("append", None, segments[i: i + 1], data[ends[i] - segments[i, 3]: ends[i]],
+             len(SEGMENT_FIELDS) + int(segments[i, 3])) for i in range(len(segments))]
 
 
 def pad_to(buffer: np.ndarray, words: int) -> np.ndarray:
@@ -235,14 +248,14 @@ def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
     lay, items, changed = payload_layout(config), [], 0
     rows = [int(r) for r in updates.finish.rows]
     if rows:
-        items.append(("finish", rows, [], [], len(rows)))
+        items.append(("finish", rows, None, [], len(rows)))
         blocks[rows] = 0
         changed += len(rows)
     for entry in updates.add.entries:
         values = _add_record(entry, lay)
         data = _row_data(entry.token_ids, entry.block_ids, entry)
         blocks[entry.row] = [len(b) for b in entry.block_ids]
-        items.append(("add", values, [], data, len(values) + len(data)))
+        items.append(("add", values, None, data, len(values) + len(data)))
         changed += len(values) - 1 - len(entry.block_ids) + len(data)
     for entry in updates.resume.entries:
         replace = entry.block_ids is not None
@@ -254,21 +267,41 @@ def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
         data = _row_data(entry.token_ids, entry.block_ids if replace else (), None)
         if replace:
             blocks[entry.row] = [len(b) for b in entry.block_ids]
-        items.append(("resume", record, [], data, len(record) + len(data)))
+        items.append(("resume", record, None, data, len(record) + len(data)))
         changed += 1 + len(data)
-    for row, table, ids in updates.append.segments:
-        column = int(blocks[row, table])
-        blocks[row, table] += len(ids)
-        items.append(("append", None, [(TABLE + table, row, column, len(ids))], ids.tolist(), 4 + len(ids)))
-        changed += len(ids)
+    append = updates.append
+    if len(append.rows):
+        columns = _append_columns(blocks, append.rows, append.tables, append.lengths)
+        segments = np.stack([TABLE + append.tables, append.rows, columns, append.lengths], axis=1)
+        items.append(("append", None, segments, append.block_ids, segments.size + len(append.block_ids)))
+        changed += len(append.block_ids)
     if updates.lora_slots is not None:
-        items.append(("lora", updates.lora_slots.astype(np.int32), [], [], lay.max_loras))
+        items.append(("lora", updates.lora_slots.astype(np.int32), None, [], lay.max_loras))
         changed += lay.max_loras
     if updates.schedule is None:
         return items, changed
     schedule, words, count = _schedule_record(updates.schedule, lay)
-    items.append(("schedule", schedule, [], [], words))
+    items.append(("schedule", schedule, None, [], words))
     return items, changed + count
+
+
+def _append_columns(blocks: np.ndarray, rows: np.ndarray, tables: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The first column of each appended segment (the table's blocks so far), advancing ``blocks``.
+
+    ```
+    # blocks[2, 0] = 3, segments (row 2: 2 blocks), (row 2: 1 block) -> columns [3, 5], blocks[2, 0] = 6
+    ```
+    """
+    keys = rows * blocks.shape[1] + tables
+    if len(keys) > 1 and len(np.unique(keys)) < len(keys):  # a (row, table) twice: in payload order
+        columns = np.empty_like(rows)
+        for i, (row, table, length) in enumerate(zip(rows, tables, lengths)):
+            columns[i] = blocks[row, table]
+            blocks[row, table] += length
+        return columns
+    columns = blocks[rows, tables]
+    blocks[rows, tables] = columns + lengths
+    return columns
 
 
 def _add_record(entry, lay: Layout) -> list[int]:
@@ -296,7 +329,7 @@ def _row_data(tokens, tables, entry) -> list[int]:
     if entry is not None and entry.is_token_ids is not None:
         runs.append(entry.is_token_ids.astype(np.int64))
     runs += list(tables)
-    return np.concatenate([np.asarray(r, np.int64).ravel() for r in runs]).tolist() if runs else []
+    return np.concatenate([np.asarray(r, np.int64).ravel() for r in runs]) if runs else np.zeros(0, np.int64)
 
 
 def _schedule_record(schedule, lay: Layout):
@@ -322,12 +355,16 @@ def _schedule_record(schedule, lay: Layout):
 def _encode(config: ServingConfig, chunk: _Chunk, decode_steps: int) -> np.ndarray:
     dense, sched_rows, sched_table = chunk.schedule if chunk.schedule is not None else (True, None, np.zeros((0, 0)))
     n_schedule = sched_table.shape[1] if sched_table.size else 0
-    parts = [np.array([decode_steps, len(chunk.finish), len(chunk.add), len(chunk.resume), len(chunk.segments),
-                       n_schedule, int(dense), int(chunk.lora is not None), len(chunk.data),
+    parts = [np.array([decode_steps, len(chunk.finish), len(chunk.add), len(chunk.resume),
+                       sum(len(seg) for seg in chunk.segments),
+                       n_schedule, int(dense), int(chunk.lora is not None), sum(map(len, chunk.data)),
                        int(chunk.schedule is not None)], np.int64)]
-    for section in (chunk.add, chunk.resume, chunk.segments):
+    for section in (chunk.add, chunk.resume):
         if section:
             parts.append(np.asarray(section, np.int64).T.ravel())
+    if chunk.segments:
+        segments = chunk.segments[0] if len(chunk.segments) == 1 else np.concatenate(chunk.segments)
+        parts.append(segments.T.ravel())
     parts.insert(1, np.asarray(chunk.finish, np.int64))
     if n_schedule:
         if not dense:
@@ -335,7 +372,7 @@ def _encode(config: ServingConfig, chunk: _Chunk, decode_steps: int) -> np.ndarr
         parts.append(sched_table.ravel())
     if chunk.lora is not None:
         parts.append(np.asarray(chunk.lora, np.int64))
-    parts.append(np.asarray(chunk.data, np.int64))
+    parts += [np.asarray(data, np.int64) for data in chunk.data]
     words = np.concatenate(parts).astype(np.int32)
     return pad_to(words, bucket_for(config, len(words)))
 
@@ -575,12 +612,27 @@ def _read_data(blob, start, n_data, segments, length: int):
     lengths = segments["len"]  # clipped to [0, words] by `_all_segments`
     ends = jnp.cumsum(lengths)
     j = jnp.arange(length, dtype=jnp.int32)
-    seg = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, lengths.shape[0] - 1).astype(jnp.int32)
+    seg = _segment_of_word(ends, lengths, length)
     valid = (j < n_data) & (j < ends[-1])
     first = ends[seg] - lengths[seg]
     kind = jnp.where(valid, segments["kind"][seg], -1)
     disagree = jnp.any(ends > blob.shape[0], keepdims=True) | (ends[-1:] != n_data)
     return kind, segments["row"][seg], segments["col"][seg] + j - first, _read(blob, start + j), disagree
+
+
+def _segment_of_word(ends: jax.Array, lengths: jax.Array, length: int) -> jax.Array:
+    """Per word j < ``length``: the segment holding it, ``#{s: ends[s] <= j}`` (the last segment past the
+    data), without a search loop: each non-empty segment marks its first word with its index, and a running
+    maximum carries the mark over the segment's words (the segments are contiguous, so the marks rise).
+
+    ```
+    # lengths [2, 0, 1] (ends [2, 2, 3]) -> marks [0, _, 2, _] -> words 0..3 in segments [0, 0, 2, 2]
+    ```
+    """
+    count = lengths.shape[0]
+    first = jnp.where(lengths > 0, ends - lengths, length)  # an empty segment marks nothing
+    marks = jnp.zeros((length,), jnp.int32).at[first].max(jnp.arange(count, dtype=jnp.int32), mode="drop")
+    return jnp.clip(jax.lax.cummax(marks), 0, count - 1)
 
 
 def pack_updates(updates: StepUpdates, config: ServingConfig,

@@ -12,6 +12,7 @@ in one int32 buffer whose length comes from a small ladder (docs/guides/serving_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import jax
@@ -185,27 +186,76 @@ class ResumeRequests:
 
 @dataclasses.dataclass(frozen=True)
 class AppendBlocks:
-    """Block ids appended to rows after their last allocated column, per table."""
+    """Block ids appended to rows after their last allocated column, per table: segment ``s`` appends
+    ``block_ids[starts[s] : starts[s] + lengths[s]]`` to table ``tables[s]`` of row ``rows[s]`` (arrays, so
+    the checks and the packing handle every segment at once; `segments` lists them one by one).
 
-    segments: tuple[tuple[int, int, np.ndarray], ...]  # (row, table, block ids), in payload order
+    ```
+    # {2: [5, 6], 0: [9]} -> rows [2, 0], tables [0, 0], lengths [2, 1], block_ids [5, 6, 9]
+    ```
+    """
+
+    rows: np.ndarray  # [S] int64
+    tables: np.ndarray  # [S] int64 (`table_names` order)
+    lengths: np.ndarray  # [S] int64, each >= 1
+    block_ids: np.ndarray  # [sum(lengths)] int64, segment after segment
 
     @classmethod
     def build(cls, config: ServingConfig, appends=None) -> AppendBlocks:
         """``appends``: {row: [ids]} with one KV group; {row: [[g0 ids], [g1 ids], ...]} with several
         (a last list for the Mamba blocks on a hybrid model); or {row: {group: [ids], "mamba": [ids]}}."""
-        segments, single = [], len(table_names(config)) == 1
-        for row, value in (appends or {}).items():
+        appends = appends or {}
+        if len(table_names(config)) == 1 and all(type(value) is list for value in appends.values()):
+            fast = cls.from_lists(appends.keys(), [0] * len(appends), list(appends.values()))
+            if fast is not None:  # the common case: one table, lists of ints inside int32
+                return fast
+        rows, tables, ids = [], [], []
+        for row, value in appends.items():
             where = f"AppendBlocks row {row}"
-            flat = np.asarray(value) if single and type(value) is list else None
-            if flat is not None and flat.dtype == np.int64 and flat.ndim == 1 and not (
-                    flat.size and (flat.max() > INT32_MAX or flat.min() < -INT32_MAX - 1)):
-                tables = {0: flat}  # the common case: one table, a list of ints inside int32
-            else:
-                tables = _per_table(config, where, value, allow_mamba_in_list=True)
-            for table, blocks in tables.items():
+            for table, blocks in _per_table(config, where, value, allow_mamba_in_list=True).items():
                 if len(blocks):
-                    segments.append((_int(row, f"{where}: row"), table, blocks))
-        return cls(segments=tuple(segments))
+                    rows.append(_int(row, f"{where}: row"))
+                    tables.append(table)
+                    ids.append(blocks)
+        return cls.of_segments(rows, tables, ids)
+
+    @classmethod
+    def from_lists(cls, rows, tables, lists) -> AppendBlocks | None:
+        """Segments from ``rows``, ``tables`` and one list of block ids each (empty lists dropped), in one
+        conversion; None if an id or a row is not a plain integer inside int32 (`build` then names it)."""
+        lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+        try:
+            ids = np.array([i for ids in lists for i in ids]) if lengths.any() else np.zeros(0, np.int64)
+            rows = np.array(list(rows))
+        except (ValueError, TypeError):  # ragged nesting, an unconvertible value
+            return None
+        if ids.dtype != np.int64 or ids.ndim != 1 or (rows.size and (rows.dtype != np.int64 or rows.ndim != 1)):
+            return None
+        if ids.size and (ids.max() > INT32_MAX or ids.min() < -INT32_MAX - 1) or \
+                rows.size and (rows.max() > INT32_MAX or rows.min() < -INT32_MAX - 1):
+            return None
+        kept = lengths > 0
+        return cls(rows=rows[kept] if rows.size else np.zeros(0, np.int64),
+                   tables=np.asarray(tables, np.int64)[kept] if len(tables) else np.zeros(0, np.int64),
+                   lengths=lengths[kept], block_ids=ids)
+
+    @classmethod
+    def of_segments(cls, rows, tables, ids) -> AppendBlocks:
+        """From per-segment values: rows, tables and int64 id arrays (each non-empty)."""
+        return cls(rows=np.asarray(rows, np.int64).reshape(-1), tables=np.asarray(tables, np.int64).reshape(-1),
+                   lengths=np.fromiter(map(len, ids), np.int64, len(ids)),
+                   block_ids=np.concatenate(ids).astype(np.int64, copy=False) if ids else np.zeros(0, np.int64))
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        """[S] the first index of each segment in ``block_ids``."""
+        return np.cumsum(self.lengths) - self.lengths
+
+    @functools.cached_property
+    def segments(self) -> tuple[tuple[int, int, np.ndarray], ...]:
+        """(row, table, block ids) per segment, in payload order (views of ``block_ids``)."""
+        return tuple((int(r), int(t), self.block_ids[s: s + n])
+                     for r, t, s, n in zip(self.rows, self.tables, self.starts, self.lengths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,8 +313,10 @@ class StepUpdates:
               decode_steps: int = 1) -> StepUpdates:
         if lora_slots is not None:
             lora_slots = _int64_array(lora_slots, "StepUpdates.lora_slots").ravel()
+        if not isinstance(append, AppendBlocks):
+            append = AppendBlocks.build(config, append)
         return cls(finish=FinishRequests.build(config, finish), add=AddRequests.build(config, add),
-                   resume=ResumeRequests.build(config, resume), append=AppendBlocks.build(config, append),
+                   resume=ResumeRequests.build(config, resume), append=append,
                    schedule=Schedule.build(config, num_scheduled_tokens, num_draft_tokens, draft_token_ids,
                                            grammar_index),
                    lora_slots=lora_slots,
@@ -462,6 +514,12 @@ def _int64_array(values, where: str) -> np.ndarray:
 
 def _dense(values, size: int, fill: int, where: str) -> np.ndarray:
     """A [size] int64 array holding ``values`` then ``fill``."""
+    if values is None:
+        return np.full(size, fill, np.int64)
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.shape == (size,):  # the adapter's own
+        if size and (values.max() > INT32_MAX or values.min() < -INT32_MAX - 1):
+            raise ValueError(f"{where} has values outside int32")
+        return values.copy()
     values = _int64_array([] if values is None else values, where).ravel()
     if len(values) > size:
         raise ValueError(f"{where}: got {len(values)} entries, the payload holds {size}")

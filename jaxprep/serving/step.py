@@ -28,6 +28,7 @@ from jaxprep.serving.sampler import sample_requests
 from jaxprep.serving.spec_step import forward_verify_record, next_drafts
 from jaxprep.serving.state import ServingState
 from jaxprep.serving.transitions import apply_updates_body, record_sampled_body, row_index
+from jaxprep.step_buffer import StepBuffer, pack_step_body
 
 NO_TOKEN = -1
 """Entry of `serve_step`'s token output for a row that sampled nothing in that iteration."""
@@ -142,6 +143,17 @@ def update_and_prepare_donated(state: ServingState, packed_updates: jax.Array, *
     part of a serving step (``jaxprep simulate``'s ``prepare_us``, `jaxprep.serving.prep_timing`)."""
     state = apply_updates_body(state, unpack_updates(packed_updates, config))
     return state, prepare_padded(state.batch, config.prep, num_tokens_padded)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnames=("state",))
+def update_and_prepare_buffer(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig,
+                              num_tokens_padded: int) -> tuple[ServingState, StepBuffer]:
+    """The door's one dispatch per step: the packed update applied (its device checks included: a bad
+    buffer sets a bit of ``state.errors`` and writes nothing) and the step prepared, the state donated.
+    Returns ``(state, step)``, the step as one `StepBuffer` (one array out instead of a dozen; its
+    fields are views, `jaxprep.step_buffer`). `ServingBatch.update_and_prepare` calls it."""
+    state = apply_updates_body(state, unpack_updates(packed_updates, config))
+    return state, pack_step_body(prepare_padded(state.batch, config.prep, num_tokens_padded))
 
 
 def update_and_prepare_body(state: ServingState, packed_updates: jax.Array, config: ServingConfig,

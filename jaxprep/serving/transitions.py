@@ -35,6 +35,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, refused, unpack_updates
 from jaxprep.serving.sampling_rows import count_sampled
 from jaxprep.serving.state import ERROR_BITS, ServingState
+from jaxprep.step_buffer import StepBuffer
 
 
 def row_index(rows: jax.Array, num_rows: int) -> jax.Array:
@@ -266,6 +267,14 @@ def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfi
     return apply_updates_body(state, unpack_updates(packed, config))
 
 
+def batch_rows_of(idx_mapping) -> jax.Array:
+    """A step's ``idx_mapping``: the array as given, or a `StepBuffer`'s field read inside the jit (a
+    slice, no dispatch of its own)."""
+    if isinstance(idx_mapping, StepBuffer):
+        return idx_mapping.field("idx_mapping")
+    return jnp.asarray(idx_mapping, jnp.int32)
+
+
 def _outside_vocab(token_ids: jax.Array, vocab_bound: int | None, low: int = 0) -> jax.Array:
     """Per id: outside [``low``, ``vocab_bound``) (no upper bound when ``vocab_bound`` is None)."""
     limit = jnp.iinfo(jnp.int32).max if vocab_bound is None else vocab_bound
@@ -293,13 +302,14 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     ```
     # C 4, S 1, D 0, num_tokens 5, sampled [[77]], n 1 -> token_ids[s, 5] = 77, C 5, num_tokens 6
     ```
+    ``idx_mapping`` may be the step's `StepBuffer` (its field is read here).
 
     Inputs it cannot take set a bit of ``state.errors`` (`ERROR_BITS`) and stay in bounds: a token
     outside [0, ``vocab_bound``) is written as 0, ``n`` is clamped to [0, D + 1], an ``idx_mapping``
     entry outside [-1, max_num_reqs) is skipped.
     """
     num_rows, max_model_len = state.batch.token_ids.shape
-    idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
+    idx_mapping = batch_rows_of(idx_mapping)
     sampled_token_ids = jnp.asarray(sampled_token_ids, jnp.int32)
     rows = row_index(idx_mapping, num_rows)
     bad_row = jnp.any((idx_mapping < -1) | (idx_mapping >= num_rows))
@@ -363,7 +373,7 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
     """
     batch = state.batch
     num_rows, width = batch.prev_sampled_token_ids.shape[0], sampled_token_ids.shape[1]
-    idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
+    idx_mapping = batch_rows_of(idx_mapping)
     rows = row_index(idx_mapping, num_rows)
     counts = jnp.asarray(num_sampled, jnp.int32)
     discarded = _discarded(state, rows) | (counts <= 0)

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -77,8 +78,9 @@ from jaxprep.metadata import StepInputs
 from jaxprep.serving import vllm_checks
 from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.state import StepUpdates, draft_width, num_kv_groups
+from jaxprep.serving.state import AppendBlocks, StepUpdates, draft_width, num_kv_groups
 from jaxprep.serving.vllm_checks import InvalidSchedulerOutputError, fail
+from jaxprep.step_buffer import StepBuffer
 
 GRAMMAR_NOT_GIVEN = object()
 """`VllmAdapter.step`'s default ``grammar_output``: none given (an explicit None is the ``None`` that
@@ -87,9 +89,14 @@ GRAMMAR_NOT_GIVEN = object()
 
 @dataclasses.dataclass(frozen=True)
 class AdapterStep:
-    """One prepared step and the request ids of its batch rows."""
+    """One prepared step and the request ids of its batch rows.
 
-    inputs: StepInputs | None  # prepare_padded's outputs, at num_tokens_padded; None: nothing scheduled
+    The step leaves the device call as ONE int32 buffer, ``buffer`` (`jaxprep.step_buffer.StepBuffer`): a JAX
+    model reads its fields inside its own jit (``buffer.views()``), torch takes it with one DLPack handoff
+    (``torch_bridge.to_torch(step.buffer)``), NumPy views it (``buffer.to_numpy()``). ``inputs`` is the same
+    step as `StepInputs` of JAX arrays (unpacked by one more jitted call, on first use)."""
+
+    buffer: StepBuffer | None  # the prepared step at num_tokens_padded, as one buffer; None: nothing scheduled
     req_ids: list[str]  # batch row -> request id (ModelRunnerOutput.req_ids)
     req_id_to_index: dict[str, int]  # request id -> batch row (ModelRunnerOutput.req_id_to_index)
     num_tokens_padded: int  # the bucket of PrepConfig.token_buckets the step was prepared at
@@ -97,6 +104,11 @@ class AdapterStep:
     # (inputs.grammar maps each logits row to its bitmask row); None: no structured-output rows this step
     grammar_bitmask: np.ndarray | None = None
     num_acceptable_drafts: list[int] | None = None  # GrammarOutput.num_acceptable_drafts, per bitmask block
+
+    @functools.cached_property
+    def inputs(self) -> StepInputs | None:
+        """`prepare_padded`'s `StepInputs` of this step (JAX arrays, equal field for field); None: nothing scheduled."""
+        return None if self.buffer is None else self.buffer.inputs()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,18 +227,22 @@ class VllmAdapter:
         prepares nothing: ``inputs`` is ``None`` and ``req_ids`` is empty, as V1's ``execute_model``
         returns ``EMPTY_MODEL_RUNNER_OUTPUT`` after ``_update_states``."""
         plan = self._plan(scheduler_output, grammar_output)
-        self.batch.apply_updates(plan.updates)  # host checks first: raises with nothing dispatched
+        # host checks first (they raise with nothing dispatched), then ONE jitted call: update and prepare
+        if plan.total == 0:
+            self.batch.apply_updates(plan.updates)
+            buffer = None
+        else:
+            buffer = self.batch.update_and_prepare(plan.updates, plan.num_tokens_padded)
         self.rows, self.admitted, self._free = plan.requests.rows, plan.requests.admitted, plan.requests.free
         if plan.lora_slots is not None:
             self._lora_slots = plan.lora_slots
         self._verifying = plan.verifying
-        if plan.total == 0:
+        if buffer is None:
             self._last = None
-            return AdapterStep(inputs=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
+            return AdapterStep(buffer=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
         req_ids = sorted(plan.scheduled, key=self.rows.__getitem__)
         grammar = plan.grammar or (None, None, None)
-        self._last = AdapterStep(inputs=self.batch.prepare(plan.num_tokens_padded), req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        self._last = AdapterStep(buffer=buffer, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
                                  num_acceptable_drafts=grammar[2])
         return self._last
@@ -243,7 +259,7 @@ class VllmAdapter:
                              "scheduler sends the drafts (update_draft_token_ids)")
         if self._last is None:
             raise ValueError("record_sampled needs a prepared step first (VllmAdapter.step)")
-        idx_mapping = self._last.inputs.idx_mapping
+        idx_mapping = self._last.buffer  # its idx_mapping is read inside the record's jit
         if self.async_scheduling and self.config.prep.features.async_tokens:
             self.batch.record_prev_tokens(idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
         self.batch.record_sampled(idx_mapping, sampled_token_ids, num_sampled)
@@ -280,8 +296,11 @@ class VllmAdapter:
                 add.append(self._resumed_request(requests, cached, i, req_id, computed))
             else:
                 running.append(i)
-        resume, append = self._running_requests(requests, cached, running, computed)
-        schedule, verifying = self._schedule(requests, scheduler_output, scheduled, counts, grammar)
+        resume, append, running_rows = self._running_requests(requests, cached, running, computed)
+        # a decode step schedules exactly the running requests, in CachedRequestData's order (vLLM fills both from
+        # its running list): their rows are known already
+        known = running_rows if not add and list(scheduled) == cached.req_ids else None
+        schedule, verifying = self._schedule(requests, scheduler_output, scheduled, counts, grammar, known)
         lora_slots = self._lora_update(requests, scheduled)
         updates = StepUpdates.build(self.config, finish=finish, add=add, resume=resume, append=append,
                                     lora_slots=lora_slots, **schedule)
@@ -366,17 +385,18 @@ class VllmAdapter:
         return positions.astype(np.int64), vllm_checks.integer_value(f"{where}: mrope_positions(...) delta", delta)
 
     def _running_requests(self, requests: _RequestMap, cached, running: list[int],
-                          computed_all: np.ndarray) -> tuple[list, dict]:
-        """Block appends of the running requests, and a resume entry for each whose computed count the host
-        mirror does not know (pending drafts) or knows differently from vLLM."""
+                          computed_all: np.ndarray) -> tuple[list, AppendBlocks | dict, np.ndarray]:
+        """Block appends of the running requests, a resume entry for each whose computed count the host
+        mirror does not know (pending drafts) or knows differently from vLLM, and the requests' rows."""
         req_ids, row_of = cached.req_ids, requests.rows
+        every = len(running) == len(req_ids)  # the common step: no request resumed, ``running`` is range(len)
         try:
-            row_list = [row_of[req_ids[i]] for i in running]
+            row_list = list(map(row_of.__getitem__, req_ids)) if every else [row_of[req_ids[i]] for i in running]
         except KeyError:
             missing = next(req_ids[i] for i in running if req_ids[i] not in row_of)
             fail(f"scheduled_cached_reqs: request {missing} holds no row (never added, or preempted and not resumed)")
         rows = np.array(row_list, np.int64)
-        computed = computed_all[running] if running else np.zeros(0, np.int64)
+        computed = computed_all if every else computed_all[running] if running else np.zeros(0, np.int64)
         mirror = self.batch.rows
         pending = mirror.pending[rows]
         restate = pending | (mirror.num_computed_tokens[rows] != computed)
@@ -385,26 +405,44 @@ class VllmAdapter:
             # async scheduling: the count of a request verifying drafts in the last step takes them as accepted
             unverified = self._verifying.get(req_ids[running[k]], 0) if self.async_scheduling and pending[k] else 0
             resume.append(dict(row=int(rows[k]), num_computed_tokens=int(computed[k]), unverified_drafts=unverified))
-        new_block_ids, groups = cached.new_block_ids, self._num_groups
+        return resume, self._appended_blocks(cached.new_block_ids, row_list, running, every), rows
+
+    def _appended_blocks(self, new_block_ids: list, row_list: list[int], running: list[int], every: bool):
+        """The running requests' new blocks (``CachedRequestData.new_block_ids``, mostly None in a decode
+        step) as one `AppendBlocks`, converted in one pass; a malformed entry is named by position."""
+        groups = self._num_groups
+        if every:
+            given = [k for k, ids in enumerate(new_block_ids) if ids is not None]
+        else:
+            given = [k for k, i in enumerate(running) if new_block_ids[i] is not None]
         try:
-            append = {row: vllm_checks.block_groups("CachedRequestData.new_block_ids", new_block_ids[i], groups)
-                      for row, i in zip(row_list, running) if new_block_ids[i] is not None and any(new_block_ids[i])}
-        except TypeError:  # an entry that is not a tuple of lists (any() of an int): named by position
+            lists = [vllm_checks.block_groups("CachedRequestData.new_block_ids", new_block_ids[running[k]], groups)
+                     for k in given]
+        except TypeError:  # an entry that is not a tuple of lists: named by position
             for i in running:
                 if new_block_ids[i] is not None:
                     vllm_checks.block_groups(f"CachedRequestData.new_block_ids[{i}]", new_block_ids[i], groups)
             raise
-        return resume, append
+        rows = [row_list[k] for k in given]
+        if groups == 1:
+            fast = AppendBlocks.from_lists(rows, [0] * len(rows), lists)
+        else:
+            fast = AppendBlocks.from_lists([r for r in rows for _ in range(groups)], list(range(groups)) * len(rows),
+                                           [ids for per_group in lists for ids in per_group])
+        # a value that is not an int32 integer: StepUpdates' builder names it
+        return fast if fast is not None else dict(zip(rows, lists))
 
     def _schedule(self, requests: _RequestMap, scheduler_output, scheduled: dict, counts: np.ndarray,
-                  grammar) -> tuple[dict, dict]:
-        """The `Schedule`'s arrays, and the requests verifying drafts (their draft counts)."""
+                  grammar, rows: np.ndarray | None = None) -> tuple[dict, dict]:
+        """The `Schedule`'s arrays, and the requests verifying drafts (their draft counts). ``rows``: the
+        scheduled requests' rows, in ``scheduled``'s order, when the caller has them."""
         num_rows, width = self.config.max_num_reqs, draft_width(self.config)
         num_scheduled, drafts = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
         draft_ids = np.zeros((num_rows, width), np.int64)
         row_of = requests.rows
         try:
-            rows = np.fromiter(map(row_of.__getitem__, scheduled), np.int64, len(scheduled))
+            if rows is None:
+                rows = np.array(list(map(row_of.__getitem__, scheduled)), np.int64)
         except KeyError:
             missing = next(r for r in scheduled if r not in row_of)
             fail(f"SchedulerOutput.num_scheduled_tokens names request {missing!r}, which holds no row (not among "

@@ -58,9 +58,14 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     assert sorted(os.listdir(tmp_path))  # each step's log was written
     order = [name.split(":")[0].split(" (")[0].split(",")[0] for name in checks]  # most wanted first, the suite last
     assert order.index("ragged attention kernel") < order.index("float32 greedy equality") \
-        < order.index("generate vs transformers") < order.index("bench_fused") < order.index("call floor") \
+        < order.index("generate vs transformers") < order.index("bench_fused") < order.index("bench_door") \
+        < order.index("call floor") \
         < order.index("bench_gpu") < order.index("tests")
     assert details["call floor: x + 1 over 13 int32[256]"].startswith("thread µs: ")
+    # the door: vLLM's SchedulerOutputs to torch against V1, its thread time against the no-op floor (CPU: decode16)
+    door = details["bench_door: decode16"]
+    assert door.startswith("steps timed: ") and "V1 / jaxprep: " in door and "step / floor: " in door, door
+    assert "MRV2 kernels µs: needs CUDA" in door and door.endswith("goals: CPU: goals not checked"), door
 
 
 @pytest.mark.parametrize("args, message", [(["--workers", "-1"], "--workers must be >= 0"),
@@ -88,7 +93,7 @@ def test_a_spent_budget_skips_every_step_and_still_writes_the_table(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in result.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| check")}
     skipped = {"ragged attention kernel", "float32 greedy equality", "generate vs transformers", "bench_fused",
-               "call floor", "bench_gpu", "test suite"}
+               "bench_door", "call floor", "bench_gpu", "test suite"}
     assert rows.pop("install jaxprep") == "skipped"  # a dry run installs nothing
     assert {name for name, outcome in rows.items() if outcome == "skipped"} == skipped, rows
     with open(tmp_path / "runbook.md") as table:

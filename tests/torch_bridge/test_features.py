@@ -298,3 +298,68 @@ def test_lora_and_logits_indirection_match_reference():
     for name, value in logits.items():
         got = getattr(inputs.logits_indirection, name).cpu().numpy()
         np.testing.assert_array_equal(got[: len(value)], value, err_msg=name)
+
+
+@functools.cache
+def prepared_buffer(case: str):
+    """The case's step as one `StepBuffer`, prepared by `prepare_buffer` on the same batch."""
+    from jaxprep import BatchState
+    from jaxprep.step_buffer import prepare_buffer
+
+    config, arrays, step = prepared(case)
+    return prepare_buffer(BatchState.from_numpy(**arrays), config, step.num_tokens_padded)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_step_buffer_reaches_torch_in_one_handoff(case):
+    """Every torch field of ``to_torch(buffer)`` equals the plain step's (values, vLLM's dtypes, shapes),
+    as ``to_torch(step)``'s do, and every tensor is a view of the buffer's one storage."""
+    config, _, step = prepared(case)
+    buffer = prepared_buffer(case)
+    inputs = torch_bridge.to_torch(buffer)
+    assert inputs.jax_buffers == (buffer.words,)
+    for name in FEATURES:
+        assert (getattr(inputs, name) is None) == (getattr(step, name) is None), name
+    pairs = paired_fields(inputs, step)
+    meta = inputs.attn_metadata
+    for name in ("query_start_loc", "seq_lens"):
+        pairs[name] = (getattr(meta, name), getattr(step.attn_metadata, name))
+    pairs.update(logits_indices=(inputs.logits_indices, step.logits_indices),
+                 idx_mapping=(inputs.idx_mapping, step.idx_mapping))
+    for name, (tensor, array) in pairs.items():
+        assert tensor.dtype == expected_dtype(name), name
+        assert tuple(tensor.shape) == array.shape, name
+        assert_equal(tensor.cpu().numpy(), np.asarray(array), err_msg=name)
+    for name in ("num_actual_tokens", "num_reqs", "max_query_len", "max_seq_len"):
+        assert getattr(meta, name) == int(getattr(step.attn_metadata, name)), name
+    assert_equal(meta.seq_lens_cpu.numpy(), np.asarray(step.attn_metadata.seq_lens))
+    assert_equal(meta.query_start_loc_cpu.numpy(), np.asarray(step.attn_metadata.query_start_loc))
+    assert inputs.errors == int(step.errors) and inputs.num_tokens_padded == step.num_tokens_padded
+    assert_views_of(buffer.words, {name: tensor for name, (tensor, _) in pairs.items()})
+    for got, spec in zip(inputs.kv_groups or (), config.features.kv_groups, strict=True):
+        assert (got.block_size, got.kernel_block_size) == (spec.block_size, spec.kernel_block_size or spec.block_size)
+
+
+def test_a_step_buffer_handoff_check_has_a_negative_control():
+    """A perturbed word, or a tensor outside the buffer, is caught by the same checks."""
+    _, _, step = prepared("spec_decode")
+    buffer = prepared_buffer("spec_decode")
+    inputs = torch_bridge.to_torch(buffer)
+    inputs.positions[0] += 1  # a view: the buffer's word changes, the plain step's does not
+    try:
+        with pytest.raises(AssertionError):
+            assert_equal(inputs.positions.numpy(), np.asarray(step.positions))
+        with pytest.raises(AssertionError, match="not a view"):
+            assert_views_of(buffer.words, {"copy": inputs.input_ids.clone()})
+    finally:
+        inputs.positions[0] -= 1
+    with pytest.raises(ValueError, match="deleted"):
+        torch_bridge.to_torch(dataclasses.replace(buffer, words=_deleted_copy(buffer.words)))
+
+
+def _deleted_copy(array):
+    import jax.numpy as jnp
+
+    copy = jnp.array(array, copy=True)
+    copy.delete()
+    return copy

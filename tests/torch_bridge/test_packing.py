@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from jaxprep.packing import BOOL, INT32, INT64, layout, num_packed_words, pack  # noqa: E402
+from jaxprep.packing import BOOL, FLOAT32, INT32, INT64, layout, num_packed_words, pack  # noqa: E402
 from torch_bridge.packing import unpack  # noqa: E402
 
 KINDS = (INT32, INT64, BOOL)
@@ -48,7 +48,21 @@ def test_bool_fields_are_bytes_four_to_a_word():
 
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="kind must be"):
-        layout((("a", (3,), "float32"),))
+        layout((("a", (3,), "float16"),))
+
+
+def test_float32_field_is_a_view_of_its_bit_patterns():
+    """A FLOAT32 field travels as its values' bit patterns ([1.0, -0.5] -> words 0x3F800000, 0xBF000000)
+    and comes back as a float32 view of the same memory, bit for bit (NaN included)."""
+    values = np.array([1.0, -0.5, np.nan, 3.25e-7], np.float32)
+    arrays = {"ids": jnp.array([4, 5], jnp.int32), "temperature": jnp.asarray(values)}
+    buffer = torch.from_dlpack(pack(arrays, (("ids", INT32), ("temperature", FLOAT32))))
+    assert buffer[2:4].tolist() == [0x3F800000, np.int32(np.uint32(0xBF000000))]
+    views = unpack(buffer, layout((("ids", (2,), INT32), ("temperature", (4,), FLOAT32))))
+    got = views["temperature"]
+    assert got.dtype == torch.float32 and got.data_ptr() == buffer.data_ptr() + 8
+    assert got.numpy().view(np.int32).tolist() == values.view(np.int32).tolist()
+    assert views["ids"].tolist() == [4, 5]
 
 
 field = st.tuples(st.lists(st.integers(0, 4), min_size=0, max_size=2), st.sampled_from(KINDS))
