@@ -463,8 +463,7 @@ def _add_entries_at_once(config: ServingConfig, requests: list) -> tuple[AddEntr
     for values in fields.values():
         if values.dtype != np.int64 or values.ndim != 1 or values.max() > INT32_MAX or values.min() < -INT32_MAX - 1:
             return None
-    token_arrays = np.split(tokens, np.cumsum(num_tokens)[:-1])
-    block_arrays = np.split(blocks, np.cumsum(num_blocks)[:-1])
+    token_arrays, block_arrays = _split(tokens, num_tokens), _split(blocks, num_blocks)
     columns = {name: values.tolist() for name, values in fields.items()}
     if features.sampling is not None:
         from jaxprep.features.sampling_params import state_row
@@ -480,6 +479,12 @@ def _add_entries_at_once(config: ServingConfig, requests: list) -> tuple[AddEntr
                  for row, ids, table, computed, stop, prefill, lora_id, params in zip(
                      columns["row"], token_arrays, block_arrays, columns["num_computed_tokens"], columns["stop_len"],
                      columns["prefill_len"], columns["lora_id"], sampling))
+
+
+def _split(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """``values`` cut into consecutive pieces of ``lengths`` (views): [7, 8, 9], [2, 1] -> [[7, 8], [9]]."""
+    ends = np.cumsum(lengths).tolist()
+    return [values[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def _add_entry(config: ServingConfig, i: int, request: dict) -> AddEntry:

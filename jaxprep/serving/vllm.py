@@ -212,6 +212,7 @@ class VllmAdapter:
         self._last: AdapterStep | None = None
         self._verifying: dict[str, int] = {}  # request id -> drafts the last prepared step verifies
         self._num_groups = num_kv_groups(config)
+        self._sampling = config.prep.features.sampling is not None  # only then are the parameters read
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -331,7 +332,7 @@ class VllmAdapter:
         prompt = new.prompt_token_ids if new.prompt_token_ids is not None else tokens
         lora = new.lora_request
         admission = _Admission(prompt_len=len(prompt), lora_id=lora.lora_int_id if lora is not None else NO_LORA_ID,
-                               sampling=_sampling_params(new.sampling_params),
+                               sampling=_sampling_params(new.sampling_params) if self._sampling else None,
                                mrope=self._multimodal_positions(where, new, len(prompt)))
         requests.admit(req_id, admission)
         return self._entry(requests, req_id, tokens, vllm_checks.block_groups(where, new.block_ids, self._num_groups),
@@ -351,7 +352,8 @@ class VllmAdapter:
     def _entry(self, requests: _RequestMap, req_id: str, tokens, block_ids, num_computed_tokens: int) -> dict:
         row = requests.take_row(req_id, self.config.max_num_reqs)
         admission, features = requests.admitted[req_id], self.config.prep.features
-        entry = dict(row=row, token_ids=list(tokens), block_ids=block_ids, num_computed_tokens=num_computed_tokens,
+        tokens = tokens if type(tokens) is list else list(tokens)  # a list goes to AddRequests' one conversion
+        entry = dict(row=row, token_ids=tokens, block_ids=block_ids, num_computed_tokens=num_computed_tokens,
                      prefill_len=len(tokens))
         if features.lora is not None:
             entry["lora_id"] = admission.lora_id
