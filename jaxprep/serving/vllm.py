@@ -172,6 +172,7 @@ class _Plan:
     total: int
     num_tokens_padded: int
     grammar: tuple | None  # (rows, bitmask, num_acceptable_drafts) of the GrammarOutput
+    scheduled_rows: np.ndarray | None = None  # the rows of ``scheduled``, in its order, where the plan knows them
 
 
 class VllmAdapter:
@@ -241,9 +242,12 @@ class VllmAdapter:
         if buffer is None:
             self._last = None
             return AdapterStep(buffer=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
-        req_ids = sorted(plan.scheduled, key=self.rows.__getitem__)
+        req_ids, rows = list(plan.scheduled), plan.scheduled_rows
+        if rows is None or len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # already in row order: no sort
+            req_ids.sort(key=self.rows.__getitem__)
         grammar = plan.grammar or (None, None, None)
-        self._last = AdapterStep(buffer=buffer, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        self._last = AdapterStep(buffer=buffer, req_ids=req_ids,
+                                 req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
                                  num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
                                  num_acceptable_drafts=grammar[2])
         return self._last
@@ -307,7 +311,7 @@ class VllmAdapter:
                                     lora_slots=lora_slots, **schedule)
         padded = self.config.prep.bucket_for(total) if 0 < total <= self.config.prep.max_num_batched_tokens else 0
         return _Plan(updates=updates, requests=requests, lora_slots=lora_slots, verifying=verifying,
-                     scheduled=scheduled, total=total, num_tokens_padded=padded, grammar=grammar)
+                     scheduled=scheduled, total=total, num_tokens_padded=padded, grammar=grammar, scheduled_rows=known)
 
     def _finished(self, requests: _RequestMap, scheduler_output) -> list[int]:
         """Rows of finished and preempted requests (and of V1-resumed ones still holding a row: vLLM's
