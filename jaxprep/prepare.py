@@ -20,6 +20,7 @@ from jaxprep._layout import batch_layout
 from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._ragged import stack, token_blocks
 from jaxprep._typing import Array, Int32
+from jaxprep.array_packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.config import PrepConfig
 from jaxprep.features import with_features
 from jaxprep.features.flags import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, safe_block_table, token_flags
@@ -34,7 +35,6 @@ from jaxprep.metadata import (
     step_fields,
     step_from_fields,
 )
-from jaxprep.packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.state import BatchState
 from jaxprep.validate import check_row_count, check_static, flag_rows, raise_for_errors, validate
 
@@ -170,7 +170,7 @@ def prepare_packed(state: BatchState, config: PrepConfig, num_tokens_padded: int
 
 @functools.cache
 def host_layout(num_tokens_padded: int, num_reqs_padded: int) -> tuple[Span, ...]:
-    """Where `prepare_packed` puts each field: the `jaxprep.packing` layout of `HOST_PACKED`."""
+    """Where `prepare_packed` puts each field: the `jaxprep.array_packing` layout of `HOST_PACKED`."""
     shapes = step_field_shapes(num_tokens_padded=num_tokens_padded, num_reqs_padded=num_reqs_padded)
     return layout(tuple((name, shapes[name], kind) for name, kind in HOST_PACKED))
 

@@ -23,7 +23,7 @@ import numpy as np
 from jaxprep.models import llama
 from jaxprep.models.errors import CheckpointError, UnsupportedConfigError
 from jaxprep.models.rope import RopeConfig, parse_rope
-from jaxprep.serving.model import check_attention_kind
+from jaxprep.models.tiny import check_attention_kind
 from jaxprep.storage import storage_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")

@@ -8,7 +8,6 @@ import warnings
 from jaxprep._checks import check_positive_int
 from jaxprep._constants import INT32_MAX
 from jaxprep.config import PrepConfig
-from jaxprep.serving.ngram import NgramConfig
 
 
 def _from_prep(name: str) -> property:
@@ -21,6 +20,20 @@ NO_EOS = -1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class NgramConfig:
+    """Static sizes of the n-gram drafter (vLLM ``SpeculativeConfig.prompt_lookup_min``/``max``;
+    vLLM's default, when neither is set, is 5 and 5)."""
+
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self):
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(f"NgramConfig: need 1 <= prompt_lookup_min={low} <= prompt_lookup_max={high}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServingConfig:
     """Static configuration of the serving state and its updates; hashable, a static jit argument.
 
@@ -28,10 +41,10 @@ class ServingConfig:
       prep: the input-preparation configuration; ``prep.num_blocks`` (the KV-cache size) is required.
       max_new_reqs_per_step, max_block_appends_per_step: no effect, and setting either warns
         (`FutureWarning`): a step's update holds any number of new requests and appended blocks
-        (`jaxprep.serving.packing`: its buffer grows with them). They will be removed.
+        (`jaxprep.serving.update_packing`: its buffer grows with them). They will be removed.
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
-      ngram: the n-gram drafter (`jaxprep.serving.ngram`): every step proposes up to
+      ngram: the n-gram drafter (`jaxprep.serving.spec_decode.ngram`): every step proposes up to
         ``num_speculative_tokens`` drafts per decoding row for the next step; ``None``: no drafter
         (drafts only come from the host's `Schedule`). Drafts are verified whenever
         ``num_speculative_tokens > 0``.

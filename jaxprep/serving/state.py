@@ -5,7 +5,7 @@ bookkeeping (vLLM V2 ``RequestState``: ``total_len``, ``num_blocks``; docs/seman
 busy while ``num_tokens > 0``. Draft counts live in one place, ``state.batch.num_draft_tokens``.
 
 The payloads (`StepUpdates` and its parts) are host objects holding only what changes: a request's
-tokens, its blocks per KV-cache group, its feature values. `jaxprep.serving.packing` lays them out
+tokens, its blocks per KV-cache group, its feature values. `jaxprep.serving.update_packing` lays them out
 in one int32 buffer whose length comes from a small ladder (docs/guides/serving_updates.md).
 """
 

@@ -5,10 +5,10 @@ Each transition is a handful of scatters with ``mode='drop'``. Payload rows past
 (-1) are first mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1 index to the
 last row even with ``mode='drop'`` (docs/semantics.md#jax-traps), so -1 must never reach a scatter.
 
-`apply_updates_body` reads one packed buffer (`jaxprep.serving.packing`) and applies, in order:
+`apply_updates_body` reads one packed buffer (`jaxprep.serving.update_packing`) and applies, in order:
 finish, add, resume, the data segments (tokens, M-RoPE positions, is_token_ids, block ids of
 every table), the sampling admission, the LoRA slots and the schedule. The buffers are checked on
-the host (`jaxprep.serving.checks`) before dispatch; every read and write here stays in bounds
+the host (`jaxprep.serving.host.checks`) before dispatch; every read and write here stays in bounds
 whatever a buffer holds.
 """
 
@@ -32,9 +32,9 @@ from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.features.sampling import FLOAT_PARAMS
 from jaxprep.serving import update_bounds
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, refused, unpack_updates
-from jaxprep.serving.sampling_rows import count_sampled
+from jaxprep.serving.sample.sampling_rows import count_sampled
 from jaxprep.serving.state import ERROR_BITS, ServingState
+from jaxprep.serving.update_packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, refused, unpack_updates
 from jaxprep.step_buffer import StepBuffer
 
 
@@ -262,7 +262,7 @@ def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingSt
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfig) -> ServingState:
-    """`apply_updates_body` of one packed buffer (`jaxprep.serving.packing.pack_step`); one
+    """`apply_updates_body` of one packed buffer (`jaxprep.serving.update_packing.pack_step`); one
     executable per buffer length of the ladder."""
     return apply_updates_body(state, unpack_updates(packed, config))
 

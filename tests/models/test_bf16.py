@@ -22,7 +22,7 @@ from jaxprep import PrepConfig, prepare_padded
 from jaxprep.models import build_params, load_model, parse_config
 from jaxprep.models.load import checkpoint_shapes
 from jaxprep.serving import Engine, KVCache, ServingBatch, ServingConfig
-from jaxprep.serving.workload import random_workload
+from jaxprep.serving.host.workload import random_workload
 from jaxprep.storage import as_compute
 from support.hf_checkpoints import BF16_SPECS, bf16_reference_models, compare_greedy_bf16, save_checkpoint
 

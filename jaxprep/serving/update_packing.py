@@ -496,7 +496,7 @@ def _checked_blob(blob) -> jax.Array:
     checked while tracing); an empty or float buffer is refused by name, never indexed or truncated."""
     shape, dtype = jnp.shape(blob), jnp.result_type(blob)
     if len(shape) != 1 or shape[0] < HEADER_WORDS or dtype != jnp.int32:
-        from jaxprep.serving.checks import InvalidUpdateError
+        from jaxprep.serving.host.checks import InvalidUpdateError
 
         raise InvalidUpdateError(f"packed update buffer has shape {tuple(shape)} and dtype {dtype}: it must be 1-D "
                                  f"int32 with at least the {HEADER_WORDS} header words (pack_step's buffers are)")

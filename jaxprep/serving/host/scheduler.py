@@ -11,7 +11,7 @@ A step's tokens reach the scheduler in two moves (vLLM's ``_update_after_schedul
 as output placeholders, and `resolve` replaces them with the sampled ids and finishes requests that
 stop. The synchronous loop makes both moves with the step's tokens (`update`); under async
 scheduling the host makes the first with the tokens it predicts and schedules the next step before
-the real ones arrive (`jaxprep.serving.overlap`).
+the real ones arrive (`jaxprep.serving.host.overlap`).
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ class Scheduler:
 
     def after_schedule(self, out: SchedulerOutput, tokens: np.ndarray) -> None:
         """Advances every request ``out`` scheduled by what ``tokens`` says the step appends (the
-        step's own tokens, or the prediction of `jaxprep.serving.overlap.predicted_tokens`): its
+        step's own tokens, or the prediction of `jaxprep.serving.host.overlap.predicted_tokens`): its
         computed tokens, and one output placeholder per appended token.
 
         Iteration 0 computes the scheduled tokens and appends a token only if they reach the end of

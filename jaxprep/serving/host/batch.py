@@ -9,11 +9,11 @@ import numpy as np
 
 from jaxprep.compilation import compile_all
 from jaxprep.compilation import warmup as jaxprep_warmup
+from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
-from jaxprep.serving import checks, transitions
+from jaxprep.serving import transitions
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
+from jaxprep.serving.host import checks
 from jaxprep.serving.state import (
     ERROR_BITS,
     AddRequests,
@@ -27,6 +27,7 @@ from jaxprep.serving.state import (
     draft_width,
 )
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_buffer
+from jaxprep.serving.update_packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
 from jaxprep.step_buffer import StepBuffer
 
 

@@ -75,11 +75,11 @@ from jaxprep._constants import NO_LORA_ID
 from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.sampling_params import SamplingParams
 from jaxprep.metadata import StepInputs
-from jaxprep.serving import vllm_checks
-from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.host import vllm_checks
+from jaxprep.serving.host.batch import ServingBatch
+from jaxprep.serving.host.vllm_checks import InvalidSchedulerOutputError, fail
 from jaxprep.serving.state import AppendBlocks, StepUpdates, draft_width, num_kv_groups
-from jaxprep.serving.vllm_checks import InvalidSchedulerOutputError, fail
 from jaxprep.step_buffer import StepBuffer
 
 GRAMMAR_NOT_GIVEN = object()
