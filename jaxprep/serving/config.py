@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 from jaxprep._checks import check_positive_int
 from jaxprep._constants import INT32_MAX
@@ -39,9 +38,6 @@ class ServingConfig:
 
     Attributes:
       prep: the input-preparation configuration; ``prep.num_blocks`` (the KV-cache size) is required.
-      max_new_reqs_per_step, max_block_appends_per_step: no effect, and setting either warns
-        (`FutureWarning`): a step's update holds any number of new requests and appended blocks
-        (`jaxprep.serving.update_packing`: its buffer grows with them). They will be removed.
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
       ngram: the n-gram drafter (`jaxprep.serving.spec_decode.ngram`): every step proposes up to
@@ -55,8 +51,6 @@ class ServingConfig:
     """
 
     prep: PrepConfig
-    max_new_reqs_per_step: int | None = None
-    max_block_appends_per_step: int | None = None
     num_speculative_tokens: int = 0
     ngram: NgramConfig | None = None
     eos_token_id: int = NO_EOS
@@ -66,11 +60,6 @@ class ServingConfig:
     def __post_init__(self):
         if self.prep.num_blocks is None:
             raise ValueError("ServingConfig.prep.num_blocks must be set: it is the KV-cache size in blocks")
-        for name in ("max_new_reqs_per_step", "max_block_appends_per_step"):
-            if getattr(self, name) is not None:
-                warnings.warn(f"ServingConfig.{name} has no effect: a step's update holds any number of new "
-                              "requests and appended blocks; drop the argument (it will be removed)",
-                              FutureWarning, stacklevel=3)
         check_positive_int("ServingConfig.decode_steps", self.decode_steps)
         if self.vocab_size is not None:
             check_positive_int("ServingConfig.vocab_size", self.vocab_size)
