@@ -26,7 +26,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.sample.sampler import sample_requests
 from jaxprep.serving.spec_decode.spec_step import forward_verify_record, next_drafts
 from jaxprep.serving.state import ServingState
-from jaxprep.serving.transitions import apply_updates_body, record_sampled_body, row_index
+from jaxprep.serving.transitions import apply_updates_body, computed_advance, record_sampled_body, row_index
 from jaxprep.serving.update_packing import unpack_updates
 from jaxprep.step_buffer import StepBuffer, pack_step_body
 
@@ -86,6 +86,12 @@ class AppendedTokens:
     def num_rejected(self, num_draft_tokens: np.ndarray) -> np.ndarray:
         """[rows] scheduled drafts not kept: ``D + 1 - num_first`` on rows that sampled."""
         return np.where(self.num_first > 0, num_draft_tokens + 1 - self.num_first, 0)
+
+    def computed_advance(self, num_scheduled_tokens: np.ndarray, num_draft_tokens: np.ndarray) -> np.ndarray:
+        """[rows] what the step adds to ``num_computed_tokens``: the first iteration's
+        (`transitions.computed_advance`: rejected drafts are not computed), plus one per later decode iteration."""
+        first = computed_advance(num_scheduled_tokens, num_draft_tokens, self.num_first, self.num_first > 0)
+        return first + self.num_decoded
 
     def row_tokens(self, row: int) -> list[int]:
         """The tokens appended to ``row``, in order."""

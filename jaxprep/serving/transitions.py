@@ -288,6 +288,22 @@ def _discarded(state: ServingState, rows: jax.Array) -> jax.Array:
     return seq_lens < _gather(state.num_tokens, rows)
 
 
+def computed_advance(num_scheduled, num_draft, num_sampled, sampled):
+    """What a step adds to a row's ``num_computed_tokens`` (vLLM V2 ``_post_update_kernel``): the
+    scheduled tokens, less the rejected drafts where the row kept a sample (they are computed again
+    next step), all of them where it kept none (a prefill chunk short of its known tokens).
+
+    ```
+    # S 3, D 2, n 2 (one draft accepted), sampled -> 3 - (2 + 1 - 2) = 2
+    # S 4, D 0, a chunk short of its known tokens (not sampled) -> 4
+    ```
+    The one post-step counter update: the device (`record_sampled_body`) and the host mirrors
+    (`checks.check_record`, `checks.advance_unread`, `AppendedTokens.computed_advance`) all call it, on
+    traced or NumPy integer arrays alike (``sampled`` a bool array of their shape).
+    """
+    return num_scheduled - sampled.astype(num_draft.dtype) * (num_draft + 1 - num_sampled)
+
+
 def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
                         num_sampled: jax.Array, vocab_bound: int | None = None) -> ServingState:
     """Post-update of one step (vLLM V2 ``_post_update_kernel``): advances the device counters.
@@ -321,7 +337,7 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     bound = jnp.minimum(num_draft + 1, width)
     bad_count = jnp.any((rows < num_rows) & ~discarded & ((requested < 0) | (requested > bound)))
     num_sampled = jnp.where(discarded | (rows >= num_rows), 0, jnp.clip(requested, 0, bound))
-    advance = jnp.where(discarded, scheduled, scheduled - (num_draft + 1 - num_sampled))
+    advance = computed_advance(scheduled, num_draft, num_sampled, ~discarded)
     offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
     kept = offsets < num_sampled[:, None]
     bad_token = kept & _outside_vocab(sampled_token_ids, vocab_bound)

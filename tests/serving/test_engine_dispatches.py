@@ -19,7 +19,7 @@ from jaxprep import PrepConfig
 from jaxprep.serving import Engine, ServingConfig, random_workload
 from support.loop_workloads import EOS, MODEL, make_config
 
-MODULES = ("engine", "batch", "step", "transitions", "overlap")
+MODULES = ("host.engine", "host.batch", "step", "transitions", "host.overlap")
 
 
 @pytest.fixture

@@ -330,7 +330,7 @@ class Scheduler:
         the known tokens; every later iteration computes and appends one decode token (`AppendedTokens`).
         """
         step = AppendedTokens(tokens, self.config.num_speculative_tokens)
-        rejected = step.num_rejected(out.num_draft_tokens)
+        advance = step.computed_advance(out.num_scheduled_tokens, out.num_draft_tokens)
         for row, request in out.requests.items():
             scheduled = int(out.num_scheduled_tokens[row])
             computed = request.num_computed_tokens + scheduled - int(out.num_draft_tokens[row])
@@ -338,7 +338,7 @@ class Scheduler:
                 raise RuntimeError(f"request {request.request_id}: the device and the host disagree on whether "
                                    f"computing {computed} of {request.num_tokens_with_placeholders} tokens samples")
             # rejected drafts are not computed: the next step computes from the first of them again
-            request.num_computed_tokens += scheduled - int(rejected[row]) + int(step.num_decoded[row])
+            request.num_computed_tokens += int(advance[row])
             request.num_output_placeholders += int(step.num_appended[row])
         out.num_appended = step.num_appended
 
