@@ -166,7 +166,7 @@ def machine_line() -> str:
 
 
 UNCHECKED = ("jaxprep.prepare.flag_rows", "jaxprep.prepare.safe_block_table", "jaxprep.prepare.token_flags",
-             "jaxprep.features.dispatch.safe_block_table", "jaxprep.features.dispatch.token_flags")
+             "jaxprep.features.kv_groups.safe_block_table", "jaxprep.features.kv_groups.token_flags")
 """jaxprep's fast-path check functions, as the step's modules import them."""
 
 

@@ -8,6 +8,7 @@ feature module can import it without an import cycle.
 from __future__ import annotations
 
 import importlib.util
+import math
 import numbers
 
 import numpy as np
@@ -31,6 +32,18 @@ def max_block_id(num_blocks: int | None, block_size: int) -> int:
     ```
     """
     return num_blocks - 1 if num_blocks is not None else INT32_MAX // block_size - 1
+
+
+def block_table_width(max_model_len: int, block_size: int) -> int:
+    """vLLM's block-table width: cdiv(max_model_len, B) aligned to 128 tokens.
+
+    ```
+    # B=2, M=12 -> 6 blocks, alignment 64 -> 64 columns; B=16, M=240 -> 15 blocks, alignment 8 -> 16
+    ```
+    """
+    num_blocks = cdiv(max_model_len, block_size)
+    alignment = 128 // math.gcd(128, block_size)
+    return cdiv(num_blocks, alignment) * alignment
 
 
 def check_positive_int(name: str, value) -> None:
@@ -98,15 +111,6 @@ def expect(function: str, name: str, value, expected, expected_name: str, hint: 
     if not isinstance(value, expected):
         raise TypeError(f"{function}: {name} must be {expected_name}, got {type_name(value)}"
                         + (f" ({hint})" if hint else ""))
-
-
-def expect_state_and_config(function: str, state, config) -> None:
-    """``state`` a `BatchState` (jit tracers inside one are fine) and ``config`` a `PrepConfig`."""
-    from jaxprep.config import PrepConfig
-    from jaxprep.state import BatchState
-
-    expect(function, "state", state, BatchState, "a jaxprep.BatchState", STATE_HINT)
-    expect(function, "config", config, PrepConfig, "a jaxprep.PrepConfig", CONFIG_HINT)
 
 
 def expect_bucket(function: str, num_tokens_padded, optional: bool = True) -> None:

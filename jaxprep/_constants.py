@@ -4,7 +4,10 @@ They are written once here and tested as a contract (tests/core/test_padding_con
 """
 
 INT32_MAX = 2**31 - 1
-"""Largest int32: the bound of slot ids, pool rows and every other index jaxprep computes."""
+"""Largest int32: the bound of slot ids, pool rows and every other index jaxprep computes (the one
+definition: every module that bounds an int32 imports it from here)."""
+INT32_MIN = -INT32_MAX - 1
+"""Smallest int32."""
 
 PAD_SLOT_ID = -1
 """Slot of a padded token: it writes no KV (vLLM's ``PAD_SLOT_ID``)."""

@@ -1,15 +1,14 @@
-"""`PrepConfig`: the static, hashable description of a serving batch and its bucket ladder."""
+"""`PrepConfig`: the static, hashable description of a serving batch and its bucket ladder, and the
+kernel choices it may name (``PrepConfig.kernel``) with the check that Pallas' Triton backend is there."""
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 
-from jaxprep._checks import cdiv, check_positive_int, max_block_id
+from jaxprep._checks import block_table_width, cdiv, check_positive_int, max_block_id, module_available
 from jaxprep._constants import INT32_MAX
 from jaxprep.features import FeatureConfig
-from jaxprep.kernels import KERNEL_CHOICES, TRITON_BACKEND, triton_backend_available, uncovered_features
 
 MIN_TOKEN_BUCKET = 8
 SPLIT_OCTAVES_FROM = 64
@@ -17,18 +16,6 @@ STEPS_PER_OCTAVE = 2
 """From 64 tokens every power of two is split into 2 rungs (x1, x1.5): a step is padded by at most
 50% (100% below 64 tokens, where a step costs little either way), with 18 rungs for an 8192-token
 budget. The measured waste of this ladder and its alternatives is in BENCHMARKS.md, "Padding waste"."""
-
-
-def block_table_width(max_model_len: int, block_size: int) -> int:
-    """vLLM's block-table width: cdiv(max_model_len, B) aligned to 128 tokens.
-
-    ```
-    # B=2, M=12 -> 6 blocks, alignment 64 -> 64 columns; B=16, M=240 -> 15 blocks, alignment 8 -> 16
-    ```
-    """
-    num_blocks = cdiv(max_model_len, block_size)
-    alignment = 128 // math.gcd(128, block_size)
-    return cdiv(num_blocks, alignment) * alignment
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -51,6 +38,40 @@ def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(r for r in rungs if r <= max_num_batched_tokens))
 
 
+# --- the kernel choice (`PrepConfig.kernel`; `jaxprep.prepare` picks the path per step) ---------
+
+KERNEL_CHOICES = ("xla", "pallas", "auto")
+"""Values of `PrepConfig.kernel` (``"auto"`` is the default)."""
+TRITON_BACKEND = "jax.experimental.pallas.triton"
+"""Pallas' Triton backend, which the kernels are written for. jax 0.11 deprecates it: `prepare_pallas`
+is imported only when a step is traced onto the kernels, so ``import jaxprep`` never needs it."""
+KERNEL_FEATURES = ("num_speculative_tokens", "speculative_method", "reorder", "runner", "logits_indirection")
+"""`FeatureConfig` fields the kernels cover: spec decode (`StepInputs.spec_decode`; the method is a
+label the attention state alone reads), the batch orders ("v2", "decode_first") and model runner V2's
+outputs (its order and `StepInputs.logits_indirection`)."""
+SETTINGS = ("enable_chunked_prefill", "attn_mask_dtype", "mask_kv_len")
+"""`FeatureConfig` fields that only tune a feature of their own (they turn nothing on)."""
+
+
+def triton_backend_available() -> bool:
+    """Whether this jax still ships Pallas' Triton backend (without it ``"auto"`` keeps XLA)."""
+    return module_available(TRITON_BACKEND)
+
+
+def uncovered_features(features) -> tuple[str, ...]:
+    """The `FeatureConfig` fields that are on and that the kernels do not cover (empty: they cover the step).
+
+    ```
+    # FeatureConfig(num_speculative_tokens=2, runner="v2") -> ()
+    # FeatureConfig(lora=LoRAConfig(...), mrope=True) -> ("mrope", "lora")
+    ```
+    """
+    defaults = type(features)()
+    return tuple(field.name for field in dataclasses.fields(features)
+                 if field.name not in KERNEL_FEATURES + SETTINGS
+                 and getattr(features, field.name) != getattr(defaults, field.name))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrepConfig:
     """Static configuration of the input preparation; passed to jitted functions as a static argument.
@@ -71,7 +92,7 @@ class PrepConfig:
         kernels on CUDA where Pallas' Triton backend is available, XLA elsewhere: CPU, TPU, ROCm),
         ``"xla"`` (jnp ops, every backend) or ``"pallas"`` (the kernels: Triton on CUDA, Pallas'
         interpreter elsewhere). The kernels cover the plain step, spec decode and model runner
-        V2's outputs (`jaxprep.kernels.KERNEL_FEATURES`); with any other feature on the step runs
+        V2's outputs (`KERNEL_FEATURES`); with any other feature on the step runs
         on XLA under ``"auto"`` and ``"pallas"`` is refused, naming the feature.
     """
 

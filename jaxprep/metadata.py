@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
     from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
     from jaxprep.features.sampling import SamplingMetadata
     from jaxprep.features.spec_decode import SpecDecodeMetadata
-    from jaxprep.features.ubatch import MicroBatches
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +80,27 @@ class StepInputs:
     @property
     def num_reqs_padded(self) -> int:
         return self.idx_mapping.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+    """`StepInputs.ubatches`: the step's micro-batches, in token order."""
+
+    batches: tuple[StepInputs, ...]
+    first_rows: StepArray  # [n] int32: the step's batch row of each micro-batch's row 0 (0 when empty)
+    # vLLM's should_ubatch: the last micro-batch holds real tokens (else vLLM runs the step whole)
+    should_ubatch: Bool[StepArray, ""]
+
+    @property
+    def token_starts(self) -> tuple[int, ...]:
+        """The step's token index of each micro-batch's token 0 (static)."""
+        starts, start = [], 0
+        for batch in self.batches:
+            starts.append(start)
+            start += batch.num_tokens_padded
+        return tuple(starts)
 
 
 def _core_fields(cls) -> tuple[dataclasses.Field, ...]:

@@ -1,8 +1,10 @@
 """`prepare_inputs`: one jitted function from a `BatchState` to padded `StepInputs`.
 
 Semantics follow vLLM V1 ``_prepare_inputs`` (docs/semantics.md#core-outputs) over the condensed batch.
-`prepare_body` is the traced step, `prepare_padded` its jit, `prepare_inputs` picks the bucket,
-and `prepare_to_host` fetches the step to NumPy in one transfer.
+`prepare_body` is the traced step and the one place that picks its path (``PrepConfig.kernel``: the
+jnp step `xla_body`, or the fused Pallas kernels of `jaxprep.kernels.prepare_pallas`), `prepare_padded`
+its jit, `prepare_inputs` picks the bucket, and `prepare_to_host` fetches the step to NumPy in one
+transfer.
 """
 
 from __future__ import annotations
@@ -14,19 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import expect_bucket, expect_state_and_config
+from jaxprep._checks import expect_bucket
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_STATE_ROW
-from jaxprep._layout import batch_layout
+from jaxprep._ragged import batch_layout, stack, token_blocks
 from jaxprep._ragged import slot_mapping as _slot_mapping
-from jaxprep._ragged import stack, token_blocks
 from jaxprep._typing import Array, Int32
 from jaxprep.array_packing import INT32, Span, layout, pack_body, unpack
-from jaxprep.config import PrepConfig
+from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, safe_block_table, token_flags
+from jaxprep.config import PrepConfig, triton_backend_available, uncovered_features
 from jaxprep.features import with_features
-from jaxprep.features.flags import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, safe_block_table, token_flags
 from jaxprep.features.masks import compressed_causal_mask
 from jaxprep.features.reorder import reordered_rows
-from jaxprep.kernels import uses_kernels
 from jaxprep.metadata import (
     STEP_FIELDS,
     AttentionMetadata,
@@ -36,7 +36,14 @@ from jaxprep.metadata import (
     step_from_fields,
 )
 from jaxprep.state import BatchState
-from jaxprep.validate import check_row_count, check_static, flag_rows, raise_for_errors, validate
+from jaxprep.validate import (
+    check_row_count,
+    check_static,
+    expect_state_and_config,
+    flag_rows,
+    raise_for_errors,
+    validate,
+)
 
 
 def prepare_inputs(state: BatchState, config: PrepConfig, num_tokens_padded: int | None = None, *,
@@ -76,13 +83,17 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     """The traced body of `prepare_padded` (no jit of its own), for callers that fuse it further.
 
     Raises at trace time (no cost per call) if the state's shapes do not match ``config`` or
-    ``num_tokens_padded`` is not a rung of ``config.token_buckets``.
+    ``num_tokens_padded`` is not a rung of ``config.token_buckets``. The one place that picks the
+    XLA step (`xla_body`) or the fused Pallas step (`jaxprep.kernels.prepare_pallas.fused_step`).
     """
     check_static(state, config, num_tokens_padded)
     if uses_kernels(config):  # PrepConfig.kernel: the fused Pallas step (docs/guides/gpu.md)
-        from jaxprep.kernels import prepare_pallas  # imported here: jax 0.11 deprecates its Triton backend
+        return _kernel_body(state, config, num_tokens_padded)  # the kernels flag and drop rows
+    return xla_body(state, config, num_tokens_padded)
 
-        return prepare_pallas.kernel_step(state, config, num_tokens_padded)  # the kernels flag and drop rows
+
+def xla_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
+    """The step in jnp ops (``PrepConfig.kernel="xla"``, any backend): the fused kernels' twin."""
     state, row_errors = flag_rows(state, config, num_tokens_padded)  # flagged rows leave the batch
     num_reqs_padded = config.num_reqs_padded(num_tokens_padded)
     features = config.features
@@ -129,6 +140,56 @@ def prepare_body(state: BatchState, config: PrepConfig, num_tokens_padded: int) 
     if not features.any_on:
         return step
     return with_features(step, state, config, layout)
+
+
+# --- the choice of path (PrepConfig.kernel) -----------------------------------------------------
+
+@functools.cache
+def cuda_devices_present() -> bool:
+    """Whether this process has CUDA devices (jax's CUDA plugin, a GPU): only then may a step be lowered
+    for CUDA here, so only then does ``"auto"`` trace the kernels."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:  # "Unknown backend cuda": no CUDA plugin or no GPU
+        return False
+
+
+def lowering_for_cuda() -> bool:
+    """Whether a trace now may be lowered for CUDA: this process has CUDA devices, or the abstract mesh
+    in force names a CUDA device (`jax.sharding.use_abstract_mesh`: lowering for a GPU without one)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return cuda_devices_present() or getattr(device, "platform", None) in ("cuda", "gpu")
+
+
+def uses_kernels(config) -> bool:
+    """Whether `PrepConfig.kernel` routes ``config``'s step to the kernels (decided when the step is traced):
+
+    - ``"xla"``, or a feature the kernels do not cover: no;
+    - ``"pallas"``: yes (Triton on CUDA, Pallas' interpreter elsewhere);
+    - ``"auto"``: where this jax has the Triton backend and the trace may be lowered for CUDA
+      (`lowering_for_cuda`); on a machine without a GPU the XLA step is traced alone, no kernel.
+    """
+    if config.kernel == "xla" or uncovered_features(config.features):
+        return False
+    return config.kernel == "pallas" or (triton_backend_available() and lowering_for_cuda())
+
+
+def _kernel_body(state, config, num_tokens_padded: int) -> StepInputs:
+    """The step as ``config.kernel`` picks it, resolved when lowering (`jax.lax.platform_dependent`):
+
+    - ``"pallas"``: the Triton kernels on CUDA, the same kernels in Pallas' interpreter elsewhere;
+    - ``"auto"``: the Triton kernels on CUDA, `xla_body` elsewhere (ROCm, CPU, TPU). A process that
+      cannot lower for CUDA never gets here (`uses_kernels`).
+    """
+    from jaxprep.kernels.prepare_pallas import fused_step  # imported here: jax 0.11 deprecates its Triton backend
+
+    compiled = functools.partial(fused_step, config=config, num_tokens_padded=num_tokens_padded, interpret=False)
+    if config.kernel == "pallas":
+        other = functools.partial(fused_step, config=config, num_tokens_padded=num_tokens_padded, interpret=True)
+    else:
+        other = functools.partial(xla_body, config=dataclasses.replace(config, kernel="xla"),
+                                  num_tokens_padded=num_tokens_padded)
+    return jax.lax.platform_dependent(state, cuda=compiled, default=other)
 
 
 def _maxima(scheduled: Int32[Array, " max_num_reqs"],

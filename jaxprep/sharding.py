@@ -25,12 +25,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxprep._checks import expect, expect_bucket, expect_state_and_config
+from jaxprep._checks import expect, expect_bucket
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import StepInputs
 from jaxprep.prepare import prepare_body
 from jaxprep.state import BatchState
-from jaxprep.validate import InvalidBatchError, validate
+from jaxprep.validate import InvalidBatchError, expect_state_and_config, validate
 
 DATA_AXIS = "data"
 """Name of the mesh axis the request rows are split over."""

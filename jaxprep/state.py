@@ -18,17 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import (
-    EMPTY_LORA_SLOT,
-    MROPE_MISSING_POSITION,
-    NO_GRAMMAR,
-    NO_LORA_ID,
-    NO_PREV_ROW,
     NULL_BLOCK_ID,
 )
 from jaxprep._typing import Array, Bool, Float32, Int32
-from jaxprep.config import PrepConfig, block_table_width
-from jaxprep.features import MROPE_NUM_DIMS
-from jaxprep.features.sampling import empty_sampling_rows
+from jaxprep.config import PrepConfig
+from jaxprep.features import registry
 
 INT32 = np.dtype(np.int32)
 
@@ -104,7 +98,7 @@ class BatchState:
             block_table=jnp.full((rows, config.max_blocks_per_req), NULL_BLOCK_ID, jnp.int32),
             num_computed_tokens=jnp.zeros((rows,), jnp.int32),
             num_scheduled_tokens=jnp.zeros((rows,), jnp.int32),
-            **jax.device_put(_empty_feature_inputs(config)),
+            **jax.device_put(registry.empty_inputs(config)),
         )
 
     @classmethod
@@ -229,55 +223,6 @@ def _feature_inputs_as_host(feature_inputs: dict) -> dict:
         else:
             host[name] = _as_int32(value, name, ndim=_OPTIONAL_NDIM[name])
     return host
-
-
-def _empty_feature_inputs(config: PrepConfig) -> dict[str, np.ndarray | tuple]:
-    """Host arrays of the feature inputs ``config.features`` needs, in their empty state."""
-    features, rows, width = config.features, config.max_num_reqs, config.max_model_len
-    zeros = np.zeros((rows,), INT32)
-    out = {}
-    if features.spec_decode:
-        out["num_draft_tokens"] = zeros
-    if features.discard_request_mask or features.mrope or features.drafter or features.hybrid:
-        out["prefill_len"] = zeros
-    if len(features.kv_groups) > 1:
-        out["extra_block_tables"] = tuple(
-            np.full((rows, block_table_width(width, g.block_size)), NULL_BLOCK_ID, INT32)
-            for g in features.kv_groups[1:])
-    if features.mrope:
-        out["mrope_positions"] = np.full((rows, MROPE_NUM_DIMS, width), MROPE_MISSING_POSITION, INT32)
-        out["mrope_position_delta"] = zeros
-    if features.prompt_embeds:
-        out["is_token_ids"] = np.ones((rows, width), bool)
-        out["prompt_embeds_start"] = zeros
-    if features.async_tokens:
-        out["prev_sampled_token_ids"] = zeros
-        out["prev_batch_rows"] = np.full((rows,), NO_PREV_ROW, INT32)
-        if features.spec_decode:
-            out["prev_draft_token_ids"] = np.zeros((rows, features.num_speculative_tokens), INT32)
-    if features.lora is not None:
-        out["lora_ids"] = np.full((rows,), NO_LORA_ID, INT32)
-        out["lora_slots"] = np.full((features.lora.max_loras,), EMPTY_LORA_SLOT, INT32)
-    if features.sampling is not None:
-        out.update(empty_sampling_rows(rows, features.sampling))
-    out.update(_empty_runner_inputs(config))
-    return out
-
-
-def _empty_runner_inputs(config: PrepConfig) -> dict[str, np.ndarray]:
-    """Empty inputs of the hybrid and structured-output features: null state blocks, one accepted
-    token, no checkpoints, no grammar."""
-    features, rows, out = config.features, config.max_num_reqs, {}
-    if features.hybrid is not None:
-        width = features.hybrid.table_width(config.max_model_len)
-        out["mamba_block_table"] = np.full((rows, width), NULL_BLOCK_ID, INT32)
-        if features.spec_decode:
-            out["num_accepted_tokens"] = np.ones((rows,), INT32)
-        if features.hybrid.checkpoints:
-            out["mamba_checkpoint_offsets"] = np.zeros((rows,), INT32)
-    if features.structured_outputs:
-        out["grammar_index"] = np.full((rows,), NO_GRAMMAR, INT32)
-    return out
 
 
 def _as_float32(value, name: str) -> np.ndarray:

@@ -33,22 +33,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep import features
-from jaxprep._checks import InvalidBatchError, check_blocks, check_row_bound, expect_bucket, expect_state_and_config
+from jaxprep._checks import (
+    CONFIG_HINT,
+    STATE_HINT,
+    InvalidBatchError,
+    check_blocks,
+    check_row_bound,
+    expect,
+    expect_bucket,
+)
 from jaxprep._constants import NULL_BLOCK_ID
-from jaxprep.config import PrepConfig
-from jaxprep.features.flags import (
+from jaxprep.bounds import (
     BLOCK_ID_OUT_OF_RANGE,
     NEGATIVE_COUNT,
     NULL_BLOCK,
     OVER_BUCKET,
     PAST_MAX_MODEL_LEN,
-    feature_messages,
-    feature_row_flags,
-    feature_state_flags,
+    core_row_flags,
 )
-from jaxprep.state import OPTIONAL_FIELDS
+from jaxprep.config import PrepConfig
+from jaxprep.features import registry
+from jaxprep.state import OPTIONAL_FIELDS, BatchState
 
 CORE_FIELDS = ("token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens")
+
+
+def expect_state_and_config(function: str, state, config) -> None:
+    """``state`` a `BatchState` (jit tracers inside one are fine) and ``config`` a `PrepConfig`."""
+    expect(function, "state", state, BatchState, "a jaxprep.BatchState", STATE_HINT)
+    expect(function, "config", config, PrepConfig, "a jaxprep.PrepConfig", CONFIG_HINT)
 
 
 def validate(state, config: PrepConfig, *, num_tokens_padded: int | None = None) -> None:
@@ -121,7 +134,7 @@ def _check_total(total: int, config: PrepConfig, num_tokens_padded: int | None) 
 
 # --- the unchecked path: trace-time checks and the device error word ------------------------------
 
-# the core bits are written in jaxprep.features.flags beside the feature bits (5..26); bits 27..30 are free
+# the core bits (0..4) are jaxprep.bounds', the feature bits (5..26) jaxprep.features.flags'; bits 27..30 are free
 
 
 def error_messages(config, num_tokens_padded: int) -> dict[int, str]:
@@ -133,7 +146,7 @@ def error_messages(config, num_tokens_padded: int) -> dict[int, str]:
                                 f"max_block_id={config.max_block_id}] in a column a request uses"),
         NULL_BLOCK: f"a scheduled token's block is the null block {NULL_BLOCK_ID} (allocate its blocks first)",
         OVER_BUCKET: f"sum(num_scheduled_tokens) exceeds num_tokens_padded={num_tokens_padded}",
-        **feature_messages(config),
+        **registry.messages(config),
     }
 
 
@@ -176,8 +189,8 @@ def check_static(state, config, num_tokens_padded: int) -> None:
 def flag_rows(state, config, num_tokens_padded: int):
     """``(state without its flagged rows' work, the row-level part of the error word)``.
 
-    Every row-level bound (the core counts, the bucket, the feature inputs of
-    `jaxprep.features.flags`) gives a mask over the state rows; one reduction of their stack gives
+    Every row-level bound (the core counts of `jaxprep.bounds`, the bucket, the feature inputs of
+    `jaxprep.features.registry`) gives a mask over the state rows; one reduction of their stack gives
     the bits, another the rows to drop. A dropped row schedules nothing, so it leaves the batch and
     every output of the step stays in range. Over the bucket every row is dropped: the step is empty.
 
@@ -186,12 +199,7 @@ def flag_rows(state, config, num_tokens_padded: int):
     ```
     """
     computed, scheduled = state.num_computed_tokens, state.num_scheduled_tokens
-    flags = [
-        (NEGATIVE_COUNT, (computed < 0) | (scheduled < 0)),
-        # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
-        (PAST_MAX_MODEL_LEN, scheduled > config.max_model_len - computed),
-        *feature_row_flags(state, config),
-    ]
+    flags = [*core_row_flags(computed, scheduled, config.max_model_len), *registry.row_flags(state, config)]
     row_bits = functools.reduce(operator.or_, [jnp.where(mask, jnp.int32(bit), 0) for bit, mask in flags])
     # one reduction for the or of the rows' bits and the total of the counts clipped to [0, T + 1],
     # which exceeds T exactly when the true total does (no int32 wrap)
@@ -200,7 +208,7 @@ def flag_rows(state, config, num_tokens_padded: int):
         lambda a, b: (a[0] | b[0], a[1] + b[1]), (0,))
     over_bucket = clipped_total > num_tokens_padded
     word = bits | jnp.where(over_bucket, jnp.int32(OVER_BUCKET), 0)
-    for bit, flag in feature_state_flags(state, config):
+    for bit, flag in registry.state_flags(state, config):
         word = word | jnp.where(flag, jnp.int32(bit), jnp.int32(0))
     kept = dataclasses.replace(state, num_scheduled_tokens=jnp.where((row_bits != 0) | over_bucket, 0, scheduled))
     return kept, word

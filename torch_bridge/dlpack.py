@@ -11,15 +11,14 @@ tensor is int32, contiguous and 64-byte aligned, and makes an explicit, checked 
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from jaxprep._checks import expect
+from jaxprep._constants import INT32_MAX, INT32_MIN
 from torch_bridge._torch import device_type, torch
 
 JAX_ALIGNMENT = 64
 """Bytes: XLA adopts an external buffer only at this alignment (it copies a buffer at 32)."""
 
-INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 _DLPACK_DEVICES = ("cpu", "cuda")
 
 

@@ -32,7 +32,7 @@ from jaxprep.attention.pallas import (
     tpu_ragged_paged_attention,
 )
 from jaxprep.attention.paged import paged_attention, token_kv_lens
-from jaxprep.kernels import triton_backend_available
+from jaxprep.config import triton_backend_available
 
 ATTENTION_KINDS = ("auto", "xla", "ragged", "pallas_gpu", "pallas_tpu", "gather_all")
 """Names `stacked_attention` and `layer_attention` accept: ``ragged`` is jaxprep's kernel (Triton on CUDA,

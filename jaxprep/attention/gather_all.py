@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep._ragged import token_request_index
+from jaxprep._typing import as_compute
 from jaxprep.metadata import StepInputs
-from jaxprep.storage import as_compute
 
 HIGHEST = jax.lax.Precision.HIGHEST
 MASKED = -1e30

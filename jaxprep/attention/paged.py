@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep._ragged import token_request_index
-from jaxprep._typing import Array, Int32
+from jaxprep._typing import Array, Int32, as_compute
 from jaxprep.metadata import StepInputs
-from jaxprep.storage import as_compute
 
 HIGHEST = jax.lax.Precision.HIGHEST
 MASKED = -1e30
@@ -134,7 +133,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs
     tokens give zeros.
 
     q's dtype is the compute dtype (float32, or bf16); the caches may hold that dtype's storage form
-    (bf16 as uint16 bit patterns on XLA:CPU, `jaxprep.storage`): each gathered chunk is bit-cast and
+    (bf16 as uint16 bit patterns on XLA:CPU, `jaxprep._typing`): each gathered chunk is bit-cast and
     converted to float32, where the scores, the softmax and the accumulation run (exact for bf16 values).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -155,7 +154,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs
         slots = chunk_slots(inputs.attn_metadata.block_table, tile_row, chunk, block_size=block_size,
                             blocks_per_chunk=blocks_per_chunk, num_blocks=k_cache.shape[0] // block_size)
         # one chunk read in the cache's storage dtype, then as values of q's dtype, then float32: only
-        # [N, S, K, D] is ever converted, never the whole cache (bf16 bit patterns: jaxprep/storage.py)
+        # [N, S, K, D] is ever converted, never the whole cache (bf16 bit patterns: jaxprep/_typing.py)
         keys, values = (as_compute(cache[slots], q.dtype).astype(jnp.float32) for cache in (k_cache, v_cache))
         scores = jnp.einsum("nqkgd,nskd->nkgqs", groups, keys, precision=HIGHEST)
         key_positions = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)

@@ -13,7 +13,7 @@ vLLM's Triton backend.
 
 Both want their own cache layout; `to_gpu_pages` and `to_tpu_kv_pages` convert one layer of
 jaxprep's `KVCache` (slot-major ``[num_blocks * block_size, K, D]``), after a cache held as bf16 bit
-patterns (uint16, XLA:CPU only: `jaxprep.storage`) is bit-cast to q's dtype, which the kernels read.
+patterns (uint16, XLA:CPU only: `jaxprep._typing`) is bit-cast to q's dtype, which the kernels read.
 Neither kernel scales the scores by 1/sqrt(D) unless told: the GPU one never does (q is pre-scaled
 here), the TPU one takes ``sm_scale``.
 """
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep._checks import module_available
+from jaxprep._typing import as_compute
 from jaxprep.attention.paged import token_kv_lens
 from jaxprep.metadata import StepInputs
-from jaxprep.storage import as_compute
 
 GPU_PAGES_PER_COMPUTE_BLOCK = 8
 GPU_K_SPLITS = 16

@@ -40,11 +40,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxprep._typing import Array, Float32, Int32
+from jaxprep._typing import Array, Float32, Int32, as_compute
 from jaxprep.attention import ragged_kernel_fits
 from jaxprep.attention.paged import MASKED, default_query_tile, query_tiles, token_kv_lens
 from jaxprep.metadata import StepInputs
-from jaxprep.storage import as_compute
 
 HIGHEST = jax.lax.Precision.HIGHEST
 KV_CHUNK = 64

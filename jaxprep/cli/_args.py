@@ -15,8 +15,8 @@ import importlib.util
 import os
 import re
 
-INT32_MAX = 2**31 - 1
-"""Sizes end up in int32 device arrays."""
+from jaxprep._constants import INT32_MAX  # sizes end up in int32 device arrays
+
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 

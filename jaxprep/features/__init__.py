@@ -46,10 +46,14 @@ the host check of its `BatchState` inputs (module, feature, vLLM source):
 ``FeatureConfig(runner="v2")`` switches every output to vLLM's model runner V2 where V1 and V2
 differ (the batch order, LoRA's prompt mapping and graph key, the logits indirection).
 
-`with_features` (`dispatch`) adds the outputs of the features that are on to a prepared step,
-inside `prepare_padded`'s jit; `check_feature_shapes` / `check_feature_values` /
-`check_group_blocks` (`inputs`) are the host checks `jaxprep.validate` calls, `check_traced_shapes`
-their trace-time twin, and `flags` the same bounds as bits of the step's error word.
+Each module exports its record, ``FEATURE`` (`record.Feature`: its inputs and their empty values,
+its host check, its row flags, its bits' messages, its metadata function), and `registry.FEATURES`
+lists them: the central code (`jaxprep.validate`, `jaxprep.state`, `inputs`, `dispatch`) loops over
+that list. `with_features` (`dispatch`) adds the outputs of the features that are on to a prepared
+step, inside `prepare_padded`'s jit, in `registry.STEP_ORDER`; `check_feature_shapes` /
+`check_feature_values` / `check_group_blocks` (`inputs`) are the host checks `jaxprep.validate`
+calls, `check_traced_shapes` their trace-time twin, and `flags` numbers the feature bits of the
+step's error word.
 """
 
 from jaxprep.features.config import (ATTN_MASK_DTYPES, ATTN_MASK_MODES, HYBRID_MODES, MROPE_NUM_DIMS, REORDER_MODES,

@@ -26,8 +26,10 @@ import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import NO_PREV_ROW, PAD_INPUT_ID, PAD_STATE_ROW
-from jaxprep._ragged import take_rows
+from jaxprep._ragged import counts_per_target, take_rows
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.features.flags import PREV_BATCH_ROW_OUT_OF_RANGE
+from jaxprep.features.record import Feature
 
 
 def write_prev_tokens(input_ids: Int32[Array, " num_tokens_padded"], rows: Int32[Array, " num_reqs_padded"],
@@ -101,3 +103,67 @@ def check_prev_batch_rows(prev, in_batch, max_num_reqs: int) -> None:
     used = prev[in_batch & (prev >= 0)]
     if len(np.unique(used)) != len(used):
         raise InvalidBatchError(f"prev_batch_rows maps two scheduled rows to one last-step batch row: {used.tolist()}")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _bad_prev_batch_rows(prev, in_batch):
+    """Rows outside ``[-1, R)``, and scheduled rows that share a last-step row
+    (`async_tokens.check_prev_batch_rows`)."""
+    rows = prev.shape[0]
+    outside = (prev < NO_PREV_ROW) | (prev >= rows)
+    claimed = in_batch & (prev >= 0) & ~outside
+    return outside | (counts_per_target(prev, claimed, rows) > 1)
+
+
+def _inputs(features) -> dict[str, str]:
+    needs = {"prev_sampled_token_ids": "async_tokens", "prev_batch_rows": "async_tokens"}
+    if features.spec_decode:
+        needs["prev_draft_token_ids"] = "async_tokens with spec decode"
+    return needs
+
+
+def _empty_inputs(config) -> dict[str, np.ndarray]:
+    rows = config.max_num_reqs
+    out = {"prev_sampled_token_ids": np.zeros((rows,), np.int32),
+           "prev_batch_rows": np.full((rows,), NO_PREV_ROW, np.int32)}
+    if config.features.spec_decode:
+        out["prev_draft_token_ids"] = np.zeros((rows, config.features.num_speculative_tokens), np.int32)
+    return out
+
+
+def _metadata(build) -> None:
+    """Last step's sampled (and draft) tokens written into the ids (before the placeholder clamp)."""
+    step, state, layout = build.step, build.state, build.layout
+    build.unclamped = write_prev_tokens(build.input_ids, layout.rows, step.attn_metadata.query_start_loc,
+                                        layout.is_real_req, build.drafts, state.prev_batch_rows,
+                                        state.prev_sampled_token_ids,
+                                        state.prev_draft_token_ids if build.config.features.spec_decode else None)
+
+
+def _clamp(build) -> None:
+    # vLLM's -1 placeholder drafts (the async scheduler's, and the sync scheduler's pad_spec_decode):
+    # read as drafts before the clamp, so never accepted; clamped to 0 in input_ids, as V1's _preprocess
+    build.input_ids = clamp_placeholders(build.unclamped)
+
+
+PLACEHOLDERS = Feature(name="placeholders",
+                       is_on=lambda features: features.async_tokens or features.spec_decode, metadata=_clamp)
+"""A step of `jaxprep.features.registry.STEP_ORDER` that no switch owns: the clamp of placeholder drafts
+in ``input_ids``, after last step's tokens are written and before anything reads the ids."""
+
+
+FEATURE = Feature(
+    name="async_tokens",
+    is_on=lambda features: features.async_tokens,
+    inputs=_inputs,
+    empty_inputs=_empty_inputs,
+    check_values=lambda host, computed, scheduled, config: check_prev_batch_rows(
+        host["prev_batch_rows"].astype(np.int64), scheduled > 0, config.max_num_reqs),
+    row_flags=lambda state, config, in_batch: [
+        (PREV_BATCH_ROW_OUT_OF_RANGE, _bad_prev_batch_rows(state.prev_batch_rows, in_batch))],
+    messages=lambda config: {
+        PREV_BATCH_ROW_OUT_OF_RANGE: f"prev_batch_rows is outside [{NO_PREV_ROW}, max_num_reqs="
+                                     f"{config.max_num_reqs}), or two scheduled rows claim one last-step batch row"},
+    metadata=_metadata,
+)

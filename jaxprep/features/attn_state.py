@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import AttnState, FeatureConfig
+from jaxprep.features.record import Feature
 
 
 def attn_state(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Array, " num_reqs_padded"],
@@ -42,3 +43,14 @@ def attn_state(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Arra
     state = jnp.where(every(scheduled - drafts == 1), spec_rung, fallback)
     state = jnp.where(every(scheduled == 1), decode, state)
     return jnp.where(every(computed == 0), AttnState.PrefillNoCache, state).astype(jnp.int32)
+
+
+def _metadata(build) -> None:
+    layout = build.layout
+    build.outputs["attn_state"] = attn_state(layout.computed, layout.scheduled, build.drafts, layout.is_real_req,
+                                             build.config.features)
+
+
+FEATURE = Feature(name="attn_state", is_on=lambda features: features.attn_state, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

@@ -7,12 +7,15 @@ in chunks of ``I`` tokens (the interleave). This rank writes only its own tokens
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jaxprep._constants import NULL_BLOCK_ID, PAD_SEQ_LEN, PAD_SLOT_ID
 from jaxprep._ragged import token_blocks
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import DCPConfig
+from jaxprep.features.record import Feature
 
 
 def dcp_slot_mapping(block_table: Int32[Array, "max_num_reqs W"], token_rows: Int32[Array, " num_tokens_padded"],
@@ -50,3 +53,18 @@ def dcp_local_seq_lens(seq_lens: Int32[Array, " num_reqs_padded"], is_real_req: 
     tail = jnp.clip(seq_lens % span - dcp.rank * interleave, 0, interleave)
     return jnp.where(is_real_req, (seq_lens // span) * interleave + tail, PAD_SEQ_LEN)
 
+
+def _metadata(build) -> None:
+    """DCP's slots (each token's slot on its rank) and each request's local lengths."""
+    step, layout, config = build.step, build.layout, build.config
+    dcp = config.features.dcp
+    build.attn_metadata = dataclasses.replace(
+        build.attn_metadata,
+        slot_mapping=dcp_slot_mapping(build.state.block_table, layout.token_rows, step.positions, layout.is_real_token,
+                                      config.block_size, dcp, config.max_block_id),
+        dcp_local_seq_lens=dcp_local_seq_lens(build.attn_metadata.seq_lens, layout.is_real_req, dcp))
+
+
+FEATURE = Feature(name="dcp", is_on=lambda features: features.dcp is not None, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxprep._constants import PAD_DISCARD
+from jaxprep._ragged import take_rows
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.features.record import Feature
 
 
 def discard_request_mask(computed: Int32[Array, " num_reqs_padded"], scheduled: Int32[Array, " num_reqs_padded"],
@@ -24,3 +26,15 @@ def discard_request_mask(computed: Int32[Array, " num_reqs_padded"], scheduled: 
     ```
     """
     return jnp.where(is_real_req, computed + scheduled < prefill_len, PAD_DISCARD)
+
+
+def _metadata(build) -> None:
+    layout = build.layout
+    prompt = take_rows(build.state.prefill_len, layout.rows, fill_value=0)
+    build.outputs["discard_request_mask"] = discard_request_mask(layout.computed, layout.scheduled, prompt,
+                                                                 layout.is_real_req)
+
+
+FEATURE = Feature(name="discard", is_on=lambda features: features.discard_request_mask, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

@@ -41,6 +41,7 @@ from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._ragged import take_rows, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
 from jaxprep.features.discard import discard_request_mask
+from jaxprep.features.record import Feature
 
 
 @jax.tree_util.register_dataclass
@@ -242,3 +243,15 @@ def check_verification(step, num_sampled, last_sampled) -> None:
         b = int(np.flatnonzero(bad)[0])
         raise InvalidBatchError(f"num_sampled at batch row {b} is {int(sampled[b])}, outside [1, num_draft_tokens + 1"
                                 f" = {int(most[b])}]: a verified row accepts at least one token and at most all")
+
+
+def _metadata(build) -> None:
+    state, layout = build.state, build.layout
+    prefill_len = take_rows(state.prefill_len, layout.rows, fill_value=0)
+    build.outputs["drafter"] = drafter_target_inputs(state.token_ids, layout.rows, layout.computed, layout.scheduled,
+                                                     prefill_len, layout.is_real_req)
+
+
+FEATURE = Feature(name="drafter", is_on=lambda features: features.drafter is not None, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

@@ -19,12 +19,15 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR
-from jaxprep._ragged import take_rows
+from jaxprep._ragged import counts_per_target, take_rows
 from jaxprep._typing import Array, Int32, StepArray
+from jaxprep.features.flags import GRAMMAR_INDEX_INVALID
 from jaxprep.features.logits_indirection import LogitsIndirection
+from jaxprep.features.record import Feature
 
 BITS_PER_WORD = 32
 
@@ -135,3 +138,35 @@ def check_grammar_index(index, scheduled) -> None:
         raise InvalidBatchError(f"grammar_index of the scheduled rows must number their bitmask row blocks "
                                 f"0..G-1 once each (G = {len(used)}), got {used}")
 
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _bad_grammar_index(index, in_batch):
+    """Rows outside ``[-1, R)``; scheduled rows whose block is taken twice or past ``G - 1``
+    (`grammar.check_grammar_index`: the G scheduled rows with blocks number them 0..G-1 once each)."""
+    rows = index.shape[0]
+    outside = (index < NO_GRAMMAR) | (index >= rows)
+    claimed = in_batch & (index >= 0) & ~outside
+    num_blocks = jnp.sum(claimed, dtype=jnp.int32)
+    return outside | (claimed & ((counts_per_target(index, claimed, rows) > 1) | (index >= num_blocks)))
+
+
+def _metadata(build) -> None:
+    build.outputs["grammar"] = grammar_metadata(build.state.grammar_index, build.step.idx_mapping, build.logits,
+                                                1 + build.config.features.num_speculative_tokens)
+
+
+FEATURE = Feature(
+    name="grammar",
+    is_on=lambda features: features.structured_outputs,
+    inputs=lambda features: {"grammar_index": "structured_outputs"},
+    empty_inputs=lambda config: {"grammar_index": np.full((config.max_num_reqs,), NO_GRAMMAR, np.int32)},
+    check_values=lambda host, computed, scheduled, config: check_grammar_index(
+        host["grammar_index"].astype(np.int64), scheduled),
+    row_flags=lambda state, config, in_batch: [
+        (GRAMMAR_INDEX_INVALID, _bad_grammar_index(state.grammar_index, in_batch))],
+    messages=lambda config: {
+        GRAMMAR_INDEX_INVALID: f"grammar_index is outside [{NO_GRAMMAR}, max_num_reqs={config.max_num_reqs}), or "
+                               f"the scheduled rows do not number their bitmask blocks 0..G-1 once each"},
+    metadata=_metadata,
+)

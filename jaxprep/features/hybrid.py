@@ -28,11 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._checks import InvalidBatchError, check_row_bound
-from jaxprep._constants import NO_DECODE_DRAFTS, NULL_BLOCK_ID, PAD_NUM_ACCEPTED_TOKENS, PAD_STATE_INDEX
+from jaxprep._constants import INT32_MAX, NO_DECODE_DRAFTS, NULL_BLOCK_ID, PAD_NUM_ACCEPTED_TOKENS, PAD_STATE_INDEX
 from jaxprep._ragged import take_rows
 from jaxprep._typing import Array, Bool, Int32, StepArray
 from jaxprep.features.config import HybridConfig
+from jaxprep.features.flags import (
+    MAMBA_CHECKPOINT_OUT_OF_RANGE,
+    MAMBA_STATE_BLOCK_INVALID,
+    NUM_ACCEPTED_TOKENS_OUT_OF_RANGE,
+)
 from jaxprep.features.hybrid_chunks import HybridChunks, chunk_metadata
+from jaxprep.features.record import Feature
 
 
 class HybridRows(NamedTuple):
@@ -216,3 +222,81 @@ def check_hybrid_values(host: dict, computed: np.ndarray, scheduled: np.ndarray,
         outside = (offsets < 0) | ((offsets > 0) & (offsets >= scheduled))
         check_row_bound(in_batch & outside, "mamba_checkpoint_offsets", offsets,
                         "[0, num_scheduled_tokens) (a checkpoint lies inside the query)", relation="is outside")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _hybrid_flags(state, config, in_batch) -> list:
+    """The bounds of `hybrid.check_hybrid_values`: the state blocks a row reads, accepted counts, checkpoints."""
+    hybrid, k = config.features.hybrid, config.features.num_speculative_tokens
+    computed, scheduled, table = state.num_computed_tokens, state.num_scheduled_tokens, state.mamba_block_table
+    first = jnp.zeros_like(computed)
+    if hybrid.mode == "align":
+        # C 30, S 4, B 16 -> the block of position 33: column 2
+        first = jnp.clip(computed + jnp.maximum(scheduled - 1, 0), 0, INT32_MAX - 1) // hybrid.block_size
+    columns = jnp.clip(first[:, None] + jnp.arange(hybrid.num_state_columns, dtype=jnp.int32)[None, :],
+                       0, table.shape[1] - 1)
+    read = jnp.take_along_axis(table, columns, axis=1, mode="promise_in_bounds")
+    outside = jnp.any((read < 0) | (read > config.max_block_id), axis=1)
+    flags = [(MAMBA_STATE_BLOCK_INVALID, in_batch & (outside | (read[:, 0] == NULL_BLOCK_ID)))]
+    if k > 0:
+        accepted = state.num_accepted_tokens
+        flags.append((NUM_ACCEPTED_TOKENS_OUT_OF_RANGE, in_batch & ((accepted < 1) | (accepted > 1 + k))))
+    if hybrid.checkpoints:
+        offsets = state.mamba_checkpoint_offsets
+        flags.append((MAMBA_CHECKPOINT_OUT_OF_RANGE,
+                      in_batch & ((offsets < 0) | ((offsets > 0) & (offsets >= scheduled)))))
+    return flags
+
+
+def _inputs(features) -> dict[str, str]:
+    needs = {"mamba_block_table": "hybrid"}
+    if features.spec_decode:
+        needs["num_accepted_tokens"] = "hybrid with spec decode"
+    if features.hybrid.checkpoints:
+        needs["mamba_checkpoint_offsets"] = "hybrid.checkpoints"
+    return needs
+
+
+def _empty_inputs(config) -> dict[str, np.ndarray]:
+    """Null state blocks, one accepted token, no checkpoints."""
+    features, rows = config.features, config.max_num_reqs
+    width = features.hybrid.table_width(config.max_model_len)
+    out = {"mamba_block_table": np.full((rows, width), NULL_BLOCK_ID, np.int32)}
+    if features.spec_decode:
+        out["num_accepted_tokens"] = np.ones((rows,), np.int32)
+    if features.hybrid.checkpoints:
+        out["mamba_checkpoint_offsets"] = np.zeros((rows,), np.int32)
+    return out
+
+
+def _messages(config) -> dict[int, str]:
+    k = config.features.num_speculative_tokens
+    return {
+        MAMBA_STATE_BLOCK_INVALID: f"mamba_block_table: a state block a scheduled row reads is outside "
+                                   f"[0, max_block_id={config.max_block_id}], or its current one is the null block "
+                                   f"{NULL_BLOCK_ID}",
+        NUM_ACCEPTED_TOKENS_OUT_OF_RANGE: f"num_accepted_tokens of a scheduled row is outside "
+                                          f"[1, 1 + num_speculative_tokens={1 + k}]",
+        MAMBA_CHECKPOINT_OUT_OF_RANGE: "mamba_checkpoint_offsets of a scheduled row is outside "
+                                       "[0, num_scheduled_tokens)",
+    }
+
+
+def _metadata(build) -> None:
+    step, layout = build.step, build.layout
+    build.outputs["hybrid"] = hybrid_metadata(build.state, step.attn_metadata.query_start_loc, build.config,
+                                              HybridRows(layout.rows, layout.scheduled, layout.computed,
+                                                         build.drafts, layout.is_real_req), step.num_tokens_padded)
+
+
+FEATURE = Feature(
+    name="hybrid",
+    is_on=lambda features: features.hybrid is not None,
+    inputs=_inputs,
+    empty_inputs=_empty_inputs,
+    check_values=check_hybrid_values,
+    row_flags=_hybrid_flags,
+    messages=_messages,
+    metadata=_metadata,
+)

@@ -14,53 +14,16 @@ import dataclasses
 
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, check_row_bound
+from jaxprep._checks import InvalidBatchError
 from jaxprep.features import (
-    async_tokens,
-    grammar,
     hybrid,
     kv_groups,
     lora,
-    masks,
-    mrope,
-    prompt_embeds,
+    registry,
     sampling,
-    spec_decode,
 )
 from jaxprep.features.config import MROPE_NUM_DIMS
-
-
-def required_fields(features) -> dict[str, str]:
-    """Field -> the switch that needs it, for every feature that is on."""
-    needs = {}
-    if features.spec_decode:
-        needs["num_draft_tokens"] = f"num_speculative_tokens={features.num_speculative_tokens}"
-    for switch in ("discard_request_mask", "mrope", "drafter", "hybrid"):
-        if getattr(features, switch):
-            needs["prefill_len"] = switch
-    if len(features.kv_groups) > 1:
-        needs["extra_block_tables"] = f"kv_groups (G={len(features.kv_groups)})"
-    if features.mrope:
-        needs.update(mrope_positions="mrope", mrope_position_delta="mrope")
-    if features.prompt_embeds:
-        needs.update(is_token_ids="prompt_embeds", prompt_embeds_start="prompt_embeds")
-    if features.async_tokens:
-        needs.update(prev_sampled_token_ids="async_tokens", prev_batch_rows="async_tokens")
-        if features.spec_decode:
-            needs["prev_draft_token_ids"] = "async_tokens with spec decode"
-    if features.hybrid is not None:
-        needs["mamba_block_table"] = "hybrid"
-        if features.spec_decode:
-            needs["num_accepted_tokens"] = "hybrid with spec decode"
-        if features.hybrid.checkpoints:
-            needs["mamba_checkpoint_offsets"] = "hybrid.checkpoints"
-    if features.structured_outputs:
-        needs["grammar_index"] = "structured_outputs"
-    if features.lora is not None:
-        needs.update(lora_ids="lora", lora_slots="lora")
-    if features.sampling is not None:
-        needs.update(dict.fromkeys(sampling.STATE_FIELDS, "sampling"))
-    return needs
+from jaxprep.features.registry import required_fields
 
 
 def check_feature_shapes(host: dict, config) -> None:
@@ -109,31 +72,6 @@ def check_group_blocks(host: dict, computed, scheduled, config) -> None:
 
 
 def check_feature_values(host: dict, core: dict, config) -> None:
-    """Value checks of the features that are on; ``core`` holds the four core tables."""
-    features = config.features
-    computed = core["num_computed_tokens"].astype(np.int64)
-    scheduled = core["num_scheduled_tokens"].astype(np.int64)
-    in_batch = scheduled > 0
-    if features.spec_decode:
-        spec_decode.check_drafts(host["num_draft_tokens"].astype(np.int64), computed, scheduled, config)
-    if "prefill_len" in required_fields(features):
-        prompt = host["prefill_len"].astype(np.int64)
-        check_row_bound((prompt < 0) | (prompt > config.max_model_len), "prefill_len", prompt,
-                        f"[0, max_model_len={config.max_model_len}]", relation="is outside")
-    if features.mrope:
-        mrope.check_prompt_positions(host["mrope_positions"], host["prefill_len"].astype(np.int64), computed,
-                                     scheduled, host["mrope_position_delta"].astype(np.int64))
-    if features.prompt_embeds:
-        prompt_embeds.check_pool_start(host["prompt_embeds_start"].astype(np.int64), in_batch, config.max_model_len)
-    if features.async_tokens:
-        async_tokens.check_prev_batch_rows(host["prev_batch_rows"].astype(np.int64), in_batch, config.max_num_reqs)
-    if features.hybrid is not None:
-        hybrid.check_hybrid_values(host, computed, scheduled, config)
-    if features.structured_outputs:
-        grammar.check_grammar_index(host["grammar_index"].astype(np.int64), scheduled)
-    if features.lora is not None:
-        lora.check_lora_inputs(host["lora_ids"].astype(np.int64), host["lora_slots"].astype(np.int64), in_batch)
-    if features.sampling is not None:
-        sampling.check_sampling_inputs(host, config)
-    if features.attn_mask in ("rows_bool", "rows_additive"):
-        masks.check_row_mask_columns(computed, scheduled, features.mask_columns(config))
+    """Value checks of the features that are on (each record's host check, `registry.check_values`);
+    ``core`` holds the four core tables."""
+    registry.check_values(host, core, config)

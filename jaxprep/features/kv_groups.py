@@ -18,10 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, cdiv, check_blocks, max_block_id
+from jaxprep._checks import InvalidBatchError, block_table_width, cdiv, check_blocks, max_block_id
 from jaxprep._constants import NULL_BLOCK_ID
+from jaxprep._ragged import slot_mapping, token_blocks
 from jaxprep._typing import Array, Int32, StepArray
+from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, safe_block_table, token_flags
 from jaxprep.features.config import KVCacheGroupSpec
+from jaxprep.features.dcp import dcp_slot_mapping
+from jaxprep.features.flags import KV_GROUP_BLOCK_OUT_OF_RANGE, KV_GROUP_NULL_BLOCK
+from jaxprep.features.record import Feature
 
 
 @jax.tree_util.register_dataclass
@@ -95,3 +100,64 @@ def check_group_blocks(host: dict, computed, scheduled, config) -> None:
         spec = groups[g]
         check_blocks(table, computed, scheduled, spec.block_size, max_block_id(spec.num_blocks, spec.block_size),
                      dcp_world=config.features.dcp_world_size, name=f"extra_block_tables[{g - 1}]")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _inputs(features) -> dict[str, str]:
+    groups = len(features.kv_groups)
+    return {"extra_block_tables": f"kv_groups (G={groups})"} if groups > 1 else {}
+
+
+def _empty_inputs(config) -> dict[str, tuple]:
+    groups = config.features.kv_groups[1:]
+    if not groups:
+        return {}
+    return {"extra_block_tables": tuple(
+        np.full((config.max_num_reqs, block_table_width(config.max_model_len, g.block_size)), NULL_BLOCK_ID, np.int32)
+        for g in groups)}
+
+
+def _group_metadata(step, state, config, layout) -> tuple[tuple[KVGroupMetadata, ...], Int32[Array, ""]]:
+    """One `KVGroupMetadata` per group (group 0 reads ``state.block_table``), and the step's error
+    word with the bits of the groups' block ids (`jaxprep.features.flags`)."""
+    features = config.features
+    tables = (state.block_table, *(state.extra_block_tables or ()))
+    groups, errors = [], step.errors
+    for g, (spec, table) in enumerate(zip(features.kv_groups, tables, strict=True)):
+        max_block_id = config.max_block_id if g == 0 else spec.max_block_id  # group 0 is the step's own table
+        tokens_per_column = spec.block_size * features.dcp_world_size
+        if features.dcp is not None:
+            slots = dcp_slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token,
+                                     spec.block_size, features.dcp, max_block_id)
+        else:
+            slots = slot_mapping(table, layout.token_rows, step.positions, layout.is_real_token, spec.block_size,
+                                 max_block_id)
+        gathered, table_errors = safe_block_table(
+            table, layout.rows, layout.row_seq_lens, tokens_per_column, max_block_id,
+            BLOCK_ID_OUT_OF_RANGE if g == 0 else KV_GROUP_BLOCK_OUT_OF_RANGE)
+        if g > 0:  # group 0's token bit is the core one
+            blocks = token_blocks(table, layout.token_rows, step.positions, tokens_per_column)
+            errors = errors | token_flags(blocks, layout.is_real_token, KV_GROUP_NULL_BLOCK)
+        groups.append(KVGroupMetadata(block_table=group_block_table(gathered, layout.computed, spec),
+                                      slot_mapping=slots, block_size=spec.block_size,
+                                      kernel_block_size=spec.kernel_block_size or spec.block_size))
+        errors = errors | table_errors
+    return tuple(groups), errors
+
+
+def _metadata(build) -> None:
+    build.outputs["kv_groups"], build.errors = _group_metadata(build.step, build.state, build.config, build.layout)
+
+
+FEATURE = Feature(
+    name="kv_groups",
+    is_on=lambda features: bool(features.kv_groups),
+    inputs=_inputs,
+    empty_inputs=_empty_inputs,
+    messages=lambda config: {
+        KV_GROUP_BLOCK_OUT_OF_RANGE: "extra_block_tables holds a block id outside [0, the group's max_block_id] "
+                                     "in a column a request uses (KVCacheGroupSpec.num_blocks)",
+        KV_GROUP_NULL_BLOCK: f"extra_block_tables: a scheduled token's block is the null block {NULL_BLOCK_ID}"},
+    metadata=_metadata,
+)

@@ -34,6 +34,7 @@ from jaxprep._constants import (
 )
 from jaxprep._ragged import prefix_sum, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.features.record import Feature
 from jaxprep.features.spec_decode import padded_sizes
 
 
@@ -92,3 +93,27 @@ def logits_indirection(idx_mapping: Int32[Array, " num_reqs_padded"], drafts: In
         is_padding=~is_real_token,
         num_draft_tokens_per_req=drafts,
     )
+
+
+def _rows(build) -> None:
+    step, layout = build.step, build.layout
+    build.logits = logits_indirection(step.idx_mapping, build.drafts, layout.is_real_req,
+                                      step.attn_metadata.query_start_loc, step.positions, build.input_ids,
+                                      layout.is_real_token, build.config.features.num_speculative_tokens)
+
+
+ROWS = Feature(name="logits_rows", metadata=_rows,
+               is_on=lambda features: (features.logits_indirection_on or features.structured_outputs
+                                       or features.sampling is not None))
+"""A step of `jaxprep.features.registry.STEP_ORDER` that no switch owns: V2's logits rows, an output of
+their own and what structured outputs and the sampling rows read (built from the final ``input_ids``)."""
+
+
+def _metadata(build) -> None:
+    build.outputs["logits_indirection"] = build.logits
+
+
+FEATURE = Feature(name="logits_indirection", is_on=lambda features: features.logits_indirection_on,
+                  metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

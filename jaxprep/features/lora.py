@@ -37,6 +37,8 @@ from jaxprep._constants import (
 )
 from jaxprep._ragged import prefix_sum, stack, take_rows, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.features.flags import LORA_ID_NOT_LOADED, LORA_SLOTS_INVALID
+from jaxprep.features.record import Feature
 from jaxprep.features.spec_decode import padded_sizes
 
 
@@ -90,7 +92,7 @@ def adapter_slots(lora_ids: Int32[Array, " n"], lora_slots: Int32[Array, " max_l
 
 def lora_metadata(lora_ids, lora_slots, rows, is_real_req, drafts, token_rows, is_real_token, query_start_loc,
                   features) -> LoRAMetadata:
-    """The step's `LoRAMetadata`; batch-row inputs as `jaxprep._layout.Layout` holds them."""
+    """The step's `LoRAMetadata`; batch-row inputs as `jaxprep._ragged.Layout` holds them."""
     lora = features.lora
     if tuple(lora_slots.shape) != (lora.max_loras,):
         raise ValueError(f"BatchState.lora_slots has shape {tuple(lora_slots.shape)}, config expects "
@@ -279,3 +281,56 @@ def check_lora_inputs(lora_ids: np.ndarray, lora_slots: np.ndarray, in_batch: np
         row = int(missing[0])
         raise InvalidBatchError(f"lora_ids at row {row} is {int(lora_ids[row])}, which no slot of lora_slots "
                                 f"{lora_slots.tolist()} holds: load the adapter into a slot first")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _unloaded_adapters(lora_ids, lora_slots, in_batch):
+    """Scheduled rows whose adapter id is negative, or held by no slot or by two (`lora.check_lora_inputs`).
+
+    ```
+    # slots [3, -1, 7, 3], ids [7, 0, 3, 9, -2] -> matches [1, -, 2, 0, -] -> bad [F, F, T, T, T]
+    ```
+    """
+    matches = jnp.sum(lora_ids[:, None] == lora_slots[None, :], axis=1, dtype=jnp.int32)
+    return in_batch & ((lora_ids < NO_LORA_ID) | ((lora_ids > NO_LORA_ID) & (matches != 1)))
+
+
+def _state_flags(state, config) -> list[tuple[int, Bool[Array, ""]]]:
+    """``(bit, flag)`` for the bound that belongs to no state row: the LoRA slots."""
+    slots = state.lora_slots
+    # one adapter in two slots: a pair (i < j) of equal ids >= 1
+    pairs = (slots[:, None] == slots[None, :]) & (slots[:, None] > NO_LORA_ID) & np.triu(
+        np.ones((slots.shape[0],) * 2, bool), 1)
+    return [(LORA_SLOTS_INVALID, jnp.any((slots < EMPTY_LORA_SLOT) | (slots == NO_LORA_ID)) | jnp.any(pairs))]
+
+
+def _empty_inputs(config) -> dict[str, np.ndarray]:
+    return {"lora_ids": np.full((config.max_num_reqs,), NO_LORA_ID, np.int32),
+            "lora_slots": np.full((config.features.lora.max_loras,), EMPTY_LORA_SLOT, np.int32)}
+
+
+def _metadata(build) -> None:
+    state, layout = build.state, build.layout
+    build.outputs["lora"] = lora_metadata(state.lora_ids, state.lora_slots, layout.rows, layout.is_real_req,
+                                          build.drafts, layout.token_rows, layout.is_real_token,
+                                          build.step.attn_metadata.query_start_loc, build.config.features)
+
+
+FEATURE = Feature(
+    name="lora",
+    is_on=lambda features: features.lora is not None,
+    inputs=lambda features: {"lora_ids": "lora", "lora_slots": "lora"},
+    empty_inputs=_empty_inputs,
+    check_values=lambda host, computed, scheduled, config: check_lora_inputs(
+        host["lora_ids"].astype(np.int64), host["lora_slots"].astype(np.int64), scheduled > 0),
+    row_flags=lambda state, config, in_batch: [
+        (LORA_ID_NOT_LOADED, _unloaded_adapters(state.lora_ids, state.lora_slots, in_batch))],
+    state_flags=_state_flags,
+    messages=lambda config: {
+        LORA_ID_NOT_LOADED: f"lora_ids of a scheduled row is below {NO_LORA_ID}, or no slot (or two slots) of "
+                            f"lora_slots holds it",
+        LORA_SLOTS_INVALID: f"lora_slots holds a value that is neither {EMPTY_LORA_SLOT} (empty) nor an adapter "
+                            f"id >= 1, or one adapter in two slots"},
+    metadata=_metadata,
+)

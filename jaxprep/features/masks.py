@@ -27,6 +27,8 @@ import numpy as np
 
 from jaxprep._checks import check_row_bound
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.features.flags import ROW_MASK_TOO_NARROW
+from jaxprep.features.record import Feature
 
 COMPRESSED_MASK_SIZE = 2048
 """Side of the compressed causal mask that FIA ``sparse_mode=3`` maps real positions onto."""
@@ -84,3 +86,40 @@ def check_row_mask_columns(computed, scheduled, columns: int) -> None:
     seq_lens = np.where(scheduled > 0, computed + scheduled, 0)
     check_row_bound(seq_lens > columns, "num_computed_tokens + num_scheduled_tokens", seq_lens,
                     f"the row mask's FeatureConfig.mask_kv_len={columns} columns")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+ROW_MODES = ("rows_bool", "rows_additive")
+"""The ``attn_mask`` modes with a row per token, bounded by ``FeatureConfig.mask_kv_len`` columns."""
+
+
+def _check_values(host, computed, scheduled, config) -> None:
+    if config.features.attn_mask in ROW_MODES:
+        check_row_mask_columns(computed, scheduled, config.features.mask_columns(config))
+
+
+def _row_flags(state, config, in_batch) -> list:
+    if config.features.attn_mask not in ROW_MODES:
+        return []
+    # S > columns - C: no int32 wrap for C >= 0 (a negative C is flagged by the core bits)
+    return [(ROW_MASK_TOO_NARROW, in_batch & (state.num_scheduled_tokens > config.features.mask_columns(config)
+                                              - state.num_computed_tokens))]
+
+
+def _metadata(build) -> None:
+    features = build.config.features
+    build.outputs["attn_mask"] = attn_mask(build.step.positions, features.attn_mask,
+                                           features.mask_columns(build.config), features.attn_mask_dtype)
+
+
+FEATURE = Feature(
+    name="masks",
+    is_on=lambda features: features.attn_mask is not None,
+    check_values=_check_values,
+    row_flags=_row_flags,
+    messages=lambda config: {
+        ROW_MASK_TOO_NARROW: f"num_computed_tokens + num_scheduled_tokens of a scheduled row exceeds the row "
+                             f"mask's FeatureConfig.mask_kv_len={config.features.mask_columns(config)} columns"},
+    metadata=_metadata,
+)

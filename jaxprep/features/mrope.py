@@ -21,6 +21,7 @@ from jaxprep._constants import MROPE_MISSING_POSITION, MROPE_POSITION_LIMIT, PAD
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.flags import MROPE_POSITION_MISSING
+from jaxprep.features.record import Feature
 
 
 def mrope_positions(prompt_positions: Int32[Array, "max_num_reqs 3 max_model_len"],
@@ -125,3 +126,38 @@ def check_prompt_positions(table: np.ndarray, prompt, computed, scheduled, delta
         raise InvalidBatchError(f"mrope_position_delta at row {row} is {int(delta[row])}: the completion positions "
                                 f"{int(first_completion[row])}..{int(last[row])} + delta leave "
                                 f"[0, MROPE_POSITION_LIMIT={MROPE_POSITION_LIMIT})")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _empty_inputs(config) -> dict[str, np.ndarray]:
+    rows, width = config.max_num_reqs, config.max_model_len
+    return {"mrope_positions": np.full((rows, MROPE_NUM_DIMS, width), MROPE_MISSING_POSITION, np.int32),
+            "mrope_position_delta": np.zeros((rows,), np.int32)}
+
+
+def _check_values(host, computed, scheduled, config) -> None:
+    check_prompt_positions(host["mrope_positions"], host["prefill_len"].astype(np.int64), computed, scheduled,
+                           host["mrope_position_delta"].astype(np.int64))
+
+
+def _metadata(build) -> None:
+    state, layout = build.state, build.layout
+    build.outputs["mrope_positions"], mrope_errors = mrope_positions(
+        state.mrope_positions, state.mrope_position_delta, state.prefill_len, layout.token_rows, build.step.positions,
+        layout.is_real_token)
+    build.errors = build.errors | mrope_errors
+
+
+FEATURE = Feature(
+    name="mrope",
+    is_on=lambda features: features.mrope,
+    inputs=lambda features: {"mrope_positions": "mrope", "mrope_position_delta": "mrope"},
+    empty_inputs=_empty_inputs,
+    check_values=_check_values,
+    messages=lambda config: {
+        MROPE_POSITION_MISSING: "mrope_positions is missing (-1) or outside [0, MROPE_POSITION_LIMIT=2**24) at a "
+                                "scheduled prompt position, or a completion position (position + "
+                                "mrope_position_delta) leaves [0, 2**24)"},
+    metadata=_metadata,
+)

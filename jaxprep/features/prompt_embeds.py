@@ -15,10 +15,13 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxprep._checks import check_row_bound
 from jaxprep._constants import INT32_MAX, PAD_EMBEDS_INDEX, PAD_INPUT_ID
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.features.flags import PROMPT_EMBEDS_START_OUT_OF_RANGE
+from jaxprep.features.record import Feature
 
 
 @jax.tree_util.register_dataclass
@@ -55,3 +58,34 @@ def check_pool_start(start, in_batch, max_model_len: int) -> None:
     check_row_bound(in_batch & ((start < 0) | (start + max_model_len > INT32_MAX)), "prompt_embeds_start", start,
                     f"[0, {INT32_MAX - max_model_len}] (INT32_MAX - max_model_len: int32 pool rows)",
                     relation="is outside")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _row_flags(state, config, in_batch) -> list:
+    start = state.prompt_embeds_start
+    return [(PROMPT_EMBEDS_START_OUT_OF_RANGE, in_batch & ((start < 0) | (start > INT32_MAX - config.max_model_len)))]
+
+
+def _metadata(build) -> None:
+    step, state, layout = build.step, build.state, build.layout
+    build.outputs["prompt_embeds"], build.input_ids = prompt_embeds_metadata(
+        state.is_token_ids, state.prompt_embeds_start, layout.token_rows, step.positions, layout.is_real_token,
+        build.input_ids)
+
+
+FEATURE = Feature(
+    name="prompt_embeds",
+    is_on=lambda features: features.prompt_embeds,
+    inputs=lambda features: {"is_token_ids": "prompt_embeds", "prompt_embeds_start": "prompt_embeds"},
+    empty_inputs=lambda config: {"is_token_ids": np.ones((config.max_num_reqs, config.max_model_len), bool),
+                                 "prompt_embeds_start": np.zeros((config.max_num_reqs,), np.int32)},
+    check_values=lambda host, computed, scheduled, config: check_pool_start(
+        host["prompt_embeds_start"].astype(np.int64), scheduled > 0, config.max_model_len),
+    row_flags=_row_flags,
+    messages=lambda config: {
+        PROMPT_EMBEDS_START_OUT_OF_RANGE: f"prompt_embeds_start of a scheduled row is outside "
+                                          f"[0, {INT32_MAX - config.max_model_len}] (INT32_MAX - max_model_len: "
+                                          f"int32 pool rows)"},
+    metadata=_metadata,
+)

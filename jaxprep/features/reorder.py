@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxprep._typing import Array, Bool, Int32
 from jaxprep.features.config import FeatureConfig
+from jaxprep.features.record import Feature
 
 _NOT_IN_BATCH = 3
 """Primary sort key of rows without work: after every real request."""
@@ -69,3 +70,17 @@ def request_distribution(scheduled: Int32[Array, " num_reqs_padded"], drafts: In
     decode_end = jnp.sum(jnp.cumprod(is_decode.astype(jnp.int32)), dtype=jnp.int32)
     num_reqs = jnp.sum(is_real_req, dtype=jnp.int32)
     return jnp.stack([decode_end, decode_end, num_reqs])
+
+
+def _metadata(build) -> None:
+    """``request_distribution`` when asked for (the batch order itself is the layout's)."""
+    if build.config.features.request_distribution:
+        layout = build.layout
+        build.outputs["request_distribution"] = request_distribution(layout.scheduled, build.drafts,
+                                                                     layout.is_real_req)
+
+
+FEATURE = Feature(name="reorder", metadata=_metadata,
+                  is_on=lambda features: features.batch_order is not None or features.request_distribution)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

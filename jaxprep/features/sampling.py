@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import (
+    INT32_MAX,
     PAD_FREQUENCY_PENALTY,
     PAD_MIN_P,
     PAD_PRESENCE_PENALTY,
@@ -35,6 +36,16 @@ from jaxprep._constants import (
 )
 from jaxprep._ragged import take_rows
 from jaxprep._typing import Array, Bool, Float32, Int32, StepArray
+from jaxprep.features.flags import (
+    FREQUENCY_PENALTY_NOT_FINITE,
+    MIN_P_OUT_OF_RANGE,
+    PRESENCE_PENALTY_NOT_FINITE,
+    REPETITION_PENALTY_OUT_OF_RANGE,
+    TEMPERATURE_OUT_OF_RANGE,
+    TOP_K_OUT_OF_RANGE,
+    TOP_P_OUT_OF_RANGE,
+)
+from jaxprep.features.record import Feature
 
 FLOAT_PARAMS = {"temperature": PAD_TEMPERATURE, "top_p": PAD_TOP_P, "min_p": PAD_MIN_P,
                 "repetition_penalty": PAD_REPETITION_PENALTY, "frequency_penalty": PAD_FREQUENCY_PENALTY,
@@ -192,3 +203,72 @@ def check_parameter_bounds(values: dict, vocab_size: int, where: str, rows=None)
     if "output_bin_counts" in values and (values["output_bin_counts"] < 0).any():
         row = int(np.nonzero(values["output_bin_counts"] < 0)[0][0])
         raise InvalidBatchError(f"{where}.output_bin_counts at row {row} has a negative count (must be >= 0)")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+FLOAT32_ONE_BITS = int(np.float32(1).view(np.int32))
+FLOAT32_INF_BITS = int(np.float32(np.inf).view(np.int32))
+FLOAT32_MINUS_ZERO_BITS = int(np.float32(-0.0).view(np.int32))
+
+
+def _sampling_flags(state, vocab_size: int) -> list:
+    """The bounds of `sampling.check_parameter_bounds`, on every row, compared on the float32 bit
+    patterns: exact on every backend, subnormals included (XLA:CPU and GPUs may flush them to 0 in
+    float compares, NumPy does not). For x >= +0 the int32 patterns order as the floats do; NaN
+    patterns lie above the infinity's; -0.0 is the one negative pattern equal to 0.
+
+    ```
+    # top_p 1e-45 (bits 1) -> > 0: kept; min_p -1e-45 (bits -2**31 + 1) -> below 0: flagged
+    ```
+    """
+    def bits(name):
+        return jax.lax.bitcast_convert_type(getattr(state, name), jnp.int32)
+
+    def non_negative_finite(b):  # [+0, inf) or -0.0
+        return ((b >= 0) & (b < FLOAT32_INF_BITS)) | (b == FLOAT32_MINUS_ZERO_BITS)
+
+    def finite(b):
+        return (b & INT32_MAX) < FLOAT32_INF_BITS
+
+    top_p, min_p = bits("top_p"), bits("min_p")
+    return [
+        (TEMPERATURE_OUT_OF_RANGE, ~non_negative_finite(bits("temperature"))),
+        (TOP_K_OUT_OF_RANGE, (state.top_k < 1) | (state.top_k > vocab_size)),
+        (TOP_P_OUT_OF_RANGE, ~((top_p > 0) & (top_p <= FLOAT32_ONE_BITS))),
+        (MIN_P_OUT_OF_RANGE, ~((min_p == FLOAT32_MINUS_ZERO_BITS) | ((min_p >= 0) & (min_p <= FLOAT32_ONE_BITS)))),
+        (REPETITION_PENALTY_OUT_OF_RANGE, ~((bits("repetition_penalty") > 0)
+                                            & (bits("repetition_penalty") < FLOAT32_INF_BITS))),
+        (FREQUENCY_PENALTY_NOT_FINITE, ~finite(bits("frequency_penalty"))),
+        (PRESENCE_PENALTY_NOT_FINITE, ~finite(bits("presence_penalty"))),
+    ]
+
+
+def _messages(config) -> dict[int, str]:
+    vocab = config.features.sampling.vocab_size if config.features.sampling is not None else "V"
+    return {
+        TEMPERATURE_OUT_OF_RANGE: "temperature is not finite and >= 0",
+        TOP_K_OUT_OF_RANGE: f"top_k is not in [1, vocab_size={vocab}]",
+        TOP_P_OUT_OF_RANGE: "top_p is not in (0, 1]",
+        MIN_P_OUT_OF_RANGE: "min_p is not in [0, 1]",
+        REPETITION_PENALTY_OUT_OF_RANGE: "repetition_penalty is not finite and > 0",
+        FREQUENCY_PENALTY_NOT_FINITE: "frequency_penalty is not finite",
+        PRESENCE_PENALTY_NOT_FINITE: "presence_penalty is not finite",
+    }
+
+
+def _metadata(build) -> None:
+    build.outputs["sampling"] = sampling_metadata(build.state, build.step.idx_mapping, build.layout.is_real_req,
+                                                  build.logits, build.config.features.sampling.vocab_size)
+
+
+FEATURE = Feature(
+    name="sampling",
+    is_on=lambda features: features.sampling is not None,
+    inputs=lambda features: dict.fromkeys(STATE_FIELDS, "sampling"),
+    empty_inputs=lambda config: empty_sampling_rows(config.max_num_reqs, config.features.sampling),
+    check_values=lambda host, computed, scheduled, config: check_sampling_inputs(host, config),
+    row_flags=lambda state, config, in_batch: _sampling_flags(state, config.features.sampling.vocab_size),
+    messages=_messages,
+    metadata=_metadata,
+)

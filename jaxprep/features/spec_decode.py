@@ -21,6 +21,23 @@ from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
 from jaxprep._ragged import token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.features.flags import DRAFTS_OUT_OF_RANGE, DRAFTS_PAST_SCHEDULED
+from jaxprep.features.record import Feature
+
+
+def draft_row_flags(drafts: Int32[Array, " rows"], scheduled: Int32[Array, " rows"],
+                    num_speculative_tokens: int) -> list[tuple[int, Bool[Array, " rows"]]]:
+    """``(bit, rows that break its bound)`` for the draft counts (`check_drafts`' bounds on the device):
+    the spec-decode record's row flags on the XLA path and `jaxprep.kernels.rows` in the kernels.
+
+    ```
+    # drafts [1, 3, 2], scheduled [2, 4, 2], K 2 -> DRAFTS_OUT_OF_RANGE [0,1,0], DRAFTS_PAST_SCHEDULED [0,0,1]
+    ```
+    """
+    in_batch = scheduled > 0
+    # S < D + 1 written as S - 1 < D: no int32 wrap for D near 2**31 (S >= 1 on a scheduled row)
+    return [(DRAFTS_OUT_OF_RANGE, (drafts < 0) | (in_batch & (drafts > num_speculative_tokens))),
+            (DRAFTS_PAST_SCHEDULED, in_batch & (scheduled - 1 < drafts))]
 
 
 @jax.tree_util.register_dataclass
@@ -126,3 +143,34 @@ def check_drafts(drafts, computed, scheduled, config) -> None:
         row = int(np.flatnonzero(past)[0])
         raise InvalidBatchError(f"the drafts of row {row} reach position {int(computed[row] + scheduled[row]) - 1}, "
                                 f"past the token table (max_model_len={config.max_model_len})")
+
+
+# --- the record (jaxprep.features.registry) -----------------------------------------------------
+
+def _check_values(host, computed, scheduled, config) -> None:
+    check_drafts(host["num_draft_tokens"].astype(np.int64), computed, scheduled, config)
+
+
+def _messages(config) -> dict[int, str]:
+    return {DRAFTS_OUT_OF_RANGE: f"num_draft_tokens is outside [0, num_speculative_tokens="
+                                 f"{config.features.num_speculative_tokens}]",
+            DRAFTS_PAST_SCHEDULED: "num_scheduled_tokens is below num_draft_tokens + 1 on a scheduled row"}
+
+
+def _metadata(build) -> None:
+    build.outputs["spec_decode"] = spec_decode_metadata(build.drafts, build.step.attn_metadata.query_start_loc,
+                                                        build.layout.is_real_req, build.unclamped,
+                                                        build.config.features.num_speculative_tokens)
+
+
+FEATURE = Feature(
+    name="spec_decode",
+    is_on=lambda features: features.spec_decode,
+    inputs=lambda features: {"num_draft_tokens": f"num_speculative_tokens={features.num_speculative_tokens}"},
+    empty_inputs=lambda config: {"num_draft_tokens": np.zeros((config.max_num_reqs,), np.int32)},
+    check_values=_check_values,
+    row_flags=lambda state, config, in_batch: draft_row_flags(state.num_draft_tokens, state.num_scheduled_tokens,
+                                                              config.features.num_speculative_tokens),
+    messages=_messages,
+    metadata=_metadata,
+)

@@ -17,36 +17,11 @@ ends inside it; the first part of a straddling request has none (`PAD_LOGITS_IND
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-
-import jax
 import jax.numpy as jnp
 
 from jaxprep._constants import NULL_BLOCK_ID, PAD_LOGITS_INDEX, PAD_SEQ_LEN, PAD_STATE_ROW
-from jaxprep._typing import Bool, StepArray
-from jaxprep.metadata import AttentionMetadata, StepInputs
-
-
-@jax.tree_util.register_dataclass
-@typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
-@dataclasses.dataclass(frozen=True)
-class MicroBatches:
-    """`StepInputs.ubatches`: the step's micro-batches, in token order."""
-
-    batches: tuple[StepInputs, ...]
-    first_rows: StepArray  # [n] int32: the step's batch row of each micro-batch's row 0 (0 when empty)
-    # vLLM's should_ubatch: the last micro-batch holds real tokens (else vLLM runs the step whole)
-    should_ubatch: Bool[StepArray, ""]
-
-    @property
-    def token_starts(self) -> tuple[int, ...]:
-        """The step's token index of each micro-batch's token 0 (static)."""
-        starts, start = [], 0
-        for batch in self.batches:
-            starts.append(start)
-            start += batch.num_tokens_padded
-        return tuple(starts)
+from jaxprep.features.record import Feature
+from jaxprep.metadata import AttentionMetadata, MicroBatches, StepInputs
 
 
 def token_ranges(num_tokens_padded: int, num_ubatches: int) -> tuple[tuple[int, int], ...]:
@@ -107,3 +82,13 @@ def _micro_batch(step: StepInputs, start: int, end: int):
         idx_mapping=jnp.where(is_real, step.idx_mapping[source], PAD_STATE_ROW), attn_metadata=sub,
         errors=step.errors, num_tokens_padded=num_tokens_padded)
     return batch, jnp.where(num_reqs > 0, first, 0)
+
+
+def _metadata(build) -> None:
+    """Last in `jaxprep.features.registry.STEP_ORDER`: it splits the finished step."""
+    build.outputs["ubatches"] = split_step(build.finish(), build.config.features.num_ubatches)
+
+
+FEATURE = Feature(name="ubatch", is_on=lambda features: features.num_ubatches > 1, metadata=_metadata)
+"""This feature's record (`jaxprep.features.registry`): no input of its own and no check; `_metadata` adds
+its outputs to the step."""

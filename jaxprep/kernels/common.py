@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxprep.validate import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK
+from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK
 
 TOKEN_BLOCK = 128
 """Tokens (and logits rows, draft rows) per program of the token kernel; below 512 tokens a bucket
@@ -26,7 +26,6 @@ COLUMN_BLOCK = 256
 ROW_BLOCK = 32
 """State rows one program of the sorting row kernel ranks (a batch order on: `rows.py`)."""
 MIN_ROW_PROGRAMS = 4
-INT32_MIN = -(2**31)
 TOKEN_FLAGS = (BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK)
 """The error bits the token kernel sets; the row kernel sets the others."""
 COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=1)
@@ -46,7 +45,7 @@ def any_lane(mask) -> jax.Array:
 class Sizes:
     """The static sizes and switches both kernels are specialised to (part of the compile key).
 
-    The switches are the features the kernels cover (`jaxprep.kernels.KERNEL_FEATURES`):
+    The switches are the features the kernels cover (`jaxprep.config.KERNEL_FEATURES`):
     ``num_speculative_tokens`` (K > 0: `SpecDecodeMetadata`), ``order`` (`FeatureConfig.batch_order`),
     ``descending_ties`` (``runner="v2"``: ties of the V2 order by descending slot) and ``indirection``
     (`LogitsIndirection`).

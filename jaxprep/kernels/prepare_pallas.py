@@ -1,5 +1,5 @@
-"""The step as two Pallas (Triton) launches: `jaxprep.prepare.prepare_body` with every feature off, or
-with the features the kernels cover (`jaxprep.kernels.KERNEL_FEATURES`: spec decode, model runner
+"""The step as two Pallas (Triton) launches: `jaxprep.prepare.xla_step` with every feature off, or
+with the features the kernels cover (`jaxprep.config.KERNEL_FEATURES`: spec decode, model runner
 V2's batch order and logits indirection).
 
 On an NVIDIA GPU a step's host time is its launch count (~6.5 µs per kernel launch, BENCHMARKS.md);
@@ -14,7 +14,8 @@ prefix sum and sort:
 - launch 2, `jaxprep.kernels.tokens.tokens_kernel`: per program one token block, one logits-row
   block, one draft-row block and one block-table row.
 
-Its XLA twin is `xla_twin` (the jnp step, ``PrepConfig.kernel="xla"``); the tests run both on the
+Its XLA twin is `jaxprep.prepare.xla_step` (the jnp step, ``PrepConfig.kernel="xla"``), and
+`jaxprep.prepare` alone picks between them: this module never imports it. The tests run both on the
 same batches, the kernels in Pallas' interpreter on CPU. Every read index is clamped into its
 array before the read, so bad input on the unchecked path reads in bounds, and every output equals
 the XLA path's bit for bit, bad input included (tests/core/test_fast_path_errors.py,
@@ -23,7 +24,6 @@ tests/features/test_kernel_features.py).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -103,27 +103,3 @@ def _step(row: dict, token: dict, sizes: Sizes) -> StepInputs:
             num_reqs=scalar(row["num_reqs"]), max_query_len=scalar(row["max_query_len"]),
             max_seq_len=scalar(row["max_seq_len"])),
         errors=scalar(token["errors"]), num_tokens_padded=sizes.num_tokens_padded, **features)
-
-
-# --- the choice of path -------------------------------------------------------------------------
-
-def xla_twin(state, config, num_tokens_padded: int) -> StepInputs:
-    """The same step on XLA: `jaxprep.prepare.prepare_body` with ``kernel="xla"``."""
-    from jaxprep.prepare import prepare_body  # the twin lives there; imported late (no cycle)
-
-    return prepare_body(state, dataclasses.replace(config, kernel="xla"), num_tokens_padded)
-
-
-def kernel_step(state, config, num_tokens_padded: int) -> StepInputs:
-    """The step as ``config.kernel`` picks it, resolved when lowering (`jax.lax.platform_dependent`):
-
-    - ``"pallas"``: the Triton kernels on CUDA, the same kernels in Pallas' interpreter elsewhere;
-    - ``"auto"``: the Triton kernels on CUDA, `xla_twin` elsewhere (ROCm, CPU, TPU). A process that
-      cannot lower for CUDA never gets here (`jaxprep.kernels.uses_kernels`).
-    """
-    compiled = functools.partial(fused_step, config=config, num_tokens_padded=num_tokens_padded, interpret=False)
-    if config.kernel == "pallas":
-        other = functools.partial(fused_step, config=config, num_tokens_padded=num_tokens_padded, interpret=True)
-    else:
-        other = functools.partial(xla_twin, config=config, num_tokens_padded=num_tokens_padded)
-    return jax.lax.platform_dependent(state, cuda=compiled, default=other)

@@ -12,8 +12,8 @@ when on, the spec-decode counts (``num_draft_tokens``, ``cu_num_draft_tokens``,
 ``cu_num_sampled_tokens``, ``bonus_logits_indices``) and V2's ``cu_num_logits`` and
 ``num_draft_tokens_per_req``; then the 0-d counts and maxima and the error bits of the counts. A row
 that breaks a row-level bound is dropped from the batch (its scheduled count taken as 0; over the
-bucket every row is), as `jaxprep.validate.flag_rows` drops it on the XLA path. It zeroes the token
-kernel's error scratch.
+bucket every row is), as `jaxprep.validate.flag_rows` drops it on the XLA path (both take the bounds
+of `jaxprep.bounds.core_row_flags`). It zeroes the token kernel's error scratch.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxprep._constants import PAD_LOGITS_INDEX, PAD_NUM_DRAFT_TOKENS, PAD_SEQ_LEN, PAD_STATE_ROW
-from jaxprep.features.flags import DRAFTS_OUT_OF_RANGE, DRAFTS_PAST_SCHEDULED
-from jaxprep.kernels.common import INT32_MIN, TOKEN_FLAGS, Sizes, any_lane, pow2
-from jaxprep.validate import NEGATIVE_COUNT, OVER_BUCKET, PAST_MAX_MODEL_LEN
+from jaxprep._constants import INT32_MIN, PAD_LOGITS_INDEX, PAD_NUM_DRAFT_TOKENS, PAD_SEQ_LEN, PAD_STATE_ROW
+from jaxprep.bounds import OVER_BUCKET, core_row_flags
+from jaxprep.features.spec_decode import draft_row_flags
+from jaxprep.kernels.common import TOKEN_FLAGS, Sizes, any_lane, pow2
 
 NOT_IN_BATCH = 3
 """Primary sort key of a row without work: after every real request (`jaxprep.features.reorder`)."""
@@ -99,23 +99,18 @@ def _rows_at(refs, start, count: int, sizes: Sizes, over) -> Rows:
 
 
 def _row_flags(computed, scheduled, drafts, in_table, sizes: Sizes) -> list[tuple[int, jax.Array]]:
-    """``(bit, rows that break its bound)``: `jaxprep.validate.flag_rows` with the spec-decode bounds of
-    `jaxprep.features.flags.feature_row_flags`; OVER_BUCKET is `_over_bucket`'s.
+    """``(bit, rows that break its bound)``: the XLA path's row bounds (`jaxprep.bounds.core_row_flags`, and
+    `jaxprep.features.spec_decode.draft_row_flags` with spec decode) over the lanes inside the table;
+    OVER_BUCKET is `_over_bucket`'s.
 
     ```
     # computed [3, -1, 30], scheduled [2, 1, 4], M 32 -> NEGATIVE_COUNT [0,1,0], PAST_MAX_MODEL_LEN [0,0,1]
     ```
     """
-    flags = [(NEGATIVE_COUNT, in_table & ((computed < 0) | (scheduled < 0))),
-             # scheduled > M - computed: no overflow for computed >= 0 (a negative one is flagged above)
-             (PAST_MAX_MODEL_LEN, in_table & (scheduled > sizes.max_model_len - computed))]
+    flags = core_row_flags(computed, scheduled, sizes.max_model_len)
     if sizes.spec_decode:
-        in_batch = in_table & (scheduled > 0)
-        # S < D + 1 written as S - 1 < D: no int32 wrap for D near 2**31 (S >= 1 on a scheduled row)
-        flags += [(DRAFTS_OUT_OF_RANGE,
-                   in_table & ((drafts < 0) | (in_batch & (drafts > sizes.num_speculative_tokens)))),
-                  (DRAFTS_PAST_SCHEDULED, in_batch & (scheduled - 1 < drafts))]
-    return flags
+        flags += draft_row_flags(drafts, scheduled, sizes.num_speculative_tokens)
+    return [(bit, in_table & mask) for bit, mask in flags]
 
 
 def _over_bucket(refs, sizes: Sizes):

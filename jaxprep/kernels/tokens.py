@@ -11,7 +11,7 @@ Grid (max(token blocks, Rp),), TB = `Sizes.token_block`. Program p does, where i
 - draft-row block p (spec decode; D_pad <= T): each draft's batch row, the logits row that
   verifies it and its token id;
 - block-table row p: batch row ``p``'s block-table row (the null block for a padded row) with its
-  ids outside the cache nulled (`jaxprep.features.flags.safe_block_table`).
+  ids outside the cache nulled (`jaxprep.bounds.safe_block_table`).
 
 Every read index is clamped into its array before the read. The error word and its scratch are the
 row kernel's outputs, aliased: this kernel only adds bits.
@@ -35,6 +35,7 @@ from jaxprep._constants import (
     PAD_SLOT_ID,
     PAD_STATE_ROW,
 )
+from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE
 from jaxprep.kernels.common import (
     COLUMN_BLOCK,
     TOKEN_FLAGS,
@@ -45,7 +46,6 @@ from jaxprep.kernels.common import (
     batch_row_of,
     pow2,
 )
-from jaxprep.validate import BLOCK_ID_OUT_OF_RANGE
 
 ERROR_ALIASES = {"errors_in": "errors", "seen_in": "seen"}
 """Inputs of this kernel that are its outputs too (the row kernel's error word and scratch)."""

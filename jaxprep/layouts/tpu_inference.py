@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jaxprep._constants import NULL_BLOCK_ID, PAD_INPUT_ID, PAD_POSITION, PAD_SEQ_LEN, PAD_STATE_ROW
 from jaxprep._ragged import prefix_sum, stack, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.bounds import OVER_BUCKET
 from jaxprep.config import PrepConfig, cdiv
-from jaxprep.features.flags import OVER_BUCKET
 from jaxprep.metadata import StepInputs
 
 MIN_NUM_SEQS = 8
@@ -248,7 +248,7 @@ def rpa_v3_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head
 @functools.partial(jax.jit, static_argnames=("block_size",))
 def to_rpa_v3_cache(k_cache: Array, v_cache: Array, block_size: int) -> Array:
     """One layer's slot-major K and V caches ``[num_blocks * B, K, D]`` (compute dtype: bit-cast a
-    uint16-held bf16 cache first, `jaxprep.storage.as_compute`) -> the v3 cache (`rpa_v3_cache_shape`):
+    uint16-held bf16 cache first, `jaxprep._typing.as_compute`) -> the v3 cache (`rpa_v3_cache_shape`):
     K and V interleaved by head, as ``merge_kv`` packs the kernel's new tokens, zero padded.
 
     ```

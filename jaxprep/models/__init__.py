@@ -9,6 +9,7 @@ default, exact) or bfloat16 (`jaxprep.models.llama`). Loading streams the safete
 (`jaxprep.models.load`, `jaxprep.models.safetensors_file`); docs/guides/real_models.md.
 """
 
+from jaxprep._typing import as_compute, storage_dtype
 from jaxprep.models.config import SUPPORTED_MODEL_TYPES, DecoderConfig, parse_config, read_config
 from jaxprep.models.errors import CheckpointError, UnsupportedConfigError
 from jaxprep.models.llama import dense_forward, paged_forward
@@ -18,5 +19,5 @@ from jaxprep.models.rope import ROPE_TYPES, RopeConfig
 __all__ = [
     "ROPE_TYPES", "SUPPORTED_MODEL_TYPES", "CheckpointError", "DecoderConfig", "RopeConfig",
     "UnsupportedConfigError", "build_params", "dense_forward", "load_model", "paged_forward", "parse_config",
-    "read_config", "read_safetensors",
+    "read_config", "read_safetensors", "as_compute", "storage_dtype",
 ]

@@ -20,11 +20,11 @@ import os
 
 import numpy as np
 
+from jaxprep._typing import storage_dtype
 from jaxprep.models import llama
 from jaxprep.models.errors import CheckpointError, UnsupportedConfigError
 from jaxprep.models.rope import RopeConfig, parse_rope
 from jaxprep.models.tiny import check_attention_kind
-from jaxprep.storage import storage_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
@@ -69,7 +69,7 @@ class DecoderConfig:
     @property
     def kv_cache_dtype(self):
         """The KV cache holds K and V in the model's dtype (bf16 serving: a bf16 cache, stored as uint16
-        bit patterns on XLA:CPU, see `jaxprep.storage`)."""
+        bit patterns on XLA:CPU, see `jaxprep._typing`)."""
         return storage_dtype(self.dtype)
 
     def inv_freq(self) -> np.ndarray:

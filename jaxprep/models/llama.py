@@ -24,9 +24,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxprep._typing import BITS16, as_compute, as_stored, storage_dtype
 from jaxprep.metadata import StepInputs
 from jaxprep.models.tiny import MASKED, MODEL_SCOPE, KVCache, scan_dense_layers, scan_paged_layers
-from jaxprep.storage import BITS16, as_compute, as_stored, storage_dtype
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -65,7 +65,7 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 def _qkv(layer: dict, x: jax.Array, positions: jax.Array, model):
     """q [T, H, Dh], k and v [T, H_kv, Dh] of hidden states x [T, D]; q and k rotated; k and v in the
-    KV cache's storage dtype (`jaxprep.storage`: bf16 as uint16 bit patterns on XLA:CPU)."""
+    KV cache's storage dtype (`jaxprep._typing`: bf16 as uint16 bit patterns on XLA:CPU)."""
     tokens, eps = x.shape[0], model.rms_norm_eps
     h = _rms_norm(x, layer["input_layernorm.weight"], eps)
     q = _linear(layer, "self_attn.q_proj", h).reshape(tokens, model.num_heads, model.head_dim)

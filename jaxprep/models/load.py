@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprep._typing import as_stored, storage_dtype
 from jaxprep.models.config import DTYPES, DecoderConfig, read_config
 from jaxprep.models.errors import CheckpointError
 from jaxprep.models.safetensors_file import DTYPES as SAFETENSORS_DTYPES
 from jaxprep.models.safetensors_file import SafetensorsFile, num_rows
-from jaxprep.storage import as_stored, storage_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 LAYER_PREFIX = "model.layers"
@@ -178,7 +178,7 @@ def build_params(config: DecoderConfig, tensors: dict[str, np.ndarray]) -> dict:
 def place_params(config: DecoderConfig, source, on_progress=None) -> dict:
     """The forward's params: ``embed_tokens``, ``norm``, ``lm_head`` (untied only) and ``layers``,
     each per-layer tensor stacked on a leading layer axis [num_layers, ...], all in ``config.dtype``
-    (stored as `jaxprep.storage` says: bf16 as uint16 bit patterns on XLA:CPU) on the default
+    (stored as `jaxprep._typing` says: bf16 as uint16 bit patterns on XLA:CPU) on the default
     device. ``source``: a `Checkpoint` or `InMemoryTensors`. Raises `CheckpointError`
     naming a missing, unexpected or misshapen tensor (and its file) before anything is allocated."""
     _check_tensors(config, source)
@@ -228,7 +228,7 @@ def _chunks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="dtype")
 def _write_rows(array: jax.Array, rows: jax.Array, starts: jax.Array, *, dtype: str) -> jax.Array:
     """``array`` with ``rows`` written at index ``starts`` [array.ndim], in place (donated), converted to
-    ``dtype`` and held in the array's storage dtype (`jaxprep.storage`)."""
+    ``dtype`` and held in the array's storage dtype (`jaxprep._typing`)."""
     rows = as_stored(rows.astype(dtype), array.dtype)
     return jax.lax.dynamic_update_slice(array, rows, tuple(starts[i] for i in range(array.ndim)))
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxprep._constants import INT32_MAX
+
 
 def grammar_mapping_reference(grammar_batch_rows, stride: int) -> list[int]:
     """``mapping[g * stride + i] = batch_row(g) * stride + i`` for the grammar requests in bitmask order."""
@@ -36,7 +38,7 @@ def grammar_invalid_drafts_reference(grammar_batch_rows, num_acceptable_drafts, 
     num_draft_tokens = np.asarray(num_draft_tokens, np.int64)
     if not len(grammar_batch_rows) or num_draft_tokens.sum() == 0:
         return None
-    limit = np.full(len(num_draft_tokens), np.iinfo(np.int32).max, np.int64)
+    limit = np.full(len(num_draft_tokens), INT32_MAX, np.int64)
     for g, row in enumerate(grammar_batch_rows):
         limit[row] = num_acceptable_drafts[g] if num_acceptable_drafts is not None else 0
     if (limit >= num_draft_tokens).all():

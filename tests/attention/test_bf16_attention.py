@@ -1,5 +1,5 @@
 """The paged attention and the Pallas GPU consumer over a bf16 KV cache, stored as bf16 or (as the bf16
-models store it on XLA:CPU, `jaxprep.storage`) as its uint16 bit patterns: against the NumPy oracle on
+models store it on XLA:CPU, `jaxprep._typing`) as its uint16 bit patterns: against the NumPy oracle on
 the same bf16 values."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprep._typing import BITS16, as_stored
 from jaxprep.attention import gpu_paged_attention, paged_attention
 from jaxprep.attention.ragged import ragged_paged_attention
-from jaxprep.storage import BITS16, as_stored
 from support.attention_batches import CONFIG, AttentionCase, attention_cases, shifted_block
 
 B = CONFIG.block_size

@@ -27,7 +27,16 @@ import numpy as np
 import pytest
 
 import jaxprep
-from jaxprep import BatchState, DCPConfig, FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig, prepare_padded
+from jaxprep import (
+    BatchState,
+    DCPConfig,
+    FeatureConfig,
+    KVCacheGroupSpec,
+    LoRAConfig,
+    PrepConfig,
+    prepare_padded,
+    step_buffer,
+)
 from jaxprep import _ragged as ragged
 from jaxprep.features import DrafterConfig, HybridConfig, drafter, grammar
 from jaxprep.models import load
@@ -114,6 +123,11 @@ def _cases():
          dict(config=serving, num_tokens_padded=32)),
         ("serving.update_and_prepare_donated", step.update_and_prepare_donated, (state, packed),
          dict(config=serving, num_tokens_padded=32)),
+        ("serving.update_and_prepare_buffer", step.update_and_prepare_buffer, (state, packed),
+         dict(config=serving, num_tokens_padded=32)),
+        ("step_buffer.prepare_buffer", step_buffer.prepare_buffer, (BatchState.empty(SMALL), SMALL, 8), {}),
+        ("step_buffer._unpack", step_buffer._unpack,
+         (step_buffer.prepare_buffer(BatchState.empty(SMALL), SMALL, 8),), {}),
         ("serving.apply_packed", transitions.apply_packed, (state, packed), dict(config=serving)),
         ("serving.record_sampled", transitions.record_sampled,
          (state, np.zeros(5, np.int32), np.zeros((5, 1), np.int32), np.zeros(5, np.int32)), {}),
@@ -226,6 +240,8 @@ COVERED = {
     "jaxprep.features.drafter.draft_decode_advance", "jaxprep.features.grammar.apply_grammar_bitmask",
     "jaxprep.features.grammar.grammar_invalid_drafts", "jaxprep.models.load._write_rows",
     "jaxprep.layouts.tpu_inference.tpu_inference_layout", "jaxprep.layouts.tpu_inference.to_rpa_v3_cache",
+    "jaxprep.serving.step.update_and_prepare_buffer", "jaxprep.step_buffer.prepare_buffer",
+    "jaxprep.step_buffer._unpack",
 }
 
 

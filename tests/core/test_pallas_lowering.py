@@ -117,7 +117,7 @@ def test_auto_without_a_cuda_device_traces_the_xla_step_alone(features, monkeypa
     """On this CPU machine "auto" traces exactly the XLA step (no kernel, no platform switch: no trace-time
     cost, the same outputs as "xla"). Control: where a CUDA device is present, "auto" traces the kernels
 (behind the platform switch that picks them on CUDA)."""
-    import jaxprep.kernels
+    import jaxprep.prepare
 
     def jaxpr(kernel, max_model_len=32):  # jax caches a trace by its static arguments: the control needs its own
         config = PrepConfig(max_num_reqs=4, max_model_len=max_model_len, max_num_batched_tokens=16, block_size=4,
@@ -126,7 +126,7 @@ def test_auto_without_a_cuda_device_traces_the_xla_step_alone(features, monkeypa
 
     auto = jaxpr("auto")
     assert "pallas_call" not in auto and auto == jaxpr("xla")
-    monkeypatch.setattr(jaxprep.kernels, "cuda_devices_present", lambda: True)
+    monkeypatch.setattr(jaxprep.prepare, "cuda_devices_present", lambda: True)
     assert "pallas_call" in jaxpr("auto", max_model_len=36)
 
 
@@ -135,10 +135,10 @@ def test_a_jax_without_the_triton_backend_keeps_auto_on_xla_and_refuses_pallas(m
     CUDA and ``"pallas"`` is refused naming the backend. Control: with the backend, ``"auto"`` lowers the
     Triton kernels for CUDA. (Two shapes: a traced step is cached by its config.)"""
     import jaxprep.config
-    import jaxprep.kernels
+    import jaxprep.prepare
 
     assert TRITON_CALL in _lowered("auto", 8, 64, 64)
-    monkeypatch.setattr(jaxprep.kernels, "triton_backend_available", lambda: False)
+    monkeypatch.setattr(jaxprep.prepare, "triton_backend_available", lambda: False)
     monkeypatch.setattr(jaxprep.config, "triton_backend_available", lambda: False)
     text = _lowered("auto", 8, 32, 32)
     assert TRITON_CALL not in text and "stablehlo.gather" in text
@@ -152,11 +152,11 @@ def test_auto_inside_shard_map_lowers_the_kernels_for_cuda(monkeypatch):
     kernels per rank on a GPU. Negative control: outputs declared without it are refused there."""
     import numpy as np
 
-    import jaxprep.kernels
+    import jaxprep.prepare
     from jaxprep.kernels import prepare_pallas
     from jaxprep.sharding import DATA_AXIS, prepare_sharded
 
-    monkeypatch.setattr(jaxprep.kernels, "cuda_devices_present", lambda: True)
+    monkeypatch.setattr(jaxprep.prepare, "cuda_devices_present", lambda: True)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (DATA_AXIS,))
 
     def lowered(max_model_len):  # a fresh config each time: jax caches a trace by its static arguments

@@ -1,6 +1,6 @@
 """The block-table bit (``BLOCK_ID_OUT_OF_RANGE``) as one pass over the state's table.
 
-`jaxprep._ragged.max_of_blocks` folds column blocks, then row blocks, into a small array before its
+`jaxprep.bounds.max_of_blocks` folds column blocks, then row blocks, into a small array before its
 one reduction; `jaxprep.features.flags` takes the maximum of the used ids as uint32 (a negative id
 above every bound): on CPU after the maximum of every id, elsewhere in one masked pass. Both are
 compared with NumPy written out per element; every fold is shown to see every element.
@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxprep._ragged import max_of_blocks
-from jaxprep.features.flags import _used_ids_outside, used_ids_outside_masked
+from jaxprep.bounds import _used_ids_outside, max_of_blocks, used_ids_outside_masked
 
 SHAPES = [(1, 1), (1, 7), (3, 8), (5, 37), (8, 256), (33, 700), (64, 2048)]
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxprep import BatchState, FeatureConfig, PrepConfig, prepare_padded
+from jaxprep import BatchState, FeatureConfig, PrepConfig, bounds, prepare_padded  # bounds: the core bits
 from jaxprep.features import flags as bits
 from support.batches import allocate_blocks
 from support.feature_batches import build_feature_batch
@@ -81,14 +81,14 @@ def valid_arrays() -> dict:
 
 
 BAD = {  # kind -> ((field, index, value), ...), the bit it sets
-    "negative scheduled": ((("num_scheduled_tokens", 1, -3),), bits.NEGATIVE_COUNT),
-    "negative computed": ((("num_computed_tokens", 3, -6),), bits.NEGATIVE_COUNT),
-    "past max_model_len": ((("num_computed_tokens", 4, 39), ("num_scheduled_tokens", 4, 2)), bits.PAST_MAX_MODEL_LEN),
-    "int32 wrap": ((("num_computed_tokens", 4, 2**31 - 2),), bits.PAST_MAX_MODEL_LEN),
-    "block id too large": ((("block_table", (0, 0), 64),), bits.BLOCK_ID_OUT_OF_RANGE),
-    "negative block id": ((("block_table", (3, 1), -4),), bits.BLOCK_ID_OUT_OF_RANGE),
-    "null block": ((("block_table", (4, 5), 0),), bits.NULL_BLOCK),
-    "over the bucket": ((("num_scheduled_tokens", 0, 12),), bits.OVER_BUCKET),
+    "negative scheduled": ((("num_scheduled_tokens", 1, -3),), bounds.NEGATIVE_COUNT),
+    "negative computed": ((("num_computed_tokens", 3, -6),), bounds.NEGATIVE_COUNT),
+    "past max_model_len": ((("num_computed_tokens", 4, 39), ("num_scheduled_tokens", 4, 2)), bounds.PAST_MAX_MODEL_LEN),
+    "int32 wrap": ((("num_computed_tokens", 4, 2**31 - 2),), bounds.PAST_MAX_MODEL_LEN),
+    "block id too large": ((("block_table", (0, 0), 64),), bounds.BLOCK_ID_OUT_OF_RANGE),
+    "negative block id": ((("block_table", (3, 1), -4),), bounds.BLOCK_ID_OUT_OF_RANGE),
+    "null block": ((("block_table", (4, 5), 0),), bounds.NULL_BLOCK),
+    "over the bucket": ((("num_scheduled_tokens", 0, 12),), bounds.OVER_BUCKET),
     "drafts above K": ((("num_draft_tokens", 1, 3), ("num_scheduled_tokens", 1, 4)), bits.DRAFTS_OUT_OF_RANGE),
     "negative drafts on an idle row": ((("num_draft_tokens", 2, -1),), bits.DRAFTS_OUT_OF_RANGE),
     "drafts near 2**31": ((("num_draft_tokens", 1, 2**31 - 1),), bits.DRAFTS_OUT_OF_RANGE),

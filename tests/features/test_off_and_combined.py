@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from jaxprep import (
     BatchState,
-    DCPConfig,
     FeatureConfig,
     KVCacheGroupSpec,
     LoRAConfig,
@@ -24,6 +23,7 @@ from jaxprep.features import DrafterConfig, HybridConfig
 from jaxprep.features.sampling import empty_sampling_rows
 from jaxprep.state import OPTIONAL_FIELDS
 from jaxprep.walkthrough.examples import example_a_config, example_a_step2
+from support.all_features import ALL
 from support.feature_batches import block_table, feature_batches, run_step
 from support.runner_examples import check_pieces_make_the_step
 
@@ -77,13 +77,6 @@ def test_empty_state_holds_every_input_a_feature_needs(features):
     run_step(arrays, config, "jit")  # validates: nothing is missing
 
 
-ALL = FeatureConfig(num_speculative_tokens=2, speculative_method="mtp", discard_request_mask=True,
-                    kv_groups=(KVCacheGroupSpec(4, kernel_block_size=2), KVCacheGroupSpec(8)),
-                    dcp=DCPConfig(2, 1, 2), mrope=True, prompt_embeds=True, async_tokens=True, attn_state=True,
-                    attn_mask="rows_bool", request_distribution=True, lora=LoRAConfig(max_loras=3, vocab_size=100),
-                    logits_indirection=True, sampling=SamplingConfig(vocab_size=100), drafter=DrafterConfig(),
-                    hybrid=HybridConfig(num_speculative_blocks=2, chunk_size=4, checkpoints=True),
-                    structured_outputs=True, num_ubatches=2)
 SINGLES = {
     "spec_decode": FeatureConfig(num_speculative_tokens=2),
     "discard_request_mask": FeatureConfig(discard_request_mask=True),

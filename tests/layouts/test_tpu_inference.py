@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
+from jaxprep.bounds import OVER_BUCKET
 from jaxprep.features.config import FeatureConfig
-from jaxprep.features.flags import OVER_BUCKET
 from jaxprep.layouts import tpu_inference as tpu
 from support.tpu_inference_layouts import (
     FIELDS,

@@ -20,9 +20,9 @@ pytest.importorskip("safetensors", reason="loading checkpoints needs safetensors
 
 import safetensors.numpy as safetensors_numpy
 
+from jaxprep._typing import as_compute
 from jaxprep.models import CheckpointError, load_model
 from jaxprep.models import load as load_module
-from jaxprep.storage import as_compute
 from support.hf_checkpoints import SPECS, save_checkpoint
 
 

@@ -24,6 +24,7 @@ from jaxprep import (
     PrepConfig,
     SamplingConfig,
 )
+from jaxprep import bounds as core
 from jaxprep.features import DrafterConfig, HybridConfig
 from jaxprep.features import flags as bits
 from jaxprep.features.sampling import empty_sampling_rows
@@ -103,18 +104,18 @@ class BadKind:
 
 BAD_KINDS = {
     # the core tables
-    "negative scheduled": BadKind(_set("num_scheduled_tokens", 1, -3), bits.NEGATIVE_COUNT, r"num_scheduled_tokens.*0"),
-    "negative computed": BadKind(_set("num_computed_tokens", 3, -6), bits.NEGATIVE_COUNT, r"num_computed_tokens.*0"),
+    "negative scheduled": BadKind(_set("num_scheduled_tokens", 1, -3), core.NEGATIVE_COUNT, r"num_scheduled_tokens.*0"),
+    "negative computed": BadKind(_set("num_computed_tokens", 3, -6), core.NEGATIVE_COUNT, r"num_computed_tokens.*0"),
     "past max_model_len": BadKind(_many(_set("num_computed_tokens", 4, 39), _set("num_scheduled_tokens", 4, 2)),
-                                  bits.PAST_MAX_MODEL_LEN, r"(max_model_len|mask_kv_len)=40"),
-    "int32 wrap": BadKind(_set("num_computed_tokens", 4, 2**31 - 2), bits.PAST_MAX_MODEL_LEN,
+                                  core.PAST_MAX_MODEL_LEN, r"(max_model_len|mask_kv_len)=40"),
+    "int32 wrap": BadKind(_set("num_computed_tokens", 4, 2**31 - 2), core.PAST_MAX_MODEL_LEN,
                           r"is 2147483647, which exceeds .*(max_model_len|mask_kv_len)=40"),
-    "block id too large": BadKind(_set("block_table", (0, 0), NUM_BLOCKS), bits.BLOCK_ID_OUT_OF_RANGE,
+    "block id too large": BadKind(_set("block_table", (0, 0), NUM_BLOCKS), core.BLOCK_ID_OUT_OF_RANGE,
                                   r"block_table\[0, 0\].*max_block_id=63"),
-    "negative block id": BadKind(_set("block_table", (3, 0), -4), bits.BLOCK_ID_OUT_OF_RANGE,
+    "negative block id": BadKind(_set("block_table", (3, 0), -4), core.BLOCK_ID_OUT_OF_RANGE,
                                  r"block_table\[3, 0\].*max_block_id"),
-    "null block": BadKind(_set("block_table", (4, 2), 0), bits.NULL_BLOCK, r"block_table\[4, 2\] is the null block"),
-    "over the bucket": BadKind(_set("num_scheduled_tokens", 0, 12), bits.OVER_BUCKET,
+    "null block": BadKind(_set("block_table", (4, 2), 0), core.NULL_BLOCK, r"block_table\[4, 2\] is the null block"),
+    "over the bucket": BadKind(_set("num_scheduled_tokens", 0, 12), core.OVER_BUCKET,
                                r"sum\(num_scheduled_tokens\)=20 exceeds num_tokens_padded=16"),
     # KV-cache groups
     "group block id too large": BadKind(_set("extra_block_tables", (0, 0), GROUP_BLOCKS),
