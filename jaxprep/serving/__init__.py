@@ -10,7 +10,7 @@ tiny paged-KV transformer and the jitted serving step that ties them together.
 """
 
 from jaxprep.serving.host.batch import ServingBatch
-from jaxprep.serving.host.checks import HostRows, InvalidUpdateError
+from jaxprep.serving.host.checks import HostRows
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host.engine import Engine, LoopStats
 from jaxprep.models.tiny import KVCache, ModelConfig, ServingModel, dense_forward, init_params, paged_forward
@@ -18,8 +18,8 @@ from jaxprep.serving.host.vllm import VllmAdapter
 from jaxprep.serving.host.vllm_checks import InvalidSchedulerOutputError
 from jaxprep.serving.host.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
 from jaxprep.serving.update_packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
-from jaxprep.serving.state import (ERROR_BITS, PAD_ROW, AddRequests, AppendBlocks, FinishRequests, ResumeRequests,
-                                   Schedule, ServingState, StepUpdates, table_names)
+from jaxprep.serving.state import (ERROR_BITS, PAD_ROW, AddRequests, AppendBlocks, FinishRequests, InvalidUpdateError,
+                                   ResumeRequests, Schedule, ServingState, StepUpdates, table_names)
 from jaxprep.serving.step import NO_TOKEN, serve_step, update_and_prepare
 from jaxprep.serving.host.workload import DenseCheck, Workload, check_against_dense, random_workload
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import max_block_id
+from jaxprep._checks import InvalidBatchError, max_block_id
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID, NULL_BLOCK_ID
 from jaxprep.config import block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
@@ -29,6 +29,10 @@ from jaxprep.state import BatchState
 
 PAD_ROW = -1
 """Row of a padded payload entry: it changes nothing."""
+
+
+class InvalidUpdateError(InvalidBatchError):
+    """A serving-state update breaks a bound; nothing was changed."""
 
 MAMBA = "mamba"
 """Key of the Mamba state blocks in an `AppendBlocks` entry given as a dict."""

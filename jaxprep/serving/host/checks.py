@@ -19,12 +19,14 @@ import functools
 
 import numpy as np
 
+from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, PAD_STATE_ROW
 from jaxprep.config import cdiv
 from jaxprep.features.sampling import FLOAT_PARAMS, check_parameter_bounds
 from jaxprep.serving._values import check_payload_leaves
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.state import (
+    InvalidUpdateError,
     block_bounds,
     check_token_ids,
     draft_width,
@@ -32,11 +34,6 @@ from jaxprep.serving.state import (
     table_names,
     table_widths,
 )
-from jaxprep.validate import InvalidBatchError
-
-
-class InvalidUpdateError(InvalidBatchError):
-    """A serving-state update breaks a bound; nothing was changed."""
 
 
 @dataclasses.dataclass
