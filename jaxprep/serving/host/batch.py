@@ -277,8 +277,7 @@ def advance_rows(rows: checks.HostRows, tokens: np.ndarray, num_speculative_toke
     """The mirror after a serving step appended ``tokens`` [slots, max_num_reqs] (`AppendedTokens`);
     rejected drafts are not computed."""
     appended = AppendedTokens(tokens, num_speculative_tokens)
-    rows.num_computed_tokens += (rows.num_scheduled_tokens - appended.num_rejected(rows.num_draft_tokens)
-                                 + appended.num_decoded)
+    rows.num_computed_tokens += appended.computed_advance(rows.num_scheduled_tokens, rows.num_draft_tokens)
     rows.num_tokens += appended.num_appended
     rows.num_scheduled_tokens[:] = 0
     rows.num_draft_tokens[:] = 0

@@ -34,6 +34,7 @@ from jaxprep.serving.state import (
     table_names,
     table_widths,
 )
+from jaxprep.serving.transitions import computed_advance
 
 
 @dataclasses.dataclass
@@ -453,7 +454,7 @@ def check_record(rows: HostRows, idx_mapping, sampled_token_ids, num_sampled, co
         _fail(f"record_sampled: row {int(real[i])} would hold {int(new_len[i])} tokens, more than "
               f"max_model_len={config.max_model_len}")
     rows = rows.copy()
-    rows.num_computed_tokens[real] += np.where(discarded, scheduled, scheduled - (drafts + 1 - kept))
+    rows.num_computed_tokens[real] += computed_advance(scheduled, drafts, kept, ~discarded)
     rows.num_tokens[real] = new_len
     rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
     return _fold_slack(rows, real)
@@ -491,7 +492,7 @@ def advance_unread(rows: HostRows, config: ServingConfig) -> HostRows:
     scheduled, drafts = rows.num_scheduled_tokens, rows.num_draft_tokens
     active = scheduled > 0
     samples = active & (rows.num_computed_tokens + scheduled >= rows.num_tokens)
-    rows.num_computed_tokens += np.where(active, scheduled - drafts, 0)
+    rows.num_computed_tokens += computed_advance(scheduled, drafts, 1, active)  # the least: every draft rejected
     rows.num_tokens += samples.astype(np.int64)
     pending = samples & (drafts > 0)
     rows.pending_drafts[pending] = drafts[pending]
