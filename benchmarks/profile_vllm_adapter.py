@@ -13,8 +13,10 @@ adapter's parts one after the other with a clock between them, as `VllmAdapter.s
   on a checkout without `ServingBatch.dispatch_prepare`, `apply_packed` then `prepare_padded`);
 - *wait*: ``block_until_ready`` of the prepared step.
 
-Reported: the median µs of each phase over the decode-only steps of the best round (the round with the
-least total), and the step's arrays in and out of its jitted call(s).
+Reported, for the decode-only steps and for the admission steps (those with ``scheduled_new_reqs``): the
+median µs of each phase over those steps of the best round (the round with the least total); for the
+admission steps also the median new requests per step and the host phases (translate + checks + pack) per
+new request.
 """
 
 from __future__ import annotations
@@ -96,21 +98,33 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_line())
     print(RUNTIME)
-    print("| requests | " + " | ".join(f"{p} µs" for p in PHASES) + " | total µs |")
-    print("|---:|" + "---:|" * (len(PHASES) + 1))
+    print("| requests | steps | new requests | " + " | ".join(f"{p} µs" for p in PHASES)
+          + " | total µs | host µs per new request |")
+    print("|---:|---|---:|" + "---:|" * (len(PHASES) + 2))
     for size in (int(s) for s in args.sizes.split(",")):
         work = workload(size, args.steps)
         recorded = record_outputs(work)
         config = serving_config(work)
         replay(config, recorded)  # compiles
-        decode = [not so.scheduled_new_reqs and max(so.num_scheduled_tokens.values()) == 1 for so, _ in recorded]
-        rounds = []
+        new = [len(so.scheduled_new_reqs) for so, _ in recorded]
+        kinds = {"decode": [not n and max(so.num_scheduled_tokens.values()) == 1 for n, (so, _) in zip(new, recorded)],
+                 "admission": [n > 0 for n in new]}
+        rounds = {kind: [] for kind in kinds}
         for _ in range(args.rounds):
-            steps = [p for p, d in zip(replay(config, recorded), decode) if d]
-            rounds.append({phase: np.median([s[phase] for s in steps]) * 1e6 for phase in PHASES})
-        best = min(rounds, key=lambda r: sum(r.values()))
-        print(f"| {size} | " + " | ".join(f"{best[p]:.0f}" for p in PHASES) + f" | {sum(best.values()):.0f} |",
-              flush=True)
+            phases = replay(config, recorded)
+            for kind, chosen in kinds.items():
+                steps = [p for p, c in zip(phases, chosen) if c]
+                if steps:
+                    rounds[kind].append({phase: np.median([s[phase] for s in steps]) * 1e6 for phase in PHASES})
+        for kind, chosen in kinds.items():
+            if not rounds[kind]:
+                continue
+            best = min(rounds[kind], key=lambda r: sum(r.values()))
+            count = float(np.median([n for n, c in zip(new, chosen) if c]))
+            host = sum(best[p] for p in ("translate", "checks", "pack"))
+            per_request = f"{host / count:.1f}" if count else "-"
+            print(f"| {size} | {kind} | {count:.0f} | " + " | ".join(f"{best[p]:.0f}" for p in PHASES)
+                  + f" | {sum(best.values()):.0f} | {per_request} |", flush=True)
     print(load_line())
 
 

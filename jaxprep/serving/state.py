@@ -135,6 +135,10 @@ class AddRequests:
         and where the feature is on ``lora_id``, ``mrope_positions`` ([3, m]) + ``mrope_position_delta``,
         ``is_token_ids`` ([m] bool) + ``prompt_embeds_start``, ``mamba_block_ids``, ``sampling``
         (`jaxprep.SamplingParams`, None: greedy) + ``prompt_len``. Any number up to max_num_reqs."""
+        requests = requests if type(requests) is list else list(requests)
+        fast = _add_entries_at_once(config, requests) if len(requests) > 1 else None
+        if fast is not None:  # the common case: every value converted in one pass per field
+            return cls(entries=fast)
         return cls(entries=tuple(_add_entry(config, i, request) for i, request in enumerate(requests)))
 
 
@@ -414,6 +418,77 @@ def _per_table(config: ServingConfig, where: str, value, allow_mamba_in_list: bo
     if len(items) not in (groups, allowed):
         raise ValueError(f"{where}: block_ids has {len(items)} group lists, FeatureConfig.kv_groups has {groups}")
     return {t: _int64_array(ids, f"{where}: block_ids[{t}]").ravel() for t, ids in enumerate(items)}
+
+
+_FAST_ADD_KEYS = frozenset(("row", "token_ids", "block_ids", "num_computed_tokens", "stop_len", "prefill_len",
+                            "lora_id", "sampling", "prompt_len"))
+
+
+def _add_entries_at_once(config: ServingConfig, requests: list) -> tuple[AddEntry, ...] | None:
+    """`_add_entry` of every request in one pass: the token ids of all requests as one array, their block
+    ids as another, each integer field as one, each checked once and split. Only for the common shape
+    (one table, lists of ints, no M-RoPE, prompt-embeds or Mamba values); None when a request is not of
+    it or a value fails a check, and `_add_entry` then takes the requests one by one (naming the value).
+
+    ```
+    # [{row: 2, token_ids: [7, 8], block_ids: [5]}, {row: 0, token_ids: [9], block_ids: [6, 4]}]
+    #   -> tokens [7, 8, 9] split [[7, 8], [9]]; blocks [5, 6, 4] split [[5], [6, 4]]; rows [2, 0]
+    ```
+    """
+    features, prep = config.prep.features, config.prep
+    if len(table_names(config)) != 1:
+        return None
+    token_lists, block_lists = [], []
+    for request in requests:
+        if type(request) is not dict or not request.keys() <= _FAST_ADD_KEYS:
+            return None
+        tokens, blocks = request["token_ids"], request.get("block_ids", [])
+        if type(tokens) is not list or type(blocks) is not list:
+            return None
+        token_lists.append(tokens)
+        block_lists.append(blocks)
+    num_tokens = np.fromiter(map(len, token_lists), np.int64, len(requests))
+    num_blocks = np.fromiter(map(len, block_lists), np.int64, len(requests))
+    try:
+        tokens = np.array([t for ids in token_lists for t in ids])
+        blocks = np.array([b for ids in block_lists for b in ids]) if num_blocks.any() else np.zeros(0, np.int64)
+        fields = {name: np.array([request.get(name, default) for request in requests]) for name, default in (
+            ("row", None), ("num_computed_tokens", 0), ("stop_len", prep.max_model_len), ("lora_id", NO_LORA_ID))}
+        for name in ("prefill_len", "prompt_len"):  # default: the request's number of tokens
+            fields[name] = np.array([request.get(name, n) for request, n in zip(requests, map(len, token_lists))])
+    except (ValueError, TypeError, OverflowError):  # ragged nesting, an unconvertible value
+        return None
+    if tokens.dtype != np.int64 or tokens.ndim != 1 or blocks.dtype != np.int64 or blocks.ndim != 1:
+        return None
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.token_id_bound):
+        return None
+    if blocks.size and (blocks.max() > INT32_MAX or blocks.min() < -INT32_MAX - 1):
+        return None
+    for values in fields.values():
+        if values.dtype != np.int64 or values.ndim != 1 or values.max() > INT32_MAX or values.min() < -INT32_MAX - 1:
+            return None
+    token_arrays, block_arrays = _split(tokens, num_tokens), _split(blocks, num_blocks)
+    columns = {name: values.tolist() for name, values in fields.items()}
+    if features.sampling is not None:
+        from jaxprep.features.sampling_params import state_row
+
+        vocab = features.sampling.vocab_size
+        sampling = [dict(state_row(request.get("sampling"), vocab), prompt_len=prompt_len)
+                    for request, prompt_len in zip(requests, columns["prompt_len"])]
+    else:
+        sampling = [None] * len(requests)
+    lora = features.lora is not None
+    return tuple(AddEntry(row=row, token_ids=ids, block_ids=(table,), num_computed_tokens=computed, stop_len=stop,
+                          prefill_len=prefill, lora_id=lora_id if lora else NO_LORA_ID, sampling=params)
+                 for row, ids, table, computed, stop, prefill, lora_id, params in zip(
+                     columns["row"], token_arrays, block_arrays, columns["num_computed_tokens"], columns["stop_len"],
+                     columns["prefill_len"], columns["lora_id"], sampling))
+
+
+def _split(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """``values`` cut into consecutive pieces of ``lengths`` (views): [7, 8, 9], [2, 1] -> [[7, 8], [9]]."""
+    ends = np.cumsum(lengths).tolist()
+    return [values[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def _add_entry(config: ServingConfig, i: int, request: dict) -> AddEntry:

@@ -251,8 +251,9 @@ def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
         items.append(("finish", rows, None, [], len(rows)))
         blocks[rows] = 0
         changed += len(rows)
-    for entry in updates.add.entries:
-        values = _add_record(entry, lay)
+    entries = updates.add.entries
+    records = _add_records(entries, lay) if len(entries) > 1 else [_add_record(entry, lay) for entry in entries]
+    for entry, values in zip(entries, records):
         data = _row_data(entry.token_ids, entry.block_ids, entry)
         blocks[entry.row] = [len(b) for b in entry.block_ids]
         items.append(("add", values, None, data, len(values) + len(data)))
@@ -319,6 +320,46 @@ def _add_record(entry, lay: Layout) -> list[int]:
                   seeds_set=int(bool(sampling.get("seeds_set", False))), prompt_len=int(sampling.get("prompt_len", 0)),
                   **floats)
     return [int(values[name]) for name in lay.add_fields]
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _add_records(entries, lay: Layout) -> np.ndarray:
+    """`_add_record` of every entry at once: [entries, add_fields] int64, each field one column (the
+    float parameters as float32 bit patterns, one conversion per field).
+
+    ```
+    # entries (row 2, 3 tokens, 1 block), (row 0, 1 token, 2 blocks), fields (row, num_tokens, ..., blocks_0)
+    #   -> [[2, 3, ..., 1], [0, 1, ..., 2]]
+    ```
+    """
+    n = len(entries)
+    sampling = [entry.sampling or {} for entry in entries]
+    columns = dict(row=[e.row for e in entries], num_tokens=[len(e.token_ids) for e in entries],
+                   stop_len=[e.stop_len for e in entries], num_computed_tokens=[e.num_computed_tokens for e in entries],
+                   prefill_len=[e.prefill_len for e in entries])
+    for name in lay.add_fields:
+        if name in columns:
+            continue
+        if name in _FLOAT_FIELDS:
+            columns[name] = np.array([s.get(name, 0.0) for s in sampling], np.float32).view(np.int32)
+        elif name.startswith("blocks_"):
+            t = int(name[len("blocks_"):])
+            columns[name] = [len(e.block_ids[t]) for e in entries]
+        elif name in ("seed_high", "seed_low"):
+            columns[name] = [int(s.get("seeds", (0, 0))[0 if name == "seed_high" else 1]) for s in sampling]
+        elif name == "seeds_set":
+            columns[name] = [int(bool(s.get("seeds_set", False))) for s in sampling]
+        elif name in ("top_k", "prompt_len"):
+            columns[name] = [int(s.get(name, 0)) for s in sampling]
+        elif name == "mrope_len":
+            columns[name] = [0 if e.mrope_positions is None else e.mrope_positions.shape[1] for e in entries]
+        elif name == "is_token_len":
+            columns[name] = [0 if e.is_token_ids is None else len(e.is_token_ids) for e in entries]
+        else:  # lora_id, mrope_position_delta, prompt_embeds_start
+            columns[name] = [getattr(e, name) for e in entries]
+    return np.stack([np.asarray(columns[name], np.int64).reshape(n) for name in lay.add_fields], axis=1)
 
 
 def _row_data(tokens, tables, entry) -> list[int]:

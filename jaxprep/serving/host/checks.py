@@ -145,6 +145,10 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
     busy = real[rows.busy[real]]
     if len(busy):
         _fail(f"AddRequests.rows: row {int(busy[0])} is busy; finish its request first")
+    if len(payload.entries) > 1 and _adds_fit(rows, payload.entries, real, config):
+        rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
+        rows.pending_drafts[real] = -1
+        return
     for i, entry in enumerate(payload.entries):
         where = f"AddRequests entry {i} (row {entry.row})"
         num_tokens, stop_len, computed = len(entry.token_ids), entry.stop_len, entry.num_computed_tokens
@@ -164,6 +168,71 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
         rows.num_computed_tokens[entry.row] = computed
     rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
     rows.pending_drafts[real] = -1
+
+
+def _adds_fit(rows: HostRows, entries: tuple, real: np.ndarray, config: ServingConfig) -> bool:
+    """`_add`'s checks of every entry at once (the common entry: no M-RoPE or is_token_ids rows), and the
+    rows written if all pass; False (nothing written) sends `_add` through the entries one by one, to
+    name the first value that fails.
+
+    ```
+    # token ids of every entry concatenated, one bound check; each table's ids likewise; counts as arrays
+    ```
+    """
+    try:  # a value of an odd type (a payload built by hand): the entries one by one name it
+        return _adds_fit_values(rows, entries, real, config)
+    except (TypeError, ValueError):
+        return False
+
+
+def _adds_fit_values(rows: HostRows, entries: tuple, real: np.ndarray, config: ServingConfig) -> bool:
+    prep, features = config.prep, config.prep.features
+    if any(e.mrope_positions is not None or e.is_token_ids is not None for e in entries):
+        return False
+    if any(np.ndim(e.token_ids) != 1 for e in entries):
+        return False
+    num_tokens = np.fromiter((len(e.token_ids) for e in entries), np.int64, len(entries))
+    stop_len = np.fromiter((e.stop_len for e in entries), np.int64, len(entries))
+    computed = np.fromiter((e.num_computed_tokens for e in entries), np.int64, len(entries))
+    prefill = np.fromiter((e.prefill_len for e in entries), np.int64, len(entries))
+    if not ((num_tokens >= 1) & (num_tokens <= stop_len) & (stop_len <= prep.max_model_len)).all():
+        return False
+    if not ((computed >= 0) & (computed < num_tokens) & (prefill >= 0) & (prefill <= num_tokens)).all():
+        return False
+    tokens = np.concatenate([e.token_ids for e in entries])
+    if tokens.dtype.kind not in "iu" or tokens.size and (tokens.min() < 0 or tokens.max() >= config.token_id_bound):
+        return False
+    names, widths = table_names(config), table_widths(config)
+    counts = np.array([[len(ids) for ids in e.block_ids] for e in entries], np.int64).reshape(len(entries), -1)
+    if counts.shape[1] != len(names) or (counts > np.asarray(widths, np.int64)).any():
+        return False
+    for t in range(len(names)):
+        ids = np.concatenate([e.block_ids[t] for e in entries])
+        low, high = block_bounds(config, t)
+        if ids.dtype.kind not in "iu" or ids.size and (ids.min() < low or ids.max() > high):
+            return False
+    for g, size in enumerate(_group_block_sizes(config)):
+        if (-(-computed // size) > counts[:, g]).any():
+            return False
+    if (np.fromiter((e.lora_id for e in entries), np.int64, len(entries)) < 0).any():
+        return False
+    if (np.fromiter((e.prompt_embeds_start for e in entries), np.int64, len(entries)) < 0).any():
+        return False
+    sampled = [e.sampling for e in entries if e.sampling is not None]
+    if sampled:
+        values = {name: np.array([s[name] for s in sampled], np.float32) for name in FLOAT_PARAMS}
+        values["top_k"] = np.array([s["top_k"] for s in sampled])
+        prompt_len = np.array([s["prompt_len"] for s in sampled])
+        within = np.array([len(e.token_ids) for e in entries if e.sampling is not None])
+        try:
+            check_parameter_bounds(values, features.sampling.vocab_size, "AddRequests.sampling")
+        except InvalidBatchError:
+            return False
+        if prompt_len.dtype.kind not in "iu" or ((prompt_len < 0) | (prompt_len > within)).any():
+            return False
+    rows.table_blocks[real] = counts
+    rows.num_tokens[real], rows.stop_len[real], rows.num_computed_tokens[real] = num_tokens, stop_len, computed
+    return True
 
 
 def _check_features(where: str, entry, config: ServingConfig) -> None:

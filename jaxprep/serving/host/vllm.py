@@ -172,6 +172,7 @@ class _Plan:
     total: int
     num_tokens_padded: int
     grammar: tuple | None  # (rows, bitmask, num_acceptable_drafts) of the GrammarOutput
+    scheduled_rows: np.ndarray | None = None  # the rows of ``scheduled``, in its order, where the plan knows them
 
 
 class VllmAdapter:
@@ -212,6 +213,7 @@ class VllmAdapter:
         self._last: AdapterStep | None = None
         self._verifying: dict[str, int] = {}  # request id -> drafts the last prepared step verifies
         self._num_groups = num_kv_groups(config)
+        self._sampling = config.prep.features.sampling is not None  # only then are the parameters read
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -240,9 +242,12 @@ class VllmAdapter:
         if buffer is None:
             self._last = None
             return AdapterStep(buffer=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
-        req_ids = sorted(plan.scheduled, key=self.rows.__getitem__)
+        req_ids, rows = list(plan.scheduled), plan.scheduled_rows
+        if rows is None or len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # already in row order: no sort
+            req_ids.sort(key=self.rows.__getitem__)
         grammar = plan.grammar or (None, None, None)
-        self._last = AdapterStep(buffer=buffer, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        self._last = AdapterStep(buffer=buffer, req_ids=req_ids,
+                                 req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
                                  num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
                                  num_acceptable_drafts=grammar[2])
         return self._last
@@ -306,7 +311,7 @@ class VllmAdapter:
                                     lora_slots=lora_slots, **schedule)
         padded = self.config.prep.bucket_for(total) if 0 < total <= self.config.prep.max_num_batched_tokens else 0
         return _Plan(updates=updates, requests=requests, lora_slots=lora_slots, verifying=verifying,
-                     scheduled=scheduled, total=total, num_tokens_padded=padded, grammar=grammar)
+                     scheduled=scheduled, total=total, num_tokens_padded=padded, grammar=grammar, scheduled_rows=known)
 
     def _finished(self, requests: _RequestMap, scheduler_output) -> list[int]:
         """Rows of finished and preempted requests (and of V1-resumed ones still holding a row: vLLM's
@@ -331,7 +336,7 @@ class VllmAdapter:
         prompt = new.prompt_token_ids if new.prompt_token_ids is not None else tokens
         lora = new.lora_request
         admission = _Admission(prompt_len=len(prompt), lora_id=lora.lora_int_id if lora is not None else NO_LORA_ID,
-                               sampling=_sampling_params(new.sampling_params),
+                               sampling=_sampling_params(new.sampling_params) if self._sampling else None,
                                mrope=self._multimodal_positions(where, new, len(prompt)))
         requests.admit(req_id, admission)
         return self._entry(requests, req_id, tokens, vllm_checks.block_groups(where, new.block_ids, self._num_groups),
@@ -351,7 +356,8 @@ class VllmAdapter:
     def _entry(self, requests: _RequestMap, req_id: str, tokens, block_ids, num_computed_tokens: int) -> dict:
         row = requests.take_row(req_id, self.config.max_num_reqs)
         admission, features = requests.admitted[req_id], self.config.prep.features
-        entry = dict(row=row, token_ids=list(tokens), block_ids=block_ids, num_computed_tokens=num_computed_tokens,
+        tokens = tokens if type(tokens) is list else list(tokens)  # a list goes to AddRequests' one conversion
+        entry = dict(row=row, token_ids=tokens, block_ids=block_ids, num_computed_tokens=num_computed_tokens,
                      prefill_len=len(tokens))
         if features.lora is not None:
             entry["lora_id"] = admission.lora_id
