@@ -202,7 +202,7 @@ class ServingBatch:
                  model: ServingModel, num_tokens_padded: int, packed: PackedStep | None = None):
         """`serve` without waiting: returns the KV cache and the step's tokens as a device array, and
         advances the mirror by ``predicted`` ([1, max_num_reqs]: the rows that will append a token,
-        `jaxprep.serving.overlap.predicted_tokens`). Async scheduling's half of a step."""
+        `jaxprep.serving.host.overlap.predicted_tokens`). Async scheduling's half of a step."""
         if int(np.asarray(updates.decode_steps)[0]) != 1:
             raise checks.InvalidUpdateError("dispatch runs single steps: decode_steps must be 1")
         check_dispatchable(self.config)

@@ -6,7 +6,7 @@
 `StepUpdates` for `ServingBatch.apply_updates`; the core never sees a vLLM name.
 
 A step is never half taken: `VllmAdapter.step` first reads the whole output into a plan (the checks
-of `jaxprep.serving.vllm_checks`, one pass, and the translation, on copies of the request map made
+of `jaxprep.serving.host.vllm_checks`, one pass, and the translation, on copies of the request map made
 only when the step changes it), then the batch checks the plan's `StepUpdates` on the host and
 applies it, and only then does the adapter keep the plan's request map, free rows and LoRA slots.
 A malformed output raises `InvalidSchedulerOutputError` (or `InvalidUpdateError`) naming the object
