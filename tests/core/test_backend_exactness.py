@@ -48,11 +48,10 @@ from jaxprep.serving import (
     ServingConfig,
     ServingState,
     init_params,
-    sharded,
     step,
     transitions,
-    workload,
 )
+from jaxprep.serving.host import sharded, workload
 from jaxprep.serving.spec_decode.ngram import NgramConfig, propose_ngram_jit
 from jaxprep.serving.update_packing import packed_size
 from jaxprep.sharding import DATA_AXIS, prepare_sharded

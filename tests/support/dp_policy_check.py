@@ -21,7 +21,8 @@ configure_runtime()
 import numpy as np  # noqa: E402
 
 from jaxprep import PrepConfig  # noqa: E402
-from jaxprep.serving import Engine, ModelConfig, ServingConfig, dp_policy, random_workload  # noqa: E402
+from jaxprep.serving import Engine, ModelConfig, ServingConfig, random_workload  # noqa: E402
+from jaxprep.serving.host import dp_policy  # noqa: E402
 from jaxprep.serving.host.dp_engine import DataParallelEngine  # noqa: E402
 from jaxprep.sharding import data_mesh  # noqa: E402
 
