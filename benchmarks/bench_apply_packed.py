@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 import jaxprep  # noqa: E402
 from jaxprep.features import FeatureConfig, SamplingConfig  # noqa: E402
 from jaxprep.serving import ServingConfig, StepUpdates, pack_step  # noqa: E402
-from jaxprep.serving.packing import HEADER_WORDS, pad_to, payload_layout  # noqa: E402
 from jaxprep.serving.state import ServingState  # noqa: E402
 from jaxprep.serving.transitions import apply_packed  # noqa: E402
+from jaxprep.serving.update_packing import HEADER_WORDS, pad_to, payload_layout  # noqa: E402
 
 
 def serving_config(rows: int, sampling: bool, drafts: int = 0) -> ServingConfig:

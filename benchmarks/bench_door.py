@@ -45,7 +45,7 @@ import torch
 from common import load_line, machine_line
 
 import jaxprep
-import jaxprep.serving.batch as serving_batch
+import jaxprep.serving.host.batch as serving_batch
 import torch_bridge
 from jaxprep.serving import ServingConfig
 from support.vllm_scheduler import Workload

@@ -339,7 +339,7 @@ def serve_rows(args) -> list[dict]:
 def serve_row(kernel: str, attention: str, num_reqs: int, tokens: int, args) -> dict:
     from jaxprep import PrepConfig
     from jaxprep.serving import KVCache, ModelConfig, ServingConfig, ServingState, init_params, step
-    from jaxprep.serving.packing import packed_size
+    from jaxprep.serving.update_packing import packed_size
 
     model = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=64, attention=attention)
     prep = PrepConfig(max_num_reqs=num_reqs, max_model_len=256, max_num_batched_tokens=tokens, block_size=16,

@@ -1,4 +1,4 @@
-"""Host-to-device bytes of one serving step's update: `jaxprep.serving.packing.pack_step` against
+"""Host-to-device bytes of one serving step's update: `jaxprep.serving.update_packing.pack_step` against
 the entries the update writes, and against the old fixed-shape payload (whole ``[A, max_model_len]``
 token rows and ``[A, max_blocks_per_req]`` block rows, a dense per-row schedule) with
 A = max_num_reqs, the size that admits any step's requests in one payload.

@@ -45,8 +45,8 @@ from bench_prepare import SHAPES, goal, make_batch, v1_baseline  # noqa: E402
 from common import add_timing_arguments, assert_same_step, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 
 from jaxprep import BatchState, PrepConfig  # noqa: E402
+from jaxprep.array_packing import pack_body  # noqa: E402
 from jaxprep.metadata import step_fields  # noqa: E402
-from jaxprep.packing import pack_body  # noqa: E402
 from jaxprep.prepare import HOST_PACKED, prepare_body, unpack_to_host  # noqa: E402
 
 GOAL_MIN_TOKENS = 2048  # the goals hold at steps of this many scheduled tokens or more

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_spec_decode.py [--k 3] [--lookup-min 5] [--lookup-max 5] [--workload random]
 
-1. The drafter alone: `jaxprep.serving.ngram.propose_ngram` jitted on random token tables
+1. The drafter alone: `jaxprep.serving.spec_decode.ngram.propose_ngram` jitted on random token tables
    (small vocabulary, so rows repeat), median of many calls.
 2. The loop: `jaxprep simulate`'s default workload and tiny model, served without drafts and with
    ``--spec-decode ngram``; each dispatch (schedule, fused jitted step, tokens back) is timed. The
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from jaxprep.cli import simulate  # noqa: E402
 from jaxprep.serving import Engine  # noqa: E402
-from jaxprep.serving.ngram import NgramConfig, propose_ngram_jit  # noqa: E402
+from jaxprep.serving.spec_decode.ngram import NgramConfig, propose_ngram_jit  # noqa: E402
 
 
 def drafter_us(rows: int, width: int, k: int, config: NgramConfig, repeats: int) -> float:

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 import jaxprep  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
-from jaxprep.serving.vllm import VllmAdapter  # noqa: E402
+from jaxprep.serving.host.vllm import VllmAdapter  # noqa: E402
 from support.vllm_scheduler import Requests, Workload, fake_token, make_scheduler  # noqa: E402
 from support.vllm_v1_runner import V1Runner  # noqa: E402
 

@@ -5,9 +5,9 @@
 The workload and the recorded ``SchedulerOutput``s are bench_vllm_adapter.py's. Each replayed step runs the
 adapter's parts one after the other with a clock between them, as `VllmAdapter.step` runs them:
 
-- *translate*: ``VllmAdapter._plan`` (the checks of `jaxprep.serving.vllm_checks` and the translation into
+- *translate*: ``VllmAdapter._plan`` (the checks of `jaxprep.serving.host.vllm_checks` and the translation into
   one `StepUpdates`);
-- *checks*: `jaxprep.serving.checks.check_updates` (the host checks against the mirror);
+- *checks*: `jaxprep.serving.host.checks.check_updates` (the host checks against the mirror);
 - *pack*: `ServingBatch.pack` (the update as its int32 buffers);
 - *dispatch*: the jitted call(s) until they return (the packed update applied and the step prepared;
   on a checkout without `ServingBatch.dispatch_prepare`, `apply_packed` then `prepare_padded`);
@@ -33,8 +33,9 @@ import numpy as np
 from bench_vllm_adapter import RUNTIME, record_outputs, serving_config, workload
 from common import load_line, machine_line
 
-from jaxprep.serving import checks, transitions
-from jaxprep.serving.vllm import GRAMMAR_NOT_GIVEN, VllmAdapter
+from jaxprep.serving import transitions
+from jaxprep.serving.host import checks
+from jaxprep.serving.host.vllm import GRAMMAR_NOT_GIVEN, VllmAdapter
 
 PHASES = ("translate", "checks", "pack", "dispatch", "wait")
 

@@ -2,7 +2,7 @@
 
     python examples/vllm_torch_loop.py --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8 --json
 
-Each step: vLLM 0.33.0's ``Scheduler.schedule()`` -> `jaxprep.serving.vllm.VllmAdapter.step` (one
+Each step: vLLM 0.33.0's ``Scheduler.schedule()`` -> `jaxprep.serving.host.vllm.VllmAdapter.step` (one
 checked update of jaxprep's device state, one prepared step) -> `torch_bridge.to_torch` ->
 `torch_bridge.model.TorchDecoder.forward` over the paged KV cache -> greedy tokens ->
 ``adapter.record_sampled`` (jaxprep's token table) -> ``scheduler.update_from_output`` with the
@@ -23,8 +23,7 @@ import numpy as np
 
 import jaxprep
 import torch_bridge
-from jaxprep.serving import ServingConfig
-from jaxprep.serving.vllm import VllmAdapter
+from jaxprep.serving import ServingConfig, VllmAdapter
 from torch_bridge.model import TorchDecoder, greedy_sample
 
 

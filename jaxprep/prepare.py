@@ -21,6 +21,7 @@ from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD
 from jaxprep._ragged import batch_layout, stack, token_blocks
 from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._typing import Array, Int32
+from jaxprep.array_packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, safe_block_table, token_flags
 from jaxprep.config import PrepConfig, triton_backend_available, uncovered_features
 from jaxprep.features import with_features
@@ -34,7 +35,6 @@ from jaxprep.metadata import (
     step_fields,
     step_from_fields,
 )
-from jaxprep.packing import INT32, Span, layout, pack_body, unpack
 from jaxprep.state import BatchState
 from jaxprep.validate import (
     check_row_count,
@@ -231,7 +231,7 @@ def prepare_packed(state: BatchState, config: PrepConfig, num_tokens_padded: int
 
 @functools.cache
 def host_layout(num_tokens_padded: int, num_reqs_padded: int) -> tuple[Span, ...]:
-    """Where `prepare_packed` puts each field: the `jaxprep.packing` layout of `HOST_PACKED`."""
+    """Where `prepare_packed` puts each field: the `jaxprep.array_packing` layout of `HOST_PACKED`."""
     shapes = step_field_shapes(num_tokens_padded=num_tokens_padded, num_reqs_padded=num_reqs_padded)
     return layout(tuple((name, shapes[name], kind) for name, kind in HOST_PACKED))
 

@@ -25,7 +25,7 @@ value a host reads:
     host scalars:  num_actual_tokens, num_reqs, max_query_len, max_seq_len, errors (and attn_state)
     host mirrors:  query_start_loc, seq_lens (vLLM's ``query_start_loc_cpu``, ``seq_lens_cpu``)
 
-Kinds (`jaxprep.packing`) follow vLLM's dtypes, so torch's views need no cast: ``positions``, every slot
+Kinds (`jaxprep.array_packing`) follow vLLM's dtypes, so torch's views need no cast: ``positions``, every slot
 mapping, ``mrope_positions`` and the fields of `VLLM_INT64_FIELDS` INT64 (an int32 value's int64 words);
 booleans BOOL; float32 leaves FLOAT32 (their bit patterns); every other int32 leaf INT32. A leaf of any
 other dtype (an Ascend attention mask in float16 or bfloat16) is not packed: it travels beside the words
@@ -41,9 +41,20 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxprep.array_packing import (
+    BOOL,
+    FLOAT32,
+    INT32,
+    INT64,
+    Span,
+    decode,
+    host_view,
+    layout,
+    num_packed_words,
+    pack_body,
+)
+from jaxprep.array_packing import path_name as _path_name
 from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, StepInputs
-from jaxprep.packing import BOOL, FLOAT32, INT32, INT64, Span, decode, host_view, layout, num_packed_words, pack_body
-from jaxprep.packing import path_name as _path_name
 
 HOST_SCALARS = (*SCALAR_FIELDS, "errors", "attn_state")
 """0-d fields read as Python ints, in buffer order (``attn_state`` only where the feature is on)."""

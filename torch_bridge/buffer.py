@@ -1,9 +1,9 @@
 """`to_torch` of a `jaxprep.step_buffer.StepBuffer`: ONE DLPack handoff of its words, every field a view.
 
 A step that left its jitted call as one buffer (`jaxprep.serving.step.update_and_prepare_buffer`, the
-``buffer`` of `jaxprep.serving.vllm.AdapterStep`) reaches torch without a pack of its own and without a
+``buffer`` of `jaxprep.serving.host.vllm.AdapterStep`) reaches torch without a pack of its own and without a
 capsule per field: the words go through one ``torch.from_dlpack`` and the buffer's static `StepLayout` cuts
-the views (`torch_bridge.packing.unpack`), so every tensor shares the buffer's one storage. The layout
+the views (`torch_bridge.array_views.unpack`), so every tensor shares the buffer's one storage. The layout
 already follows vLLM's dtypes (``positions`` and the slot mappings int64, masks bool, sampling parameters
 float32; `jaxprep.step_buffer.field_kind`); the host scalars and mirrors come from the buffer's tail, as in
 the packed strategy (`torch_bridge.transfer.bridge_words`).

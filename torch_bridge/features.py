@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxprep.packing import BOOL, INT32, INT64, FieldSpec, path_name
+from jaxprep.array_packing import BOOL, INT32, INT64, FieldSpec, path_name
 from torch_bridge._torch import torch
 from torch_bridge.transfer import convert_leaf
 

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep._checks import type_name
+from jaxprep.array_packing import INT32, INT64
 from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, StepInputs, step_fields
-from jaxprep.packing import INT32, INT64
 from torch_bridge._checks import as_jax, check_consistent, check_features
 from torch_bridge._torch import torch
 from torch_bridge.features import METADATA_FEATURES, FeatureFields, TorchGroupMetadata, feature_fields, torch_features

@@ -14,10 +14,10 @@ import functools
 import jax
 import numpy as np
 
-from jaxprep.packing import INT32, INT64, FieldSpec, Span, layout_of, pack
+from jaxprep.array_packing import INT32, INT64, FieldSpec, Span, layout_of, pack
 from torch_bridge._torch import device_type, torch
+from torch_bridge.array_views import unpack
 from torch_bridge.dlpack import jax_to_torch
-from torch_bridge.packing import unpack
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@
 - `gather_all_attention` (`gather_all.py`): the former path (every token gathers all ``max_model_len``
   positions), kept as a cross-check and a memory control.
 
-`stacked_attention` is how the models' layer loop runs one of them (`jaxprep.serving.model.scan_paged_layers`);
+`stacked_attention` is how the models' layer loop runs one of them (`jaxprep.models.tiny.scan_paged_layers`);
 `layer_attention` is the same over one layer's cache. ``"auto"`` is the ragged kernel on an NVIDIA GPU,
 JAX's TPU kernel on a TPU, the XLA path elsewhere (docs/guides/attention.md).
 """

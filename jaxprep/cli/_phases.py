@@ -1,7 +1,7 @@
 """Prefill and decode throughput of a serving run, from the time of each dispatch.
 
 A dispatch that computes prompt tokens is a prefill dispatch (a request running more than one token,
-vLLM's rule: `jaxprep.serving.dispatch_log`); its decodes, a token per decoding request, ride along.
+vLLM's rule: `jaxprep.serving.host.dispatch_log`); its decodes, a token per decoding request, ride along.
 A dispatch with no prompt token is a decode dispatch: each token it runs is a generated token. So
 
     prefill tokens/s = prompt tokens of prefill dispatches / their seconds

@@ -172,7 +172,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxprep.compilation import count_compiles
     from jaxprep.serving import check_against_dense
-    from jaxprep.serving.prep_timing import time_prepare
+    from jaxprep.serving.host.prep_timing import time_prepare
 
     config, model, params, workload = _setup(args)
     engine = _engine(config, model, args, params)
@@ -230,7 +230,7 @@ def _spec_decode_config(args) -> dict:
     """The `ServingConfig` fields of --spec-decode."""
     if not args.spec_decode:
         return {}
-    from jaxprep.serving.ngram import NgramConfig
+    from jaxprep.serving.spec_decode.ngram import NgramConfig
 
     return dict(num_speculative_tokens=args.num_speculative_tokens,
                 ngram=NgramConfig(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max))
@@ -252,12 +252,12 @@ def _engine(config, model, args, params=None):
     from jaxprep.serving import Engine
 
     if args.async_scheduling:
-        from jaxprep.serving.overlap import AsyncEngine
+        from jaxprep.serving.host.overlap import AsyncEngine
 
         return AsyncEngine(config, model, seed=args.seed, params=params, keep_history=True)
     if args.devices == 1:
         return Engine(config, model, seed=args.seed, time_prep=True, params=params, keep_history=True)
-    from jaxprep.serving.dp_engine import DataParallelEngine
+    from jaxprep.serving.host.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
     return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
@@ -282,7 +282,7 @@ def _serve(engine, workload, when: str):
 
 
 def _plot(engine, path: str) -> None:
-    from jaxprep.serving.chart import plot_dispatches
+    from jaxprep.cli.chart import plot_dispatches
 
     plot_dispatches(engine.stats).savefig(path, dpi=80)
     print(f"jaxprep simulate: wrote {path}")

@@ -24,7 +24,7 @@ from jaxprep._typing import storage_dtype
 from jaxprep.models import llama
 from jaxprep.models.errors import CheckpointError, UnsupportedConfigError
 from jaxprep.models.rope import RopeConfig, parse_rope
-from jaxprep.serving.model import check_attention_kind
+from jaxprep.models.tiny import check_attention_kind
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")

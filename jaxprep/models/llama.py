@@ -1,6 +1,6 @@
 """The Llama-family decoder (Llama, Qwen2, Qwen3), paged like the serving loop's tiny model.
 
-`paged_forward` consumes one step's `StepInputs` as `jaxprep.serving.model.paged_forward` does:
+`paged_forward` consumes one step's `StepInputs` as `jaxprep.models.tiny.paged_forward` does:
 each layer's K/V is written at ``slot_mapping``, a token's context is read back through its row's
 ``block_table`` up to ``positions`` and ``seq_lens``, RoPE rotates at ``positions`` and logits are
 taken at ``logits_indices``. `dense_forward` recomputes one whole sequence with a causal mask and no
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxprep._typing import BITS16, as_compute, as_stored, storage_dtype
 from jaxprep.metadata import StepInputs
-from jaxprep.serving.model import MASKED, MODEL_SCOPE, KVCache, scan_dense_layers, scan_paged_layers
+from jaxprep.models.tiny import MASKED, MODEL_SCOPE, KVCache, scan_dense_layers, scan_paged_layers
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST

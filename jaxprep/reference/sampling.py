@@ -1,5 +1,5 @@
 """NumPy reference of the sampling metadata (`jaxprep.features.sampling`) and of the distribution
-each logits row samples from (`jaxprep.serving.sampler`), written for reading: one loop per row, float64.
+each logits row samples from (`jaxprep.serving.sample.sampler`), written for reading: one loop per row, float64.
 """
 
 from __future__ import annotations

@@ -9,17 +9,19 @@ tiny paged-KV transformer and the jitted serving step that ties them together.
     finished = engine.run()
 """
 
-from jaxprep.serving.batch import ServingBatch
-from jaxprep.serving.checks import HostRows, InvalidUpdateError
+from jaxprep.serving.host.batch import ServingBatch
+from jaxprep.serving.host.checks import HostRows
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.engine import Engine, LoopStats
-from jaxprep.serving.model import KVCache, ModelConfig, ServingModel, dense_forward, init_params, paged_forward
-from jaxprep.serving.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
-from jaxprep.serving.packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
-from jaxprep.serving.state import (ERROR_BITS, PAD_ROW, AddRequests, AppendBlocks, FinishRequests, ResumeRequests,
-                                   Schedule, ServingState, StepUpdates, table_names)
+from jaxprep.serving.host.engine import Engine, LoopStats
+from jaxprep.models.tiny import KVCache, ModelConfig, ServingModel, dense_forward, init_params, paged_forward
+from jaxprep.serving.host.vllm import VllmAdapter
+from jaxprep.serving.host.vllm_checks import InvalidSchedulerOutputError
+from jaxprep.serving.host.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
+from jaxprep.serving.update_packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
+from jaxprep.serving.state import (ERROR_BITS, PAD_ROW, AddRequests, AppendBlocks, FinishRequests, InvalidUpdateError,
+                                   ResumeRequests, Schedule, ServingState, StepUpdates, table_names)
 from jaxprep.serving.step import NO_TOKEN, serve_step, update_and_prepare
-from jaxprep.serving.workload import DenseCheck, Workload, check_against_dense, random_workload
+from jaxprep.serving.host.workload import DenseCheck, Workload, check_against_dense, random_workload
 
 __all__ = [
     "AddRequests", "AppendBlocks", "BlockAllocator", "DenseCheck", "Engine", "FinishRequests", "HostRows",
@@ -27,5 +29,6 @@ __all__ = [
     "Scheduler", "SchedulerOutput", "ServingBatch", "ServingConfig", "ServingModel", "ServingState", "StepUpdates",
     "Workload", "check_against_dense", "dense_forward", "init_params", "paged_forward", "update_and_prepare",
     "random_workload", "serve_step",
-    "ERROR_BITS", "PackedStep", "ResumeRequests", "pack_step", "payload_buckets", "step_payload_buckets", "table_names",
+    "ERROR_BITS", "InvalidSchedulerOutputError", "PackedStep", "VllmAdapter",
+    "ResumeRequests", "pack_step", "payload_buckets", "step_payload_buckets", "table_names",
 ]

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 from jaxprep._checks import check_positive_int
 from jaxprep._constants import INT32_MAX
 from jaxprep.config import PrepConfig
-from jaxprep.serving.ngram import NgramConfig
 
 
 def _from_prep(name: str) -> property:
@@ -21,17 +19,28 @@ NO_EOS = -1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class NgramConfig:
+    """Static sizes of the n-gram drafter (vLLM ``SpeculativeConfig.prompt_lookup_min``/``max``;
+    vLLM's default, when neither is set, is 5 and 5)."""
+
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self):
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(f"NgramConfig: need 1 <= prompt_lookup_min={low} <= prompt_lookup_max={high}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServingConfig:
     """Static configuration of the serving state and its updates; hashable, a static jit argument.
 
     Attributes:
       prep: the input-preparation configuration; ``prep.num_blocks`` (the KV-cache size) is required.
-      max_new_reqs_per_step, max_block_appends_per_step: no effect, and setting either warns
-        (`FutureWarning`): a step's update holds any number of new requests and appended blocks
-        (`jaxprep.serving.packing`: its buffer grows with them). They will be removed.
       num_speculative_tokens: draft tokens a row may schedule (vLLM ``num_speculative_tokens``);
         the width of `Schedule.draft_token_ids`.
-      ngram: the n-gram drafter (`jaxprep.serving.ngram`): every step proposes up to
+      ngram: the n-gram drafter (`jaxprep.serving.spec_decode.ngram`): every step proposes up to
         ``num_speculative_tokens`` drafts per decoding row for the next step; ``None``: no drafter
         (drafts only come from the host's `Schedule`). Drafts are verified whenever
         ``num_speculative_tokens > 0``.
@@ -42,8 +51,6 @@ class ServingConfig:
     """
 
     prep: PrepConfig
-    max_new_reqs_per_step: int | None = None
-    max_block_appends_per_step: int | None = None
     num_speculative_tokens: int = 0
     ngram: NgramConfig | None = None
     eos_token_id: int = NO_EOS
@@ -53,11 +60,6 @@ class ServingConfig:
     def __post_init__(self):
         if self.prep.num_blocks is None:
             raise ValueError("ServingConfig.prep.num_blocks must be set: it is the KV-cache size in blocks")
-        for name in ("max_new_reqs_per_step", "max_block_appends_per_step"):
-            if getattr(self, name) is not None:
-                warnings.warn(f"ServingConfig.{name} has no effect: a step's update holds any number of new "
-                              "requests and appended blocks; drop the argument (it will be removed)",
-                              FutureWarning, stacklevel=3)
         check_positive_int("ServingConfig.decode_steps", self.decode_steps)
         if self.vocab_size is not None:
             check_positive_int("ServingConfig.vocab_size", self.vocab_size)

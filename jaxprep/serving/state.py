@@ -5,7 +5,7 @@ bookkeeping (vLLM V2 ``RequestState``: ``total_len``, ``num_blocks``; docs/seman
 busy while ``num_tokens > 0``. Draft counts live in one place, ``state.batch.num_draft_tokens``.
 
 The payloads (`StepUpdates` and its parts) are host objects holding only what changes: a request's
-tokens, its blocks per KV-cache group, its feature values. `jaxprep.serving.packing` lays them out
+tokens, its blocks per KV-cache group, its feature values. `jaxprep.serving.update_packing` lays them out
 in one int32 buffer whose length comes from a small ladder (docs/guides/serving_updates.md).
 """
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import max_block_id
+from jaxprep._checks import InvalidBatchError, max_block_id
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID, NULL_BLOCK_ID
 from jaxprep.config import block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
@@ -29,6 +29,10 @@ from jaxprep.state import BatchState
 
 PAD_ROW = -1
 """Row of a padded payload entry: it changes nothing."""
+
+
+class InvalidUpdateError(InvalidBatchError):
+    """A serving-state update breaks a bound; nothing was changed."""
 
 MAMBA = "mamba"
 """Key of the Mamba state blocks in an `AppendBlocks` entry given as a dict."""
@@ -122,6 +126,9 @@ class AddRequests:
     """New (or resumed-as-new) requests: each one's tokens, blocks and feature values, nothing padded."""
 
     entries: tuple[AddEntry, ...]
+    # the bound `build` checked the token ids against; None: not checked (built by hand, or any
+    # `dataclasses.replace` of a built payload: the field is not an argument, so a copy starts unchecked)
+    token_id_bound: int | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def build(cls, config: ServingConfig, requests=()) -> AddRequests:
@@ -134,8 +141,9 @@ class AddRequests:
         requests = requests if type(requests) is list else list(requests)
         fast = _add_entries_at_once(config, requests) if len(requests) > 1 else None
         if fast is not None:  # the common case: every value converted in one pass per field
-            return cls(entries=fast)
-        return cls(entries=tuple(_add_entry(config, i, request) for i, request in enumerate(requests)))
+            return _ids_checked_against(cls(entries=fast), config)
+        return _ids_checked_against(cls(entries=tuple(_add_entry(config, i, request)
+                                                      for i, request in enumerate(requests))), config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +164,9 @@ class ResumeRequests:
     preemption keeps its row; an outside scheduler re-syncs the computed count after drafts."""
 
     entries: tuple[ResumeEntry, ...]
+    # the bound `build` checked the token ids against; None: not checked (built by hand, or any
+    # `dataclasses.replace` of a built payload: the field is not an argument, so a copy starts unchecked)
+    token_id_bound: int | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def build(cls, config: ServingConfig, resumes=()) -> ResumeRequests:
@@ -185,7 +196,7 @@ class ResumeRequests:
                                        prefill_len=None if prefill is None else _int(prefill, f"{where}: prefill_len"),
                                        unverified_drafts=_int(resume.get("unverified_drafts", 0),
                                                               f"{where}: unverified_drafts")))
-        return cls(entries=tuple(entries))
+        return _ids_checked_against(cls(entries=tuple(entries)), config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,7 +467,7 @@ def _add_entries_at_once(config: ServingConfig, requests: list) -> tuple[AddEntr
         return None
     if tokens.dtype != np.int64 or tokens.ndim != 1 or blocks.dtype != np.int64 or blocks.ndim != 1:
         return None
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.token_id_bound):
+    if not token_ids_fit(tokens, config.token_id_bound):
         return None
     if blocks.size and (blocks.max() > INT32_MAX or blocks.min() < -INT32_MAX - 1):
         return None
@@ -522,6 +533,23 @@ def _add_entry(config: ServingConfig, i: int, request: dict) -> AddEntry:
 # --- value checks shared by the builders and the host checks ---------------------------------------
 
 
+def _ids_checked_against(payload, config: ServingConfig):
+    """``payload`` (just built, its token ids checked) marked with the bound they were checked against."""
+    object.__setattr__(payload, "token_id_bound", config.token_id_bound)
+    return payload
+
+
+def token_ids_fit(values: np.ndarray, bound: int, low: int = 0) -> bool:
+    """Whether ``values`` holds integers only, each in [``low``, ``bound``): the one bound test of token ids
+    on the host (`check_token_ids` names the first id that fails it; the at-once paths fall back to it).
+
+    ```
+    # [5, 63], bound 64 -> True;  [5, 64] -> False;  [-1, 5], low -1 -> True;  [1.0] -> False
+    ```
+    """
+    return values.dtype.kind in "iu" and (values.size == 0 or (int(values.min()) >= low and int(values.max()) < bound))
+
+
 def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = ValueError,
                     allow_placeholder: bool = False) -> np.ndarray:
     """``token_ids`` as an int64 array if each is an integer in [0, ``bound``) (or -1 with
@@ -536,8 +564,7 @@ def check_token_ids(where: str, token_ids, bound: int, error: type[Exception] = 
     values = np.asarray(token_ids)
     low = -1 if allow_placeholder else 0
     if values.dtype.kind in "iu":
-        bad = (values < low) | (values >= bound)
-        if not bad.any():
+        if token_ids_fit(values, bound, low):
             return values.astype(np.int64).ravel()
         values = values.ravel()
     else:  # Python ints beyond int64, floats, anything else: one by one

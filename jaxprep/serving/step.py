@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import unpack_updates
-from jaxprep.serving.sampler import sample_requests
-from jaxprep.serving.spec_step import forward_verify_record, next_drafts
+from jaxprep.serving.sample.sampler import sample_requests
+from jaxprep.serving.spec_decode.spec_step import forward_verify_record, next_drafts
 from jaxprep.serving.state import ServingState
-from jaxprep.serving.transitions import apply_updates_body, record_sampled_body, row_index
+from jaxprep.serving.transitions import apply_updates_body, computed_advance, record_sampled_body, row_index
+from jaxprep.serving.update_packing import unpack_updates
 from jaxprep.step_buffer import StepBuffer, pack_step_body
 
 NO_TOKEN = -1
@@ -87,6 +87,12 @@ class AppendedTokens:
         """[rows] scheduled drafts not kept: ``D + 1 - num_first`` on rows that sampled."""
         return np.where(self.num_first > 0, num_draft_tokens + 1 - self.num_first, 0)
 
+    def computed_advance(self, num_scheduled_tokens: np.ndarray, num_draft_tokens: np.ndarray) -> np.ndarray:
+        """[rows] what the step adds to ``num_computed_tokens``: the first iteration's
+        (`transitions.computed_advance`: rejected drafts are not computed), plus one per later decode iteration."""
+        first = computed_advance(num_scheduled_tokens, num_draft_tokens, self.num_first, self.num_first > 0)
+        return first + self.num_decoded
+
     def row_tokens(self, row: int) -> list[int]:
         """The tokens appended to ``row``, in order."""
         column = self.tokens[: self.appended.shape[0], row]
@@ -140,7 +146,7 @@ def update_and_prepare_donated(state: ServingState, packed_updates: jax.Array, *
                                num_tokens_padded: int):
     """`update_and_prepare` as `serve_step` runs it: the state donated, updated in place and returned
     with the prepared step, so no table is copied. Returns ``(state, step)``; its time is the prepare
-    part of a serving step (``jaxprep simulate``'s ``prepare_us``, `jaxprep.serving.prep_timing`)."""
+    part of a serving step (``jaxprep simulate``'s ``prepare_us``, `jaxprep.serving.host.prep_timing`)."""
     state = apply_updates_body(state, unpack_updates(packed_updates, config))
     return state, prepare_padded(state.batch, config.prep, num_tokens_padded)
 
@@ -170,7 +176,7 @@ def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: S
                                      max_model_len=config.max_model_len)
     if inputs.sampling is None:  # greedy
         sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R_pad]
-    else:  # FeatureConfig.sampling: each request's parameters (jaxprep.serving.sampler)
+    else:  # FeatureConfig.sampling: each request's parameters (jaxprep.serving.sample.sampler)
         sampled = sample_requests(logits, inputs.sampling, state.batch)
     num_tokens_before = state.num_tokens
     state = record_sampled_body(state, inputs.idx_mapping, sampled[:, None], jnp.ones_like(sampled))

@@ -5,10 +5,10 @@ Each transition is a handful of scatters with ``mode='drop'``. Payload rows past
 (-1) are first mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1 index to the
 last row even with ``mode='drop'`` (docs/semantics.md#jax-traps), so -1 must never reach a scatter.
 
-`apply_updates_body` reads one packed buffer (`jaxprep.serving.packing`) and applies, in order:
+`apply_updates_body` reads one packed buffer (`jaxprep.serving.update_packing`) and applies, in order:
 finish, add, resume, the data segments (tokens, M-RoPE positions, is_token_ids, block ids of
 every table), the sampling admission, the LoRA slots and the schedule. The buffers are checked on
-the host (`jaxprep.serving.checks`) before dispatch; every read and write here stays in bounds
+the host (`jaxprep.serving.host.checks`) before dispatch; every read and write here stays in bounds
 whatever a buffer holds.
 """
 
@@ -32,9 +32,9 @@ from jaxprep.features.async_tokens import prev_batch_rows_from_step
 from jaxprep.features.sampling import FLOAT_PARAMS
 from jaxprep.serving import update_bounds
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, refused, unpack_updates
-from jaxprep.serving.sampling_rows import count_sampled
+from jaxprep.serving.sample.sampling_rows import count_sampled
 from jaxprep.serving.state import ERROR_BITS, ServingState
+from jaxprep.serving.update_packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, refused, unpack_updates
 from jaxprep.step_buffer import StepBuffer
 
 
@@ -262,7 +262,7 @@ def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingSt
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfig) -> ServingState:
-    """`apply_updates_body` of one packed buffer (`jaxprep.serving.packing.pack_step`); one
+    """`apply_updates_body` of one packed buffer (`jaxprep.serving.update_packing.pack_step`); one
     executable per buffer length of the ladder."""
     return apply_updates_body(state, unpack_updates(packed, config))
 
@@ -286,6 +286,22 @@ def _discarded(state: ServingState, rows: jax.Array) -> jax.Array:
     sampled token is thrown away (the sentinel row ``num_rows`` reads 0s: not discarded)."""
     seq_lens = _gather(state.batch.num_computed_tokens, rows) + _gather(state.batch.num_scheduled_tokens, rows)
     return seq_lens < _gather(state.num_tokens, rows)
+
+
+def computed_advance(num_scheduled, num_draft, num_sampled, sampled):
+    """What a step adds to a row's ``num_computed_tokens`` (vLLM V2 ``_post_update_kernel``): the
+    scheduled tokens, less the rejected drafts where the row kept a sample (they are computed again
+    next step), all of them where it kept none (a prefill chunk short of its known tokens).
+
+    ```
+    # S 3, D 2, n 2 (one draft accepted), sampled -> 3 - (2 + 1 - 2) = 2
+    # S 4, D 0, a chunk short of its known tokens (not sampled) -> 4
+    ```
+    The one post-step counter update: the device (`record_sampled_body`) and the host mirrors
+    (`checks.check_record`, `checks.advance_unread`, `AppendedTokens.computed_advance`) all call it, on
+    traced or NumPy integer arrays alike (``sampled`` a bool array of their shape).
+    """
+    return num_scheduled - sampled.astype(num_draft.dtype) * (num_draft + 1 - num_sampled)
 
 
 def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
@@ -321,7 +337,7 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     bound = jnp.minimum(num_draft + 1, width)
     bad_count = jnp.any((rows < num_rows) & ~discarded & ((requested < 0) | (requested > bound)))
     num_sampled = jnp.where(discarded | (rows >= num_rows), 0, jnp.clip(requested, 0, bound))
-    advance = jnp.where(discarded, scheduled, scheduled - (num_draft + 1 - num_sampled))
+    advance = computed_advance(scheduled, num_draft, num_sampled, ~discarded)
     offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
     kept = offsets < num_sampled[:, None]
     bad_token = kept & _outside_vocab(sampled_token_ids, vocab_bound)

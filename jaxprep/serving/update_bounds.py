@@ -1,7 +1,7 @@
 """What the device refuses in a packed update (traced): every value it reads, bounded.
 
 A buffer `pack_step` wrote from a checked `StepUpdates` passes every bound here (each one follows
-from a host check of `jaxprep.serving.checks`); any other buffer may not. Each function returns
+from a host check of `jaxprep.serving.host.checks`); any other buffer may not. Each function returns
 *faults*: boolean vectors, one entry per record (or word, or flag), True where a bound is broken.
 They are concatenated and reduced once per verdict (`verdict`), so the checks cost element-wise
 compares that fuse with their reads and one reduction, not a reduction per check:
@@ -34,7 +34,7 @@ from jaxprep._constants import EMPTY_LORA_SLOT, NO_GRAMMAR, PLACEHOLDER_TOKEN_ID
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.state import block_bounds, placeholders_allowed, table_names, table_widths
 
-TOKENS, IS_TOKEN_IDS, MROPE, TABLE = 0, 1, 2, 5  # the segment kinds of `jaxprep.serving.packing`
+TOKENS, IS_TOKEN_IDS, MROPE, TABLE = 0, 1, 2, 5  # the segment kinds of `jaxprep.serving.update_packing`
 
 
 def within(values: jax.Array, low, high) -> jax.Array:

@@ -40,6 +40,7 @@ from jaxprep import (
 from jaxprep import _ragged as ragged
 from jaxprep.features import DrafterConfig, HybridConfig, drafter, grammar
 from jaxprep.models import load
+from jaxprep.models.tiny import MODEL_SCOPE
 from jaxprep.prepare import prepare_packed
 from jaxprep.serving import (
     KVCache,
@@ -47,14 +48,12 @@ from jaxprep.serving import (
     ServingConfig,
     ServingState,
     init_params,
-    sharded,
     step,
     transitions,
-    workload,
 )
-from jaxprep.serving.model import MODEL_SCOPE
-from jaxprep.serving.ngram import NgramConfig, propose_ngram_jit
-from jaxprep.serving.packing import packed_size
+from jaxprep.serving.host import sharded, workload
+from jaxprep.serving.spec_decode.ngram import NgramConfig, propose_ngram_jit
+from jaxprep.serving.update_packing import packed_size
 from jaxprep.sharding import DATA_AXIS, prepare_sharded
 
 ACCELERATORS = ("cuda", "tpu")
@@ -190,7 +189,7 @@ def _spec_serve_step_case():
 def _bridge_cases():
     """torch_bridge's packer and FIA layout, over an every-feature step's arrays."""
     pytest.importorskip("torch")
-    from jaxprep.packing import pack
+    from jaxprep.array_packing import pack
     from torch_bridge.inputs import bridge_inputs
     from torch_bridge.npu import NPU_SPEC, fia_layout
 
@@ -231,11 +230,11 @@ COVERED = {
     "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.step.update_and_prepare_donated",
     "jaxprep.serving.transitions.apply_packed",
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.transitions.record_prev_tokens",
-    "jaxprep.serving.workload.dense_logits",
-    "jaxprep.sharding.prepare_sharded", "jaxprep.serving.sharded.serve_step_sharded",
-    "jaxprep.serving.sharded.apply_updates_sharded", "jaxprep.serving.sharded.update_and_prepare_sharded",
-    "jaxprep.serving.sharded.update_and_prepare_sharded_donated",
-    "jaxprep.packing.pack", "torch_bridge.npu.fia_layout", "jaxprep.serving.ngram.propose_ngram_jit",
+    "jaxprep.serving.host.workload.dense_logits",
+    "jaxprep.sharding.prepare_sharded", "jaxprep.serving.host.sharded.serve_step_sharded",
+    "jaxprep.serving.host.sharded.apply_updates_sharded", "jaxprep.serving.host.sharded.update_and_prepare_sharded",
+    "jaxprep.serving.host.sharded.update_and_prepare_sharded_donated",
+    "jaxprep.array_packing.pack", "torch_bridge.npu.fia_layout", "jaxprep.serving.spec_decode.ngram.propose_ngram_jit",
     "jaxprep.features.drafter.draft_prefill", "jaxprep.features.drafter.draft_decode_start",
     "jaxprep.features.drafter.draft_decode_advance", "jaxprep.features.grammar.apply_grammar_bitmask",
     "jaxprep.features.grammar.grammar_invalid_drafts", "jaxprep.models.load._write_rows",

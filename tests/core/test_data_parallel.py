@@ -1,4 +1,4 @@
-"""Data parallelism over a device mesh (`jaxprep.sharding`, `jaxprep.serving.dp_engine`).
+"""Data parallelism over a device mesh (`jaxprep.sharding`, `jaxprep.serving.host.dp_engine`).
 
 Several devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts,
 so the multi-device checks run in subprocesses; the in-process tests use a one-device mesh, or
@@ -108,7 +108,7 @@ def test_one_rank_engine_serves_like_the_single_device_engine():
     """With one rank the data-parallel loop is the plain loop: same tokens, step for step (chunked
     prefill, preemption, multi-step decode, and several admissions in one step all occur)."""
     from jaxprep.serving import Engine, ModelConfig, check_against_dense, random_workload
-    from jaxprep.serving.dp_engine import DataParallelEngine
+    from jaxprep.serving.host.dp_engine import DataParallelEngine
 
     model = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)
     config = serving_config()
@@ -125,7 +125,7 @@ def test_one_rank_engine_serves_like_the_single_device_engine():
 
 def test_sharded_batch_rejects_an_update_naming_the_rank():
     from jaxprep.serving import InvalidUpdateError, StepUpdates
-    from jaxprep.serving.sharded import ShardedServingBatch
+    from jaxprep.serving.host.sharded import ShardedServingBatch
 
     config = serving_config()
     batch = ShardedServingBatch(config, data_mesh(1))
@@ -154,7 +154,7 @@ def test_dp_policy_cuts_padding_and_keeps_outputs():
 
 
 def test_shared_bucket_wastes_least_and_holds_every_decode():
-    from jaxprep.serving.dp_policy import shared_bucket
+    from jaxprep.serving.host.dp_policy import shared_bucket
 
     prep = PrepConfig(max_num_reqs=16, max_model_len=256, max_num_batched_tokens=64, block_size=16)
     assert prep.token_buckets == (8, 16, 32, 64)
@@ -170,7 +170,7 @@ def test_shared_bucket_wastes_least_and_holds_every_decode():
 
 def test_routing_balances_tokens_not_requests():
     from jaxprep.serving import Request, Scheduler
-    from jaxprep.serving.dp_policy import route
+    from jaxprep.serving.host.dp_policy import route
 
     schedulers = [Scheduler(serving_config()) for _ in range(3)]
     schedulers[0].add_request(Request(0, [2] * 20, 4))  # one long prompt

@@ -1,4 +1,4 @@
-"""`jaxprep.packing` on the host side, and the field shapes read from the step's annotations."""
+"""`jaxprep.array_packing` on the host side, and the field shapes read from the step's annotations."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep import BatchState, PrepConfig, prepare_padded
+from jaxprep.array_packing import BOOL, INT32, INT64, layout, pack, pack_host, unpack
 from jaxprep.metadata import STEP_FIELDS, step_field_shapes, step_fields
-from jaxprep.packing import BOOL, INT32, INT64, layout, pack, pack_host, unpack
 
 KINDS = (INT32, INT64, BOOL)
 

@@ -25,7 +25,7 @@ from jaxprep._constants import (
 )
 from jaxprep.features.sampling_params import seed_words, state_row
 from jaxprep.reference.sampling import penalties_reference, sampling_rows_reference
-from jaxprep.serving.sampler import apply_min_p, apply_penalties, apply_temperature
+from jaxprep.serving.sample.sampler import apply_min_p, apply_penalties, apply_temperature
 from support import mrv2_examples as ex
 from support.feature_batches import RUN_MODES, feature_batches, run_step
 from support.sampling_examples import PARAMS, PROMPT, SAMPLING, V, example_arrays, example_config, slot_arrays

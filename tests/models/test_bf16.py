@@ -23,7 +23,7 @@ from jaxprep._typing import as_compute
 from jaxprep.models import build_params, load_model, parse_config
 from jaxprep.models.load import checkpoint_shapes
 from jaxprep.serving import Engine, KVCache, ServingBatch, ServingConfig
-from jaxprep.serving.workload import random_workload
+from jaxprep.serving.host.workload import random_workload
 from support.hf_checkpoints import BF16_SPECS, bf16_reference_models, compare_greedy_bf16, save_checkpoint
 
 PREP = PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=4, num_blocks=20,

@@ -23,7 +23,7 @@ from jaxprep import PrepConfig, prepare_padded
 from jaxprep.cli import main
 from jaxprep.models import load_model, parse_config
 from jaxprep.serving import AddRequests, AppendBlocks, Engine, KVCache, Schedule, ServingBatch, ServingConfig
-from jaxprep.serving.workload import random_workload
+from jaxprep.serving.host.workload import random_workload
 from support import hf_checkpoints
 from support.hf_checkpoints import SPECS, compare_greedy, hf_logits, reference_model, saved_checkpoints
 

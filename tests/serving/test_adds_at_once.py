@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxprep import FeatureConfig, LoRAConfig, PrepConfig, SamplingConfig, SamplingParams
-from jaxprep.serving import InvalidUpdateError, ServingConfig, StepUpdates, checks, packing, state
+from jaxprep.serving import InvalidUpdateError, ServingConfig, StepUpdates, state, update_packing
+from jaxprep.serving.host import checks
 
 VOCAB = 64
 CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=8, max_model_len=32, max_num_batched_tokens=64, block_size=4,
@@ -117,10 +118,10 @@ def test_checks_at_once_leave_a_bad_entry_to_be_named(change, message, monkeypat
 
 
 def test_records_at_once_equal_one_by_one():
-    lay = packing.payload_layout(CONFIG)
+    lay = update_packing.payload_layout(CONFIG)
     entries = StepUpdates.build(CONFIG, add=requests()).add.entries
-    expected = np.array([packing._add_record(e, lay) for e in entries], np.int64)
-    np.testing.assert_array_equal(packing._add_records(entries, lay), expected)
+    expected = np.array([update_packing._add_record(e, lay) for e in entries], np.int64)
+    np.testing.assert_array_equal(update_packing._add_records(entries, lay), expected)
     # negative control: another temperature gives another record
     warmer = [dataclasses.replace(entries[0], sampling=dict(entries[0].sampling, temperature=3.0)), *entries[1:]]
-    assert not np.array_equal(packing._add_records(warmer, lay), expected)
+    assert not np.array_equal(update_packing._add_records(warmer, lay), expected)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 
 import numpy as np
 import pytest
@@ -103,13 +102,12 @@ def test_vocab_size_comes_from_the_model_and_cannot_exceed_it():
 
 
 @pytest.mark.parametrize("name", ["max_new_reqs_per_step", "max_block_appends_per_step"])
-def test_the_per_step_caps_that_do_nothing_warn_when_set(name):
-    """A step's update holds any number of admissions and blocks: a cap that is not enforced says so."""
-    with pytest.warns(FutureWarning, match=f"ServingConfig.{name} has no effect"):
-        dataclasses.replace(CONFIG, **{name: 2})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # not set: no warning
-        dataclasses.replace(CONFIG, decode_steps=2)
+def test_the_removed_per_step_caps_are_refused(name):
+    """A step's update holds any number of admissions and blocks; the two caps that did nothing are gone, so
+    passing one is a TypeError (the same config without it builds)."""
+    with pytest.raises(TypeError, match=name):
+        ServingConfig(prep=CONFIG.prep, **{name: 2})
+    assert ServingConfig(prep=CONFIG.prep).prep == CONFIG.prep
 
 
 def test_add_requests_payload_rejects_ids_outside_the_vocabulary():

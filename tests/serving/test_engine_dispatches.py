@@ -1,7 +1,7 @@
 """The Engine runs a step in ONE jitted dispatch: the packed update applied, the step prepared, the model
 run and its tokens recorded by `serve_step`, the state and KV cache donated (issue 30, item 1).
 
-Every jitted function the loop's modules reach by name (`jaxprep.serving.engine`, ``batch``, ``step``,
+Every jitted function the loop's modules reach by name (`jaxprep.serving.host.engine`, ``batch``, ``step``,
 ``transitions``, ``overlap``) is wrapped by a counter, so a dispatch added anywhere on the loop's path is
 counted. Negative control: a step whose update does not fit the step's buffer sends the rest first
 (`transitions.apply_packed`): the same counter sees that extra dispatch.
@@ -19,7 +19,7 @@ from jaxprep import PrepConfig
 from jaxprep.serving import Engine, ServingConfig, random_workload
 from support.loop_workloads import EOS, MODEL, make_config
 
-MODULES = ("engine", "batch", "step", "transitions", "overlap")
+MODULES = ("host.engine", "host.batch", "step", "transitions", "host.overlap")
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxprep.reference.spec_decode import ngram_propose
-from jaxprep.serving.ngram import NO_DRAFT, NgramConfig, propose_ngram, propose_ngram_jit
+from jaxprep.serving.spec_decode.ngram import NO_DRAFT, NgramConfig, propose_ngram, propose_ngram_jit
 from tests.support.vllm_ngram import load_vllm_ngram
 
 VLLM_NGRAM = load_vllm_ngram()

@@ -1,4 +1,4 @@
-"""Async scheduling (`jaxprep.serving.overlap`): the host schedules step N+1 before it reads step N's
+"""Async scheduling (`jaxprep.serving.host.overlap`): the host schedules step N+1 before it reads step N's
 tokens, and every request's greedy output is the synchronous loop's; a stop wastes at most one step."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jaxprep.serving import Engine, Request, check_against_dense, random_workload
-from jaxprep.serving.overlap import AsyncEngine
+from jaxprep.serving.host.overlap import AsyncEngine
 from support.loop_workloads import MODEL, WORKLOADS, make_config
 
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from jaxprep import FeatureConfig, LoRAConfig, PrepConfig, SamplingConfig
 from jaxprep.serving import ServingBatch, ServingConfig, StepUpdates, pack_step, payload_buckets
 from jaxprep.serving import reference as ref
-from jaxprep.serving.packing import HEADER, HEADER_WORDS, payload_layout, section_sizes, unpack_updates
 from jaxprep.serving.state import ERROR_BITS
 from jaxprep.serving.transitions import apply_packed
+from jaxprep.serving.update_packing import HEADER, HEADER_WORDS, payload_layout, section_sizes, unpack_updates
 
 VOCAB = 64
 ROWS = 24

@@ -12,10 +12,10 @@ import pytest
 
 from jaxprep import FeatureConfig, PrepConfig, SamplingConfig
 from jaxprep.serving import ServingBatch, ServingConfig, StepUpdates
-from jaxprep.serving.checks import InvalidUpdateError
-from jaxprep.serving.packing import HEADER, HEADER_WORDS, pack_step, payload_layout, resume_fields
+from jaxprep.serving.host.checks import InvalidUpdateError
 from jaxprep.serving.state import ERROR_BITS
 from jaxprep.serving.transitions import apply_packed
+from jaxprep.serving.update_packing import HEADER, HEADER_WORDS, pack_step, payload_layout, resume_fields
 
 VOCAB = 64
 CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=8, max_model_len=32, max_num_batched_tokens=32, block_size=4,

@@ -13,7 +13,7 @@ from scipy import stats
 
 from jaxprep import SamplingParams
 from jaxprep.reference.sampling import distribution_reference, penalties_reference
-from jaxprep.serving.sampler import row_probabilities, sample
+from jaxprep.serving.sample.sampler import row_probabilities, sample
 from support.sampling_examples import Bins, sampler_rows
 
 V = 16

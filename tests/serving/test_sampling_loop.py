@@ -10,7 +10,7 @@ import pytest
 
 from jaxprep import FeatureConfig, PrepConfig, SamplingConfig, SamplingParams
 from jaxprep.serving import Engine, InvalidUpdateError, ModelConfig, ServingBatch, ServingConfig, random_workload
-from jaxprep.serving.scheduler import Request
+from jaxprep.serving.host.scheduler import Request
 from jaxprep.serving.state import AddRequests, StepUpdates
 
 MODEL = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=64)

@@ -9,7 +9,7 @@ import pytest
 from jaxprep import PrepConfig
 from jaxprep.config import cdiv
 from jaxprep.serving import BlockAllocator, Request, Scheduler, ServingConfig
-from jaxprep.serving.scheduler import Status
+from jaxprep.serving.host.scheduler import Status
 
 
 def make_config(*, budget=8, block_size=4, num_blocks=64, max_num_reqs=4, max_model_len=64, decode_steps=1):

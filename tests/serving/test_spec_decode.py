@@ -20,8 +20,8 @@ from jaxprep.serving import (
     random_workload,
     update_and_prepare,
 )
-from jaxprep.serving.ngram import NgramConfig
-from jaxprep.serving.packing import pack_updates
+from jaxprep.serving.spec_decode.ngram import NgramConfig
+from jaxprep.serving.update_packing import pack_updates
 from tests.serving.test_loop import MODEL, WORKLOADS, dense_greedy, make_config, small_config
 
 LOOKUP = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=3)

@@ -15,8 +15,8 @@ from scipy import stats
 
 from jaxprep import FeatureConfig, PrepConfig, SamplingConfig, SamplingParams
 from jaxprep.serving import Engine, ModelConfig, ServingConfig, random_workload
-from jaxprep.serving.ngram import NgramConfig
-from jaxprep.serving.scheduler import Request
+from jaxprep.serving.host.scheduler import Request
+from jaxprep.serving.spec_decode.ngram import NgramConfig
 
 LOOKUP = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=3)
 

@@ -14,7 +14,7 @@ from scipy import stats
 
 from jaxprep.features.spec_decode import spec_decode_metadata
 from jaxprep.reference.spec_decode import greedy_verify as greedy_verify_reference
-from jaxprep.serving.verify import PLACEHOLDER, greedy_verify, rejection_verify
+from jaxprep.serving.spec_decode.verify import PLACEHOLDER, greedy_verify, rejection_verify
 
 VOCAB = 16
 

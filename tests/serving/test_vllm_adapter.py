@@ -1,4 +1,4 @@
-"""`jaxprep.serving.vllm.VllmAdapter`: vLLM's scheduler output in, the step vLLM's own runner prepares out.
+"""`jaxprep.serving.host.vllm.VllmAdapter`: vLLM's scheduler output in, the step vLLM's own runner prepares out.
 
 The parity test drives vLLM 0.33.0's real ``Scheduler`` / ``AsyncScheduler`` in a subprocess
 (tests/support/vllm_adapter_worker.py) and compares every step with vLLM V1's ``_update_states`` +
@@ -19,7 +19,7 @@ import pytest
 
 import jaxprep
 from jaxprep.serving import ServingConfig
-from jaxprep.serving.vllm import VllmAdapter
+from jaxprep.serving.host.vllm import VllmAdapter
 from support.vllm_workers import worker_report
 
 # --- scheduler outputs with vLLM's field names ---------------------------------------------------

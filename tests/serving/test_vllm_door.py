@@ -19,7 +19,7 @@ import pytest
 
 import jaxprep
 from jaxprep.serving import ServingConfig
-from jaxprep.serving.vllm import InvalidSchedulerOutputError, VllmAdapter
+from jaxprep.serving.host.vllm import InvalidSchedulerOutputError, VllmAdapter
 from support.vllm_workers import worker_report
 
 

@@ -1,5 +1,5 @@
 """The data-parallel loop's padding on a small deterministic trace, under jaxprep's routing and bucket
-policy (`jaxprep.serving.dp_policy`) and under the old one (fewest requests, the busiest rank's
+policy (`jaxprep.serving.host.dp_policy`) and under the old one (fewest requests, the busiest rank's
 bucket, each rank multi-stepping alone); run in a process that sees 4 devices
 (`test_data_parallel.py` starts it with forced host devices).
 
@@ -21,8 +21,9 @@ configure_runtime()
 import numpy as np  # noqa: E402
 
 from jaxprep import PrepConfig  # noqa: E402
-from jaxprep.serving import Engine, ModelConfig, ServingConfig, dp_policy, random_workload  # noqa: E402
-from jaxprep.serving.dp_engine import DataParallelEngine  # noqa: E402
+from jaxprep.serving import Engine, ModelConfig, ServingConfig, random_workload  # noqa: E402
+from jaxprep.serving.host import dp_policy  # noqa: E402
+from jaxprep.serving.host.dp_engine import DataParallelEngine  # noqa: E402
 from jaxprep.sharding import data_mesh  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)

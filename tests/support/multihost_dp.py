@@ -27,7 +27,7 @@ if len(sys.argv) == 3:
 
 from jaxprep import PrepConfig  # noqa: E402
 from jaxprep.serving import ModelConfig, ServingConfig, random_workload  # noqa: E402
-from jaxprep.serving.dp_engine import DataParallelEngine  # noqa: E402
+from jaxprep.serving.host.dp_engine import DataParallelEngine  # noqa: E402
 from jaxprep.sharding import data_mesh  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)

@@ -1,4 +1,4 @@
-"""Drives vLLM 0.33.0's real scheduler through `jaxprep.serving.vllm.VllmAdapter` and vLLM's own V1 runner at once;
+"""Drives vLLM 0.33.0's real scheduler through `jaxprep.serving.host.vllm.VllmAdapter` and vLLM's own V1 runner at once;
 prints a JSON report of every field where the two prepared steps differ.
 
 Started by tests/serving/test_vllm_adapter.py in a subprocess whose environment sets ``TRITON_INTERPRET=1`` and
@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 import jaxprep  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
-from jaxprep.serving.vllm import VllmAdapter  # noqa: E402
+from jaxprep.serving.host.vllm import VllmAdapter  # noqa: E402
 from support.vllm_scheduler import (  # noqa: E402
     WORKLOADS,
     Requests,

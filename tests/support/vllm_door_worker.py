@@ -1,4 +1,4 @@
-"""Issue 31, vLLM's door: vLLM 0.33.0's real ``Scheduler`` through `jaxprep.serving.vllm.VllmAdapter` in the
+"""Issue 31, vLLM's door: vLLM 0.33.0's real ``Scheduler`` through `jaxprep.serving.host.vllm.VllmAdapter` in the
 situations the parity worker does not cover, each step compared with vLLM V1's own runner; and vLLM's own
 outputs and jaxprep's own update buffers corrupted, the whole state compared before and after.
 
@@ -50,10 +50,10 @@ import torch
 import jaxprep
 from jaxprep.features.grammar import apply_grammar_bitmask
 from jaxprep.serving import ServingConfig
-from jaxprep.serving.packing import HEADER_WORDS, pack_step
+from jaxprep.serving.host.vllm import VllmAdapter
 from jaxprep.serving.state import ERROR_BITS
 from jaxprep.serving.transitions import apply_packed
-from jaxprep.serving.vllm import VllmAdapter
+from jaxprep.serving.update_packing import HEADER_WORDS, pack_step
 from support.vllm_adapter_worker import (
     FIELDS,
     Comparison,

@@ -1,4 +1,4 @@
-"""torch_bridge.packing: the packed layout, int64 word pairs, and views that round-trip any field mix."""
+"""torch_bridge.array_views: the packed layout, int64 word pairs, and views that round-trip any field mix."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from jaxprep.packing import BOOL, FLOAT32, INT32, INT64, layout, num_packed_words, pack  # noqa: E402
-from torch_bridge.packing import unpack  # noqa: E402
+from jaxprep.array_packing import BOOL, FLOAT32, INT32, INT64, layout, num_packed_words, pack  # noqa: E402
+from torch_bridge.array_views import unpack  # noqa: E402
 
 KINDS = (INT32, INT64, BOOL)
 

@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_bridge  # noqa: E402
+from jaxprep.array_packing import path_name  # noqa: E402
 from jaxprep.features import DrafterConfig, HybridConfig  # noqa: E402
-from jaxprep.packing import path_name  # noqa: E402
 from support.bridge_checks import assert_views_of  # noqa: E402
 from support.feature_batches import run_step  # noqa: E402
 from support.runner_examples import running_config, running_example  # noqa: E402

@@ -4,7 +4,7 @@ Like vLLM's data parallelism, every rank is a whole engine (its own requests, ro
 KV cache) and a coordinator only routes requests and keeps the ranks in step: a new request goes
 to the rank with the fewest tokens still to compute, and each step pads every rank to one shared
 bucket (an idle rank runs a padding-only batch, vLLM's dummy batch), chosen to waste little
-(`jaxprep.serving.dp_policy`). All ranks then run in one `serve_step_sharded` dispatch. The loop is
+(`jaxprep.serving.host.dp_policy`). All ranks then run in one `serve_step_sharded` dispatch. The loop is
 `Engine`'s; only the device hooks differ.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxprep.models.tiny import ServingModel, init_params
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.engine import Engine, with_vocab_size
-from jaxprep.serving.model import ServingModel, init_params
-from jaxprep.serving.sharded import (
+from jaxprep.serving.host.engine import Engine, with_vocab_size
+from jaxprep.serving.host.sharded import (
     ShardedServingBatch,
     apply_updates_sharded,
     replicated,

@@ -9,11 +9,11 @@ import numpy as np
 
 from jaxprep.compilation import compile_all
 from jaxprep.compilation import warmup as jaxprep_warmup
+from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
-from jaxprep.serving import checks, transitions
+from jaxprep.serving import transitions
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
+from jaxprep.serving.host import checks
 from jaxprep.serving.state import (
     ERROR_BITS,
     AddRequests,
@@ -27,6 +27,7 @@ from jaxprep.serving.state import (
     draft_width,
 )
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_buffer
+from jaxprep.serving.update_packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
 from jaxprep.step_buffer import StepBuffer
 
 
@@ -201,7 +202,7 @@ class ServingBatch:
                  model: ServingModel, num_tokens_padded: int, packed: PackedStep | None = None):
         """`serve` without waiting: returns the KV cache and the step's tokens as a device array, and
         advances the mirror by ``predicted`` ([1, max_num_reqs]: the rows that will append a token,
-        `jaxprep.serving.overlap.predicted_tokens`). Async scheduling's half of a step."""
+        `jaxprep.serving.host.overlap.predicted_tokens`). Async scheduling's half of a step."""
         if int(np.asarray(updates.decode_steps)[0]) != 1:
             raise checks.InvalidUpdateError("dispatch runs single steps: decode_steps must be 1")
         check_dispatchable(self.config)
@@ -276,8 +277,7 @@ def advance_rows(rows: checks.HostRows, tokens: np.ndarray, num_speculative_toke
     """The mirror after a serving step appended ``tokens`` [slots, max_num_reqs] (`AppendedTokens`);
     rejected drafts are not computed."""
     appended = AppendedTokens(tokens, num_speculative_tokens)
-    rows.num_computed_tokens += (rows.num_scheduled_tokens - appended.num_rejected(rows.num_draft_tokens)
-                                 + appended.num_decoded)
+    rows.num_computed_tokens += appended.computed_advance(rows.num_scheduled_tokens, rows.num_draft_tokens)
     rows.num_tokens += appended.num_appended
     rows.num_scheduled_tokens[:] = 0
     rows.num_draft_tokens[:] = 0

@@ -6,7 +6,7 @@
 `StepUpdates` for `ServingBatch.apply_updates`; the core never sees a vLLM name.
 
 A step is never half taken: `VllmAdapter.step` first reads the whole output into a plan (the checks
-of `jaxprep.serving.vllm_checks`, one pass, and the translation, on copies of the request map made
+of `jaxprep.serving.host.vllm_checks`, one pass, and the translation, on copies of the request map made
 only when the step changes it), then the batch checks the plan's `StepUpdates` on the host and
 applies it, and only then does the adapter keep the plan's request map, free rows and LoRA slots.
 A malformed output raises `InvalidSchedulerOutputError` (or `InvalidUpdateError`) naming the object
@@ -75,11 +75,11 @@ from jaxprep._constants import NO_LORA_ID
 from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.sampling_params import SamplingParams
 from jaxprep.metadata import StepInputs
-from jaxprep.serving import vllm_checks
-from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.host import vllm_checks
+from jaxprep.serving.host.batch import ServingBatch
+from jaxprep.serving.host.vllm_checks import InvalidSchedulerOutputError, fail
 from jaxprep.serving.state import AppendBlocks, StepUpdates, draft_width, num_kv_groups
-from jaxprep.serving.vllm_checks import InvalidSchedulerOutputError, fail
 from jaxprep.step_buffer import StepBuffer
 
 GRAMMAR_NOT_GIVEN = object()

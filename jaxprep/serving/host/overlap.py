@@ -21,11 +21,11 @@ import time
 
 import numpy as np
 
-from jaxprep.serving import dp_policy
-from jaxprep.serving.batch import check_dispatchable
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.engine import Engine
-from jaxprep.serving.scheduler import Request, SchedulerOutput
+from jaxprep.serving.host import dp_policy
+from jaxprep.serving.host.batch import check_dispatchable
+from jaxprep.serving.host.engine import Engine
+from jaxprep.serving.host.scheduler import Request, SchedulerOutput
 from jaxprep.serving.step import NO_TOKEN, AppendedTokens
 
 PLACEHOLDER_TOKEN = 0

@@ -23,15 +23,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
-from jaxprep.serving import checks
-from jaxprep.serving.batch import advance_rows
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import KVCache, ServingModel
-from jaxprep.serving.packing import pack_step, pad_to, unpack_updates
+from jaxprep.serving.host import checks
+from jaxprep.serving.host.batch import advance_rows
 from jaxprep.serving.state import ServingState, StepUpdates
 from jaxprep.serving.step import serve_body, update_and_prepare_body
 from jaxprep.serving.transitions import apply_updates_body
+from jaxprep.serving.update_packing import pack_step, pad_to, unpack_updates
 from jaxprep.sharding import DATA_AXIS
 
 ROWS = PartitionSpec(DATA_AXIS)  # leading axis split by rank

@@ -1,7 +1,7 @@
 """What each dispatch of the serving loop ran: tokens per forward pass, the bucket, prefill vs decode.
 
 `LoopStats.dispatches_log` holds one `DispatchRecord` per dispatch; ``jaxprep simulate --plot``
-draws it (`jaxprep.serving.chart`). A request counts as decoding in a pass when it runs one token,
+draws it (`jaxprep.cli.chart`). A request counts as decoding in a pass when it runs one token,
 vLLM's rule (``vllm/v1/attention/backends/utils.py::split_decodes_and_prefills``, decode threshold 1).
 """
 

@@ -46,7 +46,7 @@ import numpy as np
 from jaxprep._constants import NO_GRAMMAR
 from jaxprep.serving import update_bounds
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.state import StepUpdates, draft_width, table_names, table_widths
+from jaxprep.serving.state import InvalidUpdateError, StepUpdates, draft_width, table_names, table_widths
 
 HEADER = ("decode_steps", "n_finish", "n_add", "n_resume", "n_segments", "n_schedule", "schedule_dense",
           "has_lora_slots", "n_data", "has_schedule")
@@ -537,8 +537,6 @@ def _checked_blob(blob) -> jax.Array:
     checked while tracing); an empty or float buffer is refused by name, never indexed or truncated."""
     shape, dtype = jnp.shape(blob), jnp.result_type(blob)
     if len(shape) != 1 or shape[0] < HEADER_WORDS or dtype != jnp.int32:
-        from jaxprep.serving.checks import InvalidUpdateError
-
         raise InvalidUpdateError(f"packed update buffer has shape {tuple(shape)} and dtype {dtype}: it must be 1-D "
                                  f"int32 with at least the {HEADER_WORDS} header words (pack_step's buffers are)")
     return jnp.asarray(blob)

@@ -12,29 +12,14 @@ at ``max_model_len - T``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.serving.config import NgramConfig
 
 NO_DRAFT = -1
 """Entry of the drafter's output past a row's draft count."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NgramConfig:
-    """Static sizes of the n-gram drafter (vLLM ``SpeculativeConfig.prompt_lookup_min``/``max``;
-    vLLM's default, when neither is set, is 5 and 5)."""
-
-    prompt_lookup_min: int = 5
-    prompt_lookup_max: int = 5
-
-    def __post_init__(self):
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
-            raise ValueError(f"NgramConfig: need 1 <= prompt_lookup_min={low} <= prompt_lookup_max={high}")
 
 
 def backward_match_lengths(token_ids: Int32[Array, "rows max_model_len"], num_tokens: Int32[Array, " rows"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxprep.serving.engine import LoopStats
+from jaxprep.serving.host.engine import LoopStats
 from jaxprep.walkthrough.plotting import _matplotlib
 
 PREFILL, DECODE, PADDING, PREP = "#1f77b4", "#ff7f0e", "#d9d9d9", "#2ca02c"

@@ -1,8 +1,8 @@
-"""Torch views of a packed step: the torch side of `jaxprep.packing`.
+"""Torch views of a packed step: the torch side of `jaxprep.array_packing`.
 
-`jaxprep.packing` lays a step's arrays out in one int32 buffer and packs them inside a jit; torch
+`jaxprep.array_packing` lays a step's arrays out in one int32 buffer and packs them inside a jit; torch
 takes the buffer with a single ``torch.from_dlpack`` and cuts one view per field here, with torch
-ops (a view of a torch tensor is not a slice of a NumPy or JAX array, so `jaxprep.packing.unpack`
+ops (a view of a torch tensor is not a slice of a NumPy or JAX array, so `jaxprep.array_packing.unpack`
 does not apply). INT64 fields become int64 views, FLOAT32 fields float32 views and BOOL fields bool views,
 without a copy.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 
-from jaxprep.packing import BOOL, FLOAT32, INT64, Span
+from jaxprep.array_packing import BOOL, FLOAT32, INT64, Span
 from torch_bridge._torch import torch
 
 

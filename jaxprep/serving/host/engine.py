@@ -10,16 +10,17 @@ import time
 import numpy as np
 
 from jaxprep.compilation import compile_all
-from jaxprep.serving import dp_policy, transitions
+from jaxprep.models.tiny import KVCache, ServingModel, init_params
+from jaxprep.serving import transitions
 from jaxprep.serving._values import integer
-from jaxprep.serving.batch import ServingBatch
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.dispatch_log import DispatchRecord, dispatch_record
-from jaxprep.serving.model import KVCache, ServingModel, init_params
-from jaxprep.serving.packing import PackedStep, payload_buckets, step_payload_buckets
-from jaxprep.serving.scheduler import Request, Scheduler, SchedulerOutput
+from jaxprep.serving.host import dp_policy
+from jaxprep.serving.host.batch import ServingBatch
+from jaxprep.serving.host.dispatch_log import DispatchRecord, dispatch_record
+from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput
 from jaxprep.serving.state import StepUpdates
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_donated
+from jaxprep.serving.update_packing import PackedStep, payload_buckets, step_payload_buckets
 
 
 @dataclasses.dataclass
@@ -38,7 +39,7 @@ class LoopStats:
     draft_tokens: int = 0  # speculative decoding: drafts scheduled (and verified)
     accepted_draft_tokens: int = 0  # drafts kept (those cut at a stop count as not kept)
     draft_steps: int = 0  # request-steps with at least one draft
-    h2d_bytes: int = 0  # bytes of the update buffers sent to the device (`jaxprep.serving.packing`)
+    h2d_bytes: int = 0  # bytes of the update buffers sent to the device (`jaxprep.serving.update_packing`)
     changed_words: int = 0  # state entries those updates wrote (new tokens, block ids, counters)
     host_s: float = 0.0  # async scheduling: host time per iteration, waits for the device excluded
     overlapped_host_s: float = 0.0  # async scheduling: the part spent while the previous step still ran
@@ -84,7 +85,7 @@ class Engine:
     `drain_finished` hands them out, and per-dispatch records (`LoopStats.dispatches_log`,
     ``step_us``, ``dispatch_us``) are kept only with ``keep_history`` (what ``jaxprep simulate`` reports
     and plots). With ``time_prep`` every dispatch's packed updates are kept too, for
-    `jaxprep.serving.prep_timing.time_prepare` to replay after the loop.
+    `jaxprep.serving.host.prep_timing.time_prepare` to replay after the loop.
 
     The loop itself (arrivals, scheduling, the fused dispatch, counting) is written for any number
     of DP ranks, each with its own scheduler; `DataParallelEngine` overrides only the device hooks

@@ -8,7 +8,7 @@ vLLM's scheduler could have sent is refused by name instead of being truncated (
 NumPy reduction over a field already turned into an array; the per-request ones run inside loops the
 translation has anyway (new requests, appended blocks, drafts).
 
-What is checked here (the bounds of the values, against the batch, are `jaxprep.serving.checks`'s):
+What is checked here (the bounds of the values, against the batch, are `jaxprep.serving.host.checks`'s):
 
 - ``num_scheduled_tokens``: a dict of request ids to integers >= 1 (never truncated, never a bool),
   summing to ``total_num_scheduled_tokens``; as many entries as new and cached requests;

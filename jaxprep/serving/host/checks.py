@@ -19,24 +19,23 @@ import functools
 
 import numpy as np
 
+from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, PAD_STATE_ROW
 from jaxprep.config import cdiv
 from jaxprep.features.sampling import FLOAT_PARAMS, check_parameter_bounds
 from jaxprep.serving._values import check_payload_leaves
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.state import (
+    InvalidUpdateError,
     block_bounds,
     check_token_ids,
     draft_width,
     placeholders_allowed,
     table_names,
     table_widths,
+    token_ids_fit,
 )
-from jaxprep.validate import InvalidBatchError
-
-
-class InvalidUpdateError(InvalidBatchError):
-    """A serving-state update breaks a bound; nothing was changed."""
+from jaxprep.serving.transitions import computed_advance
 
 
 @dataclasses.dataclass
@@ -147,7 +146,8 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
     busy = real[rows.busy[real]]
     if len(busy):
         _fail(f"AddRequests.rows: row {int(busy[0])} is busy; finish its request first")
-    if len(payload.entries) > 1 and _adds_fit(rows, payload.entries, real, config):
+    checked = _ids_checked(payload, config)
+    if len(payload.entries) > 1 and _adds_fit(rows, payload.entries, real, config, checked):
         rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
         rows.pending_drafts[real] = -1
         return
@@ -157,7 +157,8 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
         if not 1 <= num_tokens <= stop_len <= prep.max_model_len:
             _fail(f"{where}: need 1 <= num_tokens={num_tokens} <= stop_len={stop_len} "
                   f"<= max_model_len={prep.max_model_len}")
-        check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
+        if not checked:
+            check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
         _check_tables(where, entry.block_ids, config)
         rows.table_blocks[entry.row] = [len(b) for b in entry.block_ids]
         if not 0 <= computed < num_tokens:
@@ -172,7 +173,14 @@ def _add(rows: HostRows, payload, config: ServingConfig) -> None:
     rows.pending_drafts[real] = -1
 
 
-def _adds_fit(rows: HostRows, entries: tuple, real: np.ndarray, config: ServingConfig) -> bool:
+def _ids_checked(payload, config: ServingConfig) -> bool:
+    """Whether ``payload``'s token ids were checked when it was built (`AddRequests.build`,
+    `ResumeRequests.build`) against a bound no looser than ``config``'s: each id is checked once, where it
+    enters; a payload built by hand, or for a looser vocabulary, is checked here."""
+    return payload.token_id_bound is not None and payload.token_id_bound <= config.token_id_bound
+
+
+def _adds_fit(rows: HostRows, entries: tuple, real: np.ndarray, config: ServingConfig, checked: bool = False) -> bool:
     """`_add`'s checks of every entry at once (the common entry: no M-RoPE or is_token_ids rows), and the
     rows written if all pass; False (nothing written) sends `_add` through the entries one by one, to
     name the first value that fails.
@@ -182,12 +190,13 @@ def _adds_fit(rows: HostRows, entries: tuple, real: np.ndarray, config: ServingC
     ```
     """
     try:  # a value of an odd type (a payload built by hand): the entries one by one name it
-        return _adds_fit_values(rows, entries, real, config)
+        return _adds_fit_values(rows, entries, real, config, checked)
     except (TypeError, ValueError):
         return False
 
 
-def _adds_fit_values(rows: HostRows, entries: tuple, real: np.ndarray, config: ServingConfig) -> bool:
+def _adds_fit_values(rows: HostRows, entries: tuple, real: np.ndarray, config: ServingConfig,
+                     checked: bool = False) -> bool:
     prep, features = config.prep, config.prep.features
     if any(e.mrope_positions is not None or e.is_token_ids is not None for e in entries):
         return False
@@ -201,8 +210,7 @@ def _adds_fit_values(rows: HostRows, entries: tuple, real: np.ndarray, config: S
         return False
     if not ((computed >= 0) & (computed < num_tokens) & (prefill >= 0) & (prefill <= num_tokens)).all():
         return False
-    tokens = np.concatenate([e.token_ids for e in entries])
-    if tokens.dtype.kind not in "iu" or tokens.size and (tokens.min() < 0 or tokens.max() >= config.token_id_bound):
+    if not checked and not token_ids_fit(np.concatenate([e.token_ids for e in entries]), config.token_id_bound):
         return False
     names, widths = table_names(config), table_widths(config)
     counts = np.array([[len(ids) for ids in e.block_ids] for e in entries], np.int64).reshape(len(entries), -1)
@@ -280,7 +288,8 @@ def _resume(rows: HostRows, payload, config: ServingConfig) -> None:
             num_tokens = len(entry.token_ids)
             if not 1 <= num_tokens <= rows.stop_len[row]:
                 _fail(f"{where}: need 1 <= len(token_ids)={num_tokens} <= stop_len={int(rows.stop_len[row])}")
-            check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
+            if not _ids_checked(payload, config):
+                check_token_ids(f"{where}: token_ids", entry.token_ids, config.token_id_bound, InvalidUpdateError)
         elif rows.pending[row]:
             low, extra, unverified = int(rows.num_computed_tokens[row]), int(rows.pending_drafts[row]), \
                 entry.unverified_drafts
@@ -418,7 +427,7 @@ def _schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
         ids = payload.draft_token_ids
         low = -1 if placeholders_allowed(config) else 0
         drafted = np.arange(width)[None, :] < drafts[:, None]
-        if (drafted & ((ids < low) | (ids >= config.token_id_bound))).any():
+        if not token_ids_fit(ids[drafted], config.token_id_bound, low):
             return False
     return True
 
@@ -525,7 +534,7 @@ def check_record(rows: HostRows, idx_mapping, sampled_token_ids, num_sampled, co
         _fail(f"record_sampled: row {int(real[i])} would hold {int(new_len[i])} tokens, more than "
               f"max_model_len={config.max_model_len}")
     rows = rows.copy()
-    rows.num_computed_tokens[real] += np.where(discarded, scheduled, scheduled - (drafts + 1 - kept))
+    rows.num_computed_tokens[real] += computed_advance(scheduled, drafts, kept, ~discarded)
     rows.num_tokens[real] = new_len
     rows.num_scheduled_tokens[real] = rows.num_draft_tokens[real] = 0
     return _fold_slack(rows, real)
@@ -563,7 +572,7 @@ def advance_unread(rows: HostRows, config: ServingConfig) -> HostRows:
     scheduled, drafts = rows.num_scheduled_tokens, rows.num_draft_tokens
     active = scheduled > 0
     samples = active & (rows.num_computed_tokens + scheduled >= rows.num_tokens)
-    rows.num_computed_tokens += np.where(active, scheduled - drafts, 0)
+    rows.num_computed_tokens += computed_advance(scheduled, drafts, 1, active)  # the least: every draft rejected
     rows.num_tokens += samples.astype(np.int64)
     pending = samples & (drafts > 0)
     rows.pending_drafts[pending] = drafts[pending]

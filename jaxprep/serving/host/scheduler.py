@@ -11,7 +11,7 @@ A step's tokens reach the scheduler in two moves (vLLM's ``_update_after_schedul
 as output placeholders, and `resolve` replaces them with the sampled ids and finishes requests that
 stop. The synchronous loop makes both moves with the step's tokens (`update`); under async
 scheduling the host makes the first with the tokens it predicts and schedules the next step before
-the real ones arrive (`jaxprep.serving.overlap`).
+the real ones arrive (`jaxprep.serving.host.overlap`).
 """
 
 from __future__ import annotations
@@ -323,14 +323,14 @@ class Scheduler:
 
     def after_schedule(self, out: SchedulerOutput, tokens: np.ndarray) -> None:
         """Advances every request ``out`` scheduled by what ``tokens`` says the step appends (the
-        step's own tokens, or the prediction of `jaxprep.serving.overlap.predicted_tokens`): its
+        step's own tokens, or the prediction of `jaxprep.serving.host.overlap.predicted_tokens`): its
         computed tokens, and one output placeholder per appended token.
 
         Iteration 0 computes the scheduled tokens and appends a token only if they reach the end of
         the known tokens; every later iteration computes and appends one decode token (`AppendedTokens`).
         """
         step = AppendedTokens(tokens, self.config.num_speculative_tokens)
-        rejected = step.num_rejected(out.num_draft_tokens)
+        advance = step.computed_advance(out.num_scheduled_tokens, out.num_draft_tokens)
         for row, request in out.requests.items():
             scheduled = int(out.num_scheduled_tokens[row])
             computed = request.num_computed_tokens + scheduled - int(out.num_draft_tokens[row])
@@ -338,7 +338,7 @@ class Scheduler:
                 raise RuntimeError(f"request {request.request_id}: the device and the host disagree on whether "
                                    f"computing {computed} of {request.num_tokens_with_placeholders} tokens samples")
             # rejected drafts are not computed: the next step computes from the first of them again
-            request.num_computed_tokens += scheduled - int(rejected[row]) + int(step.num_decoded[row])
+            request.num_computed_tokens += int(advance[row])
             request.num_output_placeholders += int(step.num_appended[row])
         out.num_appended = step.num_appended
 

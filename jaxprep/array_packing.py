@@ -2,7 +2,7 @@
 
 One transfer (or one DLPack capsule) instead of one per array: a step fetched to the host
 (`jaxprep.prepare.prepare_to_host`), a step's state updates sent to the device
-(`jaxprep.serving.packing`) and a step handed to torch (`torch_bridge`) all use this layout.
+(`jaxprep.serving.update_packing`) and a step handed to torch (`torch_bridge`) all use this layout.
 The layout is a pure function of (name, shape, kind) triples, so it is static per bucket and the
 same on both sides of a transfer. Field kinds say how a field is stored and viewed:
 
@@ -30,7 +30,7 @@ same on both sides of a transfer. Field kinds say how a field is stored and view
 
 `unpack` cuts NumPy (any kind) or traced JAX (``INT32``) buffers by slicing; `decode` reads a field of
 any kind back inside a jit (a slice, and for the other kinds a bitcast or a strided slice, which XLA
-fuses into its consumer); torch cuts its views with its own ops (`torch_bridge.packing.unpack`), since
+fuses into its consumer); torch cuts its views with its own ops (`torch_bridge.array_views.unpack`), since
 a torch view is not a slice of either.
 """
 

@@ -11,7 +11,7 @@ differs). Nothing is reset when a request finishes.
 
 After each step (vLLM ``post_update``) every appended token adds 1 to its row's ``output_bin_counts``.
 
-The parameters travel in the one int32 update buffer (`jaxprep.serving.packing`): float parameters
+The parameters travel in the one int32 update buffer (`jaxprep.serving.update_packing`): float parameters
 as their float32 bit patterns, bit-cast back inside the jit; admission itself is
 `jaxprep.serving.transitions.admit_sampling_body` (the bins from the update's token words).
 """

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep.serving.model import ServingModel
-from jaxprep.serving.scheduler import Request
+from jaxprep.models.tiny import ServingModel
+from jaxprep.serving.host.scheduler import Request
 
 FIRST_PROMPT_TOKEN = 2
 """Prompt ids are drawn from [FIRST_PROMPT_TOKEN, vocab_size): 0 is the pad id, 1 the default EOS."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprep.config import PrepConfig
-from jaxprep.serving.scheduler import Scheduler, SchedulerOutput
+from jaxprep.serving.host.scheduler import Scheduler, SchedulerOutput
 from jaxprep.sharding import dp_bucket
 
 

@@ -20,14 +20,14 @@ from jaxprep._ragged import take_rows
 from jaxprep.features.logits_indirection import logits_indirection
 from jaxprep.features.sampling import sampling_metadata
 from jaxprep.features.spec_decode import spec_decode_metadata
+from jaxprep.models.tiny import ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.model import ServingModel
-from jaxprep.serving.ngram import propose_ngram
-from jaxprep.serving.sampler import check_vocab, row_keys, row_probabilities
+from jaxprep.serving.sample.sampler import check_vocab, row_keys, row_probabilities
+from jaxprep.serving.spec_decode.ngram import propose_ngram
+from jaxprep.serving.spec_decode.verify import PLACEHOLDER, greedy_verify, rejection_verify_rows
 from jaxprep.serving.state import ServingState
 from jaxprep.serving.transitions import record_sampled_body, row_index
-from jaxprep.serving.verify import PLACEHOLDER, greedy_verify, rejection_verify_rows
 
 
 def forward_verify_record(state: ServingState, kv_cache, params, config: ServingConfig, model: ServingModel,
