@@ -68,7 +68,7 @@ def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = Non
     ``cache_dir``: turn on JAX's persistent compilation cache there first (`use_compile_cache`),
     so a later process warms up from disk.
     """
-    from jaxprep._checks import CONFIG_HINT, expect
+    from jaxprep.bounds import CONFIG_HINT, expect
     from jaxprep.prepare import prepare_padded
 
     expect("warmup", "config", config, PrepConfig, "a jaxprep.PrepConfig", CONFIG_HINT)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from jaxprep._checks import block_table_width, cdiv, check_positive_int, max_block_id, module_available
 from jaxprep._constants import INT32_MAX
+from jaxprep.bounds import block_table_width, cdiv, check_positive_int, max_block_id, module_available
 from jaxprep.features import FeatureConfig
 
 MIN_TOKEN_BUCKET = 8
@@ -158,7 +158,7 @@ class PrepConfig:
 
     @property
     def max_block_id(self) -> int:
-        """Largest valid block id (`jaxprep._checks.max_block_id`)."""
+        """Largest valid block id (`jaxprep.bounds.max_block_id`)."""
         return max_block_id(self.num_blocks, self.block_size)
 
     def bucket_for(self, num_tokens: int) -> int:

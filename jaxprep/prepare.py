@@ -16,13 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import expect_bucket
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_STATE_ROW
 from jaxprep._ragged import batch_layout, stack, token_blocks
 from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._typing import Array, Int32
 from jaxprep.array_packing import INT32, Span, layout, pack_body, unpack
-from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, safe_block_table, token_flags
+from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, expect_bucket, safe_block_table, token_flags
 from jaxprep.config import PrepConfig, triton_backend_available, uncovered_features
 from jaxprep.features import with_features
 from jaxprep.features.masks import compressed_causal_mask

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxprep._checks import expect, expect_bucket
+from jaxprep.bounds import expect, expect_bucket
 from jaxprep.config import PrepConfig
 from jaxprep.metadata import StepInputs
 from jaxprep.prepare import prepare_body

@@ -33,23 +33,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprep import features
-from jaxprep._checks import (
-    CONFIG_HINT,
-    STATE_HINT,
-    InvalidBatchError,
-    check_blocks,
-    check_row_bound,
-    expect,
-    expect_bucket,
-)
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep.bounds import (
     BLOCK_ID_OUT_OF_RANGE,
+    CONFIG_HINT,
     NEGATIVE_COUNT,
     NULL_BLOCK,
     OVER_BUCKET,
     PAST_MAX_MODEL_LEN,
+    STATE_HINT,
+    InvalidBatchError,
+    check_blocks,
+    check_row_bound,
     core_row_flags,
+    expect,
+    expect_bucket,
 )
 from jaxprep.config import PrepConfig
 from jaxprep.features import registry

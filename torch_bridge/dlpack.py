@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxprep._checks import expect
 from jaxprep._constants import INT32_MAX, INT32_MIN
+from jaxprep.bounds import expect
 from torch_bridge._torch import device_type, torch
 
 JAX_ALIGNMENT = 64

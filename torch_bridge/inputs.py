@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxprep._checks import type_name
 from jaxprep.array_packing import INT32, INT64
+from jaxprep.bounds import type_name
 from jaxprep.metadata import SCALAR_FIELDS, STEP_FIELDS, StepInputs, step_fields
 from torch_bridge._checks import as_jax, check_consistent, check_features
 from torch_bridge._torch import torch

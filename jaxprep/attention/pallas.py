@@ -25,9 +25,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxprep._checks import module_available
 from jaxprep._typing import as_compute
 from jaxprep.attention.paged import token_kv_lens
+from jaxprep.bounds import module_available
 from jaxprep.metadata import StepInputs
 
 GPU_PAGES_PER_COMPUTE_BLOCK = 8

@@ -24,10 +24,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import NO_PREV_ROW, PAD_INPUT_ID, PAD_STATE_ROW
 from jaxprep._ragged import counts_per_target, take_rows
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.bounds import InvalidBatchError, check_row_bound
 from jaxprep.features.flags import PREV_BATCH_ROW_OUT_OF_RANGE
 from jaxprep.features.record import Feature
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxprep._checks import cdiv, check_positive_int, max_block_id
 from jaxprep._constants import INT32_MAX
+from jaxprep.bounds import cdiv, check_positive_int, max_block_id
 from jaxprep.features.lora_config import LoRAConfig
 from jaxprep.features.sampling_params import SamplingConfig
 

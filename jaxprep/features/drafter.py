@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import (
     DRAFT_REJECTED_INPUT_ID,
     DRAFT_REJECTED_POSITION,
@@ -40,6 +39,7 @@ from jaxprep._constants import (
 from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._ragged import take_rows, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.bounds import InvalidBatchError
 from jaxprep.features.discard import discard_request_mask
 from jaxprep.features.record import Feature
 

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR
 from jaxprep._ragged import counts_per_target, take_rows
 from jaxprep._typing import Array, Int32, StepArray
+from jaxprep.bounds import InvalidBatchError, check_row_bound
 from jaxprep.features.flags import GRAMMAR_INDEX_INVALID
 from jaxprep.features.logits_indirection import LogitsIndirection
 from jaxprep.features.record import Feature

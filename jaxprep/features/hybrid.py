@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import INT32_MAX, NO_DECODE_DRAFTS, NULL_BLOCK_ID, PAD_NUM_ACCEPTED_TOKENS, PAD_STATE_INDEX
 from jaxprep._ragged import take_rows
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.bounds import InvalidBatchError, check_row_bound
 from jaxprep.features.config import HybridConfig
 from jaxprep.features.flags import (
     MAMBA_CHECKPOINT_OUT_OF_RANGE,

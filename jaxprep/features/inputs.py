@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError
+from jaxprep.bounds import InvalidBatchError
 from jaxprep.features import (
     hybrid,
     kv_groups,

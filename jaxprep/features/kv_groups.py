@@ -18,11 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, block_table_width, cdiv, check_blocks, max_block_id
 from jaxprep._constants import NULL_BLOCK_ID
 from jaxprep._ragged import slot_mapping, token_blocks
 from jaxprep._typing import Array, Int32, StepArray
-from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, safe_block_table, token_flags
+from jaxprep.bounds import (
+    BLOCK_ID_OUT_OF_RANGE,
+    InvalidBatchError,
+    block_table_width,
+    cdiv,
+    check_blocks,
+    max_block_id,
+    safe_block_table,
+    token_flags,
+)
 from jaxprep.features.config import KVCacheGroupSpec
 from jaxprep.features.dcp import dcp_slot_mapping
 from jaxprep.features.flags import KV_GROUP_BLOCK_OUT_OF_RANGE, KV_GROUP_NULL_BLOCK

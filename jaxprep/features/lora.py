@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import (
     EMPTY_LORA_SLOT,
     NO_LORA_ID,
@@ -37,6 +36,7 @@ from jaxprep._constants import (
 )
 from jaxprep._ragged import prefix_sum, stack, take_rows, token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.bounds import InvalidBatchError
 from jaxprep.features.flags import LORA_ID_NOT_LOADED, LORA_SLOTS_INVALID
 from jaxprep.features.record import Feature
 from jaxprep.features.spec_decode import padded_sizes

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import check_row_bound
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.bounds import check_row_bound
 from jaxprep.features.flags import ROW_MASK_TOO_NARROW
 from jaxprep.features.record import Feature
 

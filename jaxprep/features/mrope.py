@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import MROPE_MISSING_POSITION, MROPE_POSITION_LIMIT, PAD_POSITION
 from jaxprep._typing import Array, Bool, Int32
+from jaxprep.bounds import InvalidBatchError
 from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.flags import MROPE_POSITION_MISSING
 from jaxprep.features.record import Feature

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import check_row_bound
 from jaxprep._constants import INT32_MAX, PAD_EMBEDS_INDEX, PAD_INPUT_ID
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.bounds import check_row_bound
 from jaxprep.features.flags import PROMPT_EMBEDS_START_OUT_OF_RANGE
 from jaxprep.features.record import Feature
 

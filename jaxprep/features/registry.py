@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxprep._checks import check_row_bound
 from jaxprep._typing import Array, Bool
+from jaxprep.bounds import check_row_bound
 from jaxprep.features import (
     async_tokens,
     attn_state,

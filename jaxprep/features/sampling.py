@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import (
     INT32_MAX,
     PAD_FREQUENCY_PENALTY,
@@ -36,6 +35,7 @@ from jaxprep._constants import (
 )
 from jaxprep._ragged import take_rows
 from jaxprep._typing import Array, Bool, Float32, Int32, StepArray
+from jaxprep.bounds import InvalidBatchError
 from jaxprep.features.flags import (
     FREQUENCY_PENALTY_NOT_FINITE,
     MIN_P_OUT_OF_RANGE,

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, check_row_bound
 from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX
 from jaxprep._ragged import token_request_index
 from jaxprep._typing import Array, Bool, Int32, StepArray
+from jaxprep.bounds import InvalidBatchError, check_row_bound
 from jaxprep.features.flags import DRAFTS_OUT_OF_RANGE, DRAFTS_PAST_SCHEDULED
 from jaxprep.features.record import Feature
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxprep._checks import check_positive_int
 from jaxprep._constants import INT32_MAX
+from jaxprep.bounds import check_positive_int
 from jaxprep.config import PrepConfig
 
 

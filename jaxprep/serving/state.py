@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError, max_block_id
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID, NULL_BLOCK_ID
+from jaxprep.bounds import InvalidBatchError, max_block_id
 from jaxprep.config import block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
 from jaxprep.serving._values import integer, integer_array

@@ -97,7 +97,7 @@ def test_importing_jaxprep_does_not_import_the_triton_backend():
 
 
 def test_module_available_finds_without_importing_and_survives_a_missing_parent():
-    from jaxprep._checks import module_available
+    from jaxprep.bounds import module_available
 
     assert module_available("jax.experimental.pallas")
     assert not module_available("jax.no_such_module") and not module_available("no_such_package.sub")

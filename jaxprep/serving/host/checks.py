@@ -19,8 +19,8 @@ import functools
 
 import numpy as np
 
-from jaxprep._checks import InvalidBatchError
 from jaxprep._constants import EMPTY_LORA_SLOT, INT32_MAX, NO_GRAMMAR, PAD_STATE_ROW
+from jaxprep.bounds import InvalidBatchError
 from jaxprep.config import cdiv
 from jaxprep.features.sampling import FLOAT_PARAMS, check_parameter_bounds
 from jaxprep.serving._values import check_payload_leaves
