@@ -12,9 +12,7 @@ import operator
 
 import numpy as np
 
-from jaxprep._constants import INT32_MAX
-
-INT32_MIN = -INT32_MAX - 1
+from jaxprep._constants import INT32_MAX, INT32_MIN
 
 
 def integer(where: str, value, minimum: int | None = None, error: type[Exception] = ValueError) -> int:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprep._constants import (
+    INT32_MAX,
     MROPE_MISSING_POSITION,
     NO_GRAMMAR,
     NO_LORA_ID,
@@ -277,7 +278,7 @@ def batch_rows_of(idx_mapping) -> jax.Array:
 
 def _outside_vocab(token_ids: jax.Array, vocab_bound: int | None, low: int = 0) -> jax.Array:
     """Per id: outside [``low``, ``vocab_bound``) (no upper bound when ``vocab_bound`` is None)."""
-    limit = jnp.iinfo(jnp.int32).max if vocab_bound is None else vocab_bound
+    limit = INT32_MAX if vocab_bound is None else vocab_bound
     return (token_ids < low) | (token_ids >= limit)
 
 
