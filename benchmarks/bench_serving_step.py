@@ -15,9 +15,12 @@ have every output on the host:
   (as `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states` writes them), then its host-side preparation
   (`vllm_v1_baseline.VllmV1HostPrep.prepare`), padded to the same bucket.
 
-The shapes and batches are bench_prepare.py's. A sequence of `--steps` updates (rows restart as
-new requests when they would pass max_model_len) is replayed; before timing, every step's outputs
-are checked equal to the baseline's. Compile time is reported apart. Timing as bench_prepare.py:
+The shapes and batches are bench_prepare.py's, with every row's blocks allocated up front
+(`allocate_every_block`: the rows advance past the blocks bench_prepare.py allocates, and a token
+scheduled in the null block is bad input, which jaxprep gives PAD_SLOT_ID, DIVERGENCES.md "Invalid
+inputs are rejected"). A sequence of `--steps` updates (rows restart as new requests when they would
+pass max_model_len) is replayed; before timing, every step is validated (`jaxprep.validate`) and its
+outputs checked equal to the baseline's. Compile time is reported apart. Timing as bench_prepare.py:
 best of ``--rounds`` medians, rounds sweeping every shape. Goals (jaxprep / baseline) at the
 shapes of 2048 tokens or more: ≤ 1.0x with `jaxprep.cli.configure_runtime()`, ≤ 1.5x with
 ``--default-runtime``.
@@ -45,9 +48,11 @@ from bench_prepare import SHAPES, goal, make_batch, v1_baseline  # noqa: E402
 from common import add_timing_arguments, assert_same_step, load_line, machine_line, print_goal_table, time_rows  # noqa: E402
 
 from jaxprep import BatchState, PrepConfig  # noqa: E402
+from jaxprep._constants import NULL_BLOCK_ID  # noqa: E402
 from jaxprep.array_packing import pack_body  # noqa: E402
 from jaxprep.metadata import step_fields  # noqa: E402
 from jaxprep.prepare import HOST_PACKED, prepare_body, unpack_to_host  # noqa: E402
+from jaxprep.validate import validate  # noqa: E402
 
 GOAL_MIN_TOKENS = 2048  # the goals hold at steps of this many scheduled tokens or more
 
@@ -72,8 +77,24 @@ def make_updates(config: PrepConfig, arrays: dict, steps: int, seed: int = 1) ->
     return updates
 
 
+def allocate_every_block(config: PrepConfig, arrays: dict) -> dict:
+    """The batch with every null entry of its block table given a fresh block id, so that every
+    token the updates schedule, however far its row advances, lies in an allocated block.
+
+    ```
+    # block_table [[3, 0, 0], [5, 6, 0]] -> [[3, 7, 8], [5, 6, 9]]
+    ```
+    """
+    table = arrays["block_table"].copy()
+    unallocated = table == NULL_BLOCK_ID
+    table[unallocated] = table.max() + 1 + np.arange(np.count_nonzero(unallocated), dtype=table.dtype)
+    if table.max() > config.max_block_id:
+        raise ValueError(f"allocate_every_block: block id {table.max()} is past max_block_id={config.max_block_id}")
+    return dict(arrays, block_table=table)
+
+
 def with_block_values(update: dict, block_table: np.ndarray) -> dict:
-    """The update's block ids: the ids the table already holds there (blocks are preallocated)."""
+    """The update's block ids: the ids the table already holds there (`allocate_every_block`)."""
     return dict(update, block_values=block_table[update["block_rows"], update["block_cols"]])
 
 
@@ -124,6 +145,12 @@ def run_update(state, update: dict, config: PrepConfig, bucket: int):
     return state, unpack_to_host(words, table, config, bucket)
 
 
+def replayed_steps(config: PrepConfig, arrays: dict, steps: int) -> tuple[dict, list[dict]]:
+    """The batch the benchmark starts from (`allocate_every_block`) and its ``steps`` updates."""
+    arrays = allocate_every_block(config, arrays)
+    return arrays, [with_block_values(u, arrays["block_table"]) for u in make_updates(config, arrays, steps)]
+
+
 def check_against_baseline(config, arrays, updates, bucket) -> None:
     state = BatchState.from_numpy(**arrays)
     tables = {name: value.copy() for name, value in arrays.items()}
@@ -131,6 +158,7 @@ def check_against_baseline(config, arrays, updates, bucket) -> None:
     for update in updates:
         apply_update_numpy(tables, update)
         state, ours = run_update(state, update, config, bucket)
+        validate(state, config, num_tokens_padded=bucket)  # a bad update names its field here
         assert_same_step(ours, baseline.prepare(update["num_scheduled_tokens"], bucket,
                                                 config.num_reqs_padded(bucket)))
 
@@ -143,8 +171,8 @@ def setup_shape(name, num_reqs, num_tokens, max_model_len, block_size, decode_on
 
 def setup_batch(name, config: PrepConfig, arrays: dict, steps: int, goal_applies: bool = False):
     """`setup_shape` for a given batch (`make_batch`'s config and arrays)."""
+    arrays, updates = replayed_steps(config, arrays, steps)
     bucket = config.bucket_for(int(arrays["num_scheduled_tokens"].sum()))
-    updates = [with_block_values(u, arrays["block_table"]) for u in make_updates(config, arrays, steps)]
     start = time.perf_counter()
     check_against_baseline(config, arrays, updates, bucket)  # compiles, then checks every step
     compile_s = time.perf_counter() - start
