@@ -15,8 +15,6 @@ import dataclasses
 import functools
 import operator
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxprep._constants import INT32_MAX, NO_GRAMMAR, NO_LORA_ID, NULL_BLOCK_ID
@@ -25,7 +23,7 @@ from jaxprep.config import block_table_width
 from jaxprep.features import MROPE_NUM_DIMS
 from jaxprep.serving._values import integer, integer_array
 from jaxprep.serving.config import ServingConfig
-from jaxprep.state import BatchState
+from jaxprep.serving.device_state import ServingState as ServingState  # re-exported: its home since the state's arrays
 
 PAD_ROW = -1
 """Row of a padded payload entry: it changes nothing."""
@@ -36,43 +34,6 @@ class InvalidUpdateError(InvalidBatchError):
 
 MAMBA = "mamba"
 """Key of the Mamba state blocks in an `AppendBlocks` entry given as a dict."""
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ServingState:
-    """The batch tables plus per-row serving counters; every leaf is a device array."""
-
-    batch: BatchState  # token_ids, block tables, num_computed_tokens (authoritative), num_draft_tokens, features
-    num_tokens: jax.Array  # [max_num_reqs] prompt + sampled tokens in token_ids; 0 = free row
-    stop_len: jax.Array  # [max_num_reqs] num_tokens at which the request stops (max_model_len: no stop)
-    num_blocks: jax.Array  # [max_num_reqs] allocated columns of KV group 0's block table
-    errors: jax.Array  # [1] error word of the unchecked device transitions (`ERROR_BITS`), 0 if none
-
-    @classmethod
-    def empty(cls, config: ServingConfig) -> ServingState:
-        """No requests: every row free."""
-        def zeros():  # one buffer per field: donation rejects a buffer passed twice
-            return jnp.zeros((config.max_num_reqs,), jnp.int32)
-
-        batch = BatchState.empty(config.prep)
-        if batch.num_draft_tokens is None:  # the serving step keeps draft counts even without spec-decode outputs
-            batch = dataclasses.replace(batch, num_draft_tokens=zeros())
-        return cls(batch=batch, num_tokens=zeros(), stop_len=zeros(), num_blocks=zeros(),
-                   errors=jnp.zeros((1,), jnp.int32))
-
-    @property
-    def num_draft_tokens(self) -> jax.Array:
-        """[max_num_reqs] drafts scheduled this step: ``batch.num_draft_tokens`` (the one copy)."""
-        return self.batch.num_draft_tokens
-
-    def to_numpy(self) -> dict[str, np.ndarray]:
-        """Host copies of every leaf, by field name (the batch's fields included)."""
-        host = self.batch.to_numpy()
-        for field in dataclasses.fields(self):
-            if field.name != "batch":
-                host[field.name] = np.asarray(getattr(self, field.name))
-        return host
 
 
 ERROR_BITS = {"sampled_token_id": 1, "num_sampled": 2, "idx_mapping": 4, "packed_counts": 8, "draft_token_id": 16,

@@ -26,7 +26,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.sample.sampler import sample_requests
 from jaxprep.serving.spec_decode.spec_step import forward_verify_record, next_drafts
 from jaxprep.serving.state import ServingState
-from jaxprep.serving.transitions import apply_updates_body, computed_advance, record_sampled_body, row_index
+from jaxprep.serving.transitions import apply_updates_body, computed_advance, record_rows
 from jaxprep.serving.update_packing import unpack_updates
 from jaxprep.step_buffer import StepBuffer, pack_step_body
 
@@ -178,13 +178,10 @@ def _forward_and_record(state, kv_cache, params, config: ServingConfig, model: S
         sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R_pad]
     else:  # FeatureConfig.sampling: each request's parameters (jaxprep.serving.sample.sampler)
         sampled = sample_requests(logits, inputs.sampling, state.batch)
-    num_tokens_before = state.num_tokens
-    state = record_sampled_body(state, inputs.idx_mapping, sampled[:, None], jnp.ones_like(sampled))
+    state, recorded = record_rows(state, inputs.idx_mapping, sampled[:, None], jnp.ones_like(sampled))
     # idx_mapping [2, 0, -1], sampled [a, b, c] -> per row [b, -, a, -]; discarded rows stay NO_TOKEN
-    rows = row_index(inputs.idx_mapping, state.num_tokens.shape[0])
-    per_row = jnp.full(state.num_tokens.shape, NO_TOKEN, jnp.int32).at[rows].set(sampled, mode="drop")
-    appended = state.num_tokens > num_tokens_before
-    return state, kv_cache, jnp.where(appended, per_row, NO_TOKEN)
+    kept = jnp.where(recorded.num_appended > 0, sampled, NO_TOKEN)
+    return state, kv_cache, jnp.full((state.num_rows,), NO_TOKEN, jnp.int32).at[recorded.rows].set(kept, mode="drop")
 
 
 def _run_iterations(state, kv_cache, params, num_iterations: jax.Array, config: ServingConfig,
@@ -198,7 +195,7 @@ def _run_iterations(state, kv_cache, params, num_iterations: jax.Array, config: 
     def still_active(state, last):
         stop = (last == NO_TOKEN) | (last == config.eos_token_id) | (state.num_tokens >= state.stop_len)
         # the next iteration computes position num_computed_tokens: its block must be allocated
-        return ~(stop | (state.batch.num_computed_tokens >= state.num_blocks * block_size))
+        return ~(stop | (state.field("num_computed_tokens") >= state.num_blocks * block_size))
 
     def body(carry):
         state, kv_cache, out, iteration = carry
@@ -207,20 +204,19 @@ def _run_iterations(state, kv_cache, params, num_iterations: jax.Array, config: 
         slot = jnp.arange(k + 1, dtype=jnp.int32)
         targets = jnp.where(iteration == 0, slot, jnp.where(slot == 0, k + iteration, num_slots))
         next_scheduled = still_active(state, _last_token(block)).astype(jnp.int32)
-        state = dataclasses.replace(state, batch=dataclasses.replace(state.batch, num_scheduled_tokens=next_scheduled))
+        state = state.replace(num_scheduled_tokens=next_scheduled)
         return state, kv_cache, out.at[targets].set(block, mode="drop"), iteration + 1
 
     def cond(carry):
         state, _, _, iteration = carry
-        return (iteration < num_iterations) & ((iteration == 0) | jnp.any(state.batch.num_scheduled_tokens > 0))
+        return (iteration < num_iterations) & ((iteration == 0) | jnp.any(state.field("num_scheduled_tokens") > 0))
 
     out = jnp.full((num_slots,) + state.num_tokens.shape, NO_TOKEN, jnp.int32)
     state, kv_cache, out, _ = jax.lax.while_loop(cond, body, (state, kv_cache, out, jnp.int32(0)))
     if k:
         out = jnp.concatenate([out, next_drafts(state, jnp.any(out != NO_TOKEN, axis=0), config)])
     # a finished step leaves nothing scheduled
-    zeros = jnp.zeros_like(state.batch.num_scheduled_tokens)
-    return dataclasses.replace(state, batch=dataclasses.replace(state.batch, num_scheduled_tokens=zeros)), kv_cache, out
+    return state.replace(num_scheduled_tokens=0), kv_cache, out
 
 
 def _forward(state, kv_cache, params, config: ServingConfig, model: ServingModel, num_tokens_padded: int):

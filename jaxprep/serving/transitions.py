@@ -1,9 +1,12 @@
 """Device transitions ``ServingState -> ServingState``: each ``*_body`` is the pure traced
 transition, the plain name its jitted form that donates the state.
 
-Each transition is a handful of scatters with ``mode='drop'``. Payload rows past a section's count
-(-1) are first mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1 index to the
-last row even with ``mode='drop'`` (docs/semantics.md#jax-traps), so -1 must never reach a scatter.
+The state is three int32 arrays (`jaxprep.serving.device_state`), and each transition writes them by a
+handful of scatters with ``mode='drop'``, whatever its payload holds: row records (every per-row scalar
+of a few rows at once), cells of the token and block tables, whole per-row columns. Payload rows past a
+section's count (-1) are first mapped to the out-of-range sentinel ``max_num_reqs``: JAX wraps a -1
+index to the last row even with ``mode='drop'`` (docs/semantics.md#jax-traps), so -1 must never reach
+a scatter.
 
 `apply_updates_body` reads one packed buffer (`jaxprep.serving.update_packing`) and applies, in order:
 finish, add, resume, the data segments (tokens, M-RoPE positions, is_token_ids, block ids of
@@ -30,10 +33,12 @@ from jaxprep._constants import (
     PLACEHOLDER_TOKEN_ID,
 )
 from jaxprep.features.async_tokens import prev_batch_rows_from_step
+from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.sampling import FLOAT_PARAMS
-from jaxprep.serving import update_bounds
+from jaxprep.serving import state_layout, update_bounds
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.sample.sampling_rows import count_sampled
+from jaxprep.serving.device_state import Cells, RecordBlock, assemble
+from jaxprep.serving.sample.sampling_rows import sampled_count_cells
 from jaxprep.serving.state import ERROR_BITS, ServingState
 from jaxprep.serving.update_packing import IS_TOKEN_IDS, MROPE, TABLE, TOKENS, DeviceUpdates, refused, unpack_updates
 from jaxprep.step_buffer import StepBuffer
@@ -58,133 +63,144 @@ def _gather(array: jax.Array, rows: jax.Array, fill: int = 0) -> jax.Array:
     return jnp.take(array, rows, axis=0, mode="fill", fill_value=fill)
 
 
-def _replace_batch(state: ServingState, **fields) -> ServingState:
-    return dataclasses.replace(state, batch=dataclasses.replace(state.batch, **fields))
+FREED = {"num_computed_tokens": 0, "num_scheduled_tokens": 0, "num_draft_tokens": 0, "num_tokens": 0, "stop_len": 0,
+         "num_blocks": 0, "prefill_len": 0, "num_accepted_tokens": 1, "grammar_index": NO_GRAMMAR,
+         "lora_ids": NO_LORA_ID, "mamba_checkpoint_offsets": 0, "prev_batch_rows": NO_PREV_ROW}
+"""A freed (finished, preempted) row's per-row values: no tokens, no work, no draft, no grammar row, no
+adapter, one accepted token, no last-step batch row (a new request never reads the sampled token of the
+row's former one). Its block tables are nulled; its token ids and sampling rows are left stale."""
 
 
-def tables(batch) -> list[jax.Array]:
-    """Every block table of a row, in `jaxprep.serving.state.table_names` order."""
-    out = [batch.block_table, *(batch.extra_block_tables or ())]
-    return out + ([batch.mamba_block_table] if batch.mamba_block_table is not None else [])
+def admit_body(block: RecordBlock, finish_rows: jax.Array, add: dict) -> RecordBlock:
+    """Finished rows freed (`FREED`) and added rows written: their counters and per-request values (their
+    tokens and blocks follow as data segments). One gather of the old records, one scatter of the new.
+    A row both finished and added takes the added record alone (it starts from the freed values too)."""
+    layout, num_rows = block.layout, block.num_rows
+    finish = row_index(finish_rows, num_rows)
+    add_rows = row_index(add["row"], num_rows)
+    readded = jnp.zeros((num_rows + 1,), bool).at[add_rows].set(True)[finish]  # the sentinel row: never
+    finish = jnp.where(readded & (finish < num_rows), num_rows, finish)
+    rows = jnp.concatenate([finish, add_rows])
+    old = block.gather(rows)
+    freed = assemble(layout, old[: finish.shape[0]], FREED)
+    values = dict(FREED, num_computed_tokens=add["num_computed_tokens"], prefill_len=add["prefill_len"],
+                  num_tokens=add["num_tokens"], stop_len=add["stop_len"])
+    for name, key in (("lora_ids", "lora_id"), ("mrope_position_delta", "mrope_position_delta"),
+                      ("prompt_embeds_start", "prompt_embeds_start")):
+        if key in add:
+            values[name] = add[key]
+    if "top_k" in layout:  # FeatureConfig.sampling: the row's parameters (floats as their bit patterns)
+        values.update({name: jax.lax.bitcast_convert_type(add[name], jnp.float32) for name in FLOAT_PARAMS})
+        values.update(top_k=add["top_k"], seeds_set=add["seeds_set"] != 0)
+    added = assemble(layout, old[finish.shape[0]:], values)
+    return block.write(rows, jnp.concatenate([freed, added]))
 
 
-def _with_tables(batch, new: list[jax.Array]):
-    extra = len(batch.extra_block_tables or ())
-    fields = dict(block_table=new[0])
-    if batch.extra_block_tables is not None:
-        fields["extra_block_tables"] = tuple(new[1: 1 + extra])
-    if batch.mamba_block_table is not None:
-        fields["mamba_block_table"] = new[-1]
-    return dataclasses.replace(batch, **fields)
-
-
-def _set_optional(batch, rows: jax.Array, **values):
-    """``batch`` with ``field[rows] = value`` for each field that the configuration keeps."""
-    fields = {name: _set(getattr(batch, name), rows, value) for name, value in values.items()
-              if getattr(batch, name) is not None}
-    return dataclasses.replace(batch, **fields)
-
-
-def _clear_rows(batch, rows: jax.Array):
-    """A freed or re-admitted row: null blocks in every table, no draft, no grammar, no adapter, no
-    last-step batch row (a new request never reads the sampled token of the row's former one)."""
-    batch = _with_tables(batch, [_set(t, rows, NULL_BLOCK_ID) for t in tables(batch)])
-    return _set_optional(batch, rows, num_computed_tokens=0, num_scheduled_tokens=0, num_draft_tokens=0,
-                         prefill_len=0, num_accepted_tokens=1, grammar_index=NO_GRAMMAR, lora_ids=NO_LORA_ID,
-                         mamba_checkpoint_offsets=0, prev_batch_rows=NO_PREV_ROW)
-
-
-def finish_body(state: ServingState, rows: jax.Array) -> ServingState:
-    """Frees rows: counters to 0 and block tables to the null block (token ids are left stale)."""
-    rows = row_index(rows, state.num_tokens.shape[0])
-    return dataclasses.replace(state, batch=_clear_rows(state.batch, rows), num_tokens=_set(state.num_tokens, rows, 0),
-                               stop_len=_set(state.stop_len, rows, 0), num_blocks=_set(state.num_blocks, rows, 0))
-
-
-def add_body(state: ServingState, add: dict) -> ServingState:
-    """Writes the counters and per-request feature values of new requests (their tokens and blocks
-    follow as data segments); M-RoPE rows are reset to missing and is_token_ids to all tokens."""
-    rows = row_index(add["row"], state.num_tokens.shape[0])
-    batch = _clear_rows(state.batch, rows)
-    batch = _set_optional(batch, rows, num_computed_tokens=add["num_computed_tokens"], prefill_len=add["prefill_len"],
-                          lora_ids=add.get("lora_id"), mrope_position_delta=add.get("mrope_position_delta"),
-                          prompt_embeds_start=add.get("prompt_embeds_start"),
-                          mrope_positions=MROPE_MISSING_POSITION if batch.mrope_positions is not None else None,
-                          is_token_ids=True if batch.is_token_ids is not None else None)
-    return dataclasses.replace(state, batch=batch, num_tokens=_set(state.num_tokens, rows, add["num_tokens"]),
-                               stop_len=_set(state.stop_len, rows, add["stop_len"]),
-                               num_blocks=_set(state.num_blocks, rows, 0))
-
-
-def resume_body(state: ServingState, resume: dict) -> ServingState:
+def resume_body(block: RecordBlock, resume: dict) -> RecordBlock:
     """Sets, where given (>= 0), ``num_computed_tokens`` (-1: the device's own count stays, drafts
-    still being verified), ``num_tokens`` and ``prefill_len``; nulls every table of the rows whose
-    blocks are replaced (their new blocks follow as data segments)."""
-    num_rows = state.num_tokens.shape[0]
-    rows = row_index(resume["row"], num_rows)
+    still being verified), ``num_tokens`` and ``prefill_len``; no work scheduled; ``num_blocks`` 0 where the
+    blocks are replaced (their tables are nulled by `clear_rows_body`, the new blocks follow as data)."""
+    layout = block.layout
+    rows = row_index(resume["row"], block.num_rows)
+    old = block.gather(rows)
 
-    def kept(array, values):  # values, or the row's current value where -1
-        return jnp.where(values >= 0, values, _gather(array, rows))
+    def current(name):
+        return old[:, layout[name].start]
 
-    computed = kept(state.batch.num_computed_tokens, resume["num_computed_tokens"])
-    batch = _set_optional(state.batch, rows, num_computed_tokens=computed, num_scheduled_tokens=0, num_draft_tokens=0)
-    if batch.prefill_len is not None:
-        batch = dataclasses.replace(batch, prefill_len=_set(batch.prefill_len, rows,
-                                                            kept(batch.prefill_len, resume["prefill_len"])))
-    replaced = jnp.where(resume["replace_blocks"] == 1, rows, num_rows)
-    batch = _with_tables(batch, [_set(t, replaced, NULL_BLOCK_ID) for t in tables(batch)])
-    return dataclasses.replace(state, batch=batch,
-                               num_tokens=_set(state.num_tokens, rows, kept(state.num_tokens, resume["num_tokens"])),
-                               num_blocks=_set(state.num_blocks, replaced, 0))
+    def kept(name, values):  # values, or the row's current value where -1
+        return jnp.where(values >= 0, values, current(name))
+
+    values = dict(num_computed_tokens=kept("num_computed_tokens", resume["num_computed_tokens"]),
+                  num_scheduled_tokens=0, num_draft_tokens=0,
+                  num_tokens=kept("num_tokens", resume["num_tokens"]),
+                  num_blocks=jnp.where(resume["replace_blocks"] == 1, 0, current("num_blocks")))
+    if "prefill_len" in layout:
+        values["prefill_len"] = kept("prefill_len", resume["prefill_len"])
+    return block.write(rows, assemble(layout, old, values))
 
 
-def segments_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
-    """Writes every data word at its segment's (row, column) of its table.
+def clear_rows_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
+    """Every block table of the finished, added and block-replaced rows nulled (one scatter); the added
+    rows' M-RoPE positions missing, their is_token_ids all tokens and their penalty bins empty."""
+    num_rows = state.num_rows
+    add_rows = row_index(updates.add["row"], num_rows)
+    replaced = jnp.where(updates.resume["replace_blocks"] == 1, row_index(updates.resume["row"], num_rows), num_rows)
+    cleared = jnp.concatenate([row_index(updates.finish_rows, num_rows), add_rows, replaced])
+    state = state.fill_rows(state_layout.TABLES, cleared, NULL_BLOCK_ID)
+    for name, value in (("mrope_positions", MROPE_MISSING_POSITION), ("is_token_ids", 1), ("prompt_bin_mask", 0),
+                        ("output_bin_counts", 0)):
+        if name in state.layout:
+            place = state.layout[name]
+            state = state.fill_rows(place.array, add_rows, value, place.start, place.stop)
+    return state
+
+
+def _data_targets(state: ServingState, kinds: tuple[tuple[int, str, int], ...], kind: jax.Array, col: jax.Array):
+    """Per data word: its absolute column and whether it lands in this array (a known kind, a column inside
+    its field). ``kinds``: (segment kind, field, column offset inside the field) of the array's fields."""
+    starts = [state.layout[name].start + offset for _, name, offset in kinds]
+    widths = [state.layout[name].shape[-1] for _, name, _ in kinds]
+    start, width, known = jnp.zeros_like(col), jnp.zeros_like(col), jnp.zeros(col.shape, bool)
+    for (k, _, _), s, w in zip(kinds, starts, widths):  # a few static kinds: a chain of selects, no gather
+        hit = kind == k
+        start, width, known = jnp.where(hit, s, start), jnp.where(hit, w, width), known | hit
+    inside = known & (col >= 0) & (col < width)
+    return start + col, inside
+
+
+def write_data_body(state: ServingState, updates: DeviceUpdates, draft_rows: jax.Array, draft_columns: jax.Array,
+                    drafts: jax.Array) -> ServingState:
+    """Every data word at its segment's (row, column) of its field, and the schedule's drafts after their
+    rows' tokens: one scatter into ``tokens``, one into ``tables`` (KV group 0's allocated columns follow
+    from the segments' ends, `allocated_body`).
 
     ```
     # word 9 of kind TABLE + 1, row 2, column 3 -> extra_block_tables[0][2, 3] = 9
     ```
     """
-    num_rows = state.num_tokens.shape[0]
+    num_rows, layout = state.num_rows, state.layout
     kind, value, col = updates.data_kind, updates.data_value, updates.data_col
+    row = row_index(updates.data_row, num_rows)
+    token_kinds = [(TOKENS, "token_ids", 0)]
+    if "mrope_positions" in layout:
+        token_kinds += [(MROPE + d, "mrope_positions", d * layout["token_ids"].width) for d in range(MROPE_NUM_DIMS)]
+    if "is_token_ids" in layout:
+        token_kinds.append((IS_TOKEN_IDS, "is_token_ids", 0))
+    columns, inside = _data_targets(state, tuple(token_kinds), kind, col)
+    words = jnp.where(kind == IS_TOKEN_IDS, (value != 0).astype(jnp.int32), value)
+    # the drafts: columns of token_ids past the row's tokens (draft_columns: -1 where none)
+    token_ids = layout["token_ids"]
+    draft_inside = (draft_columns >= 0) & (draft_columns < token_ids.width)
+    rows = jnp.concatenate([jnp.where(inside, row, num_rows), draft_rows.reshape(-1)])
+    columns = jnp.concatenate([columns, jnp.where(draft_inside, token_ids.start + draft_columns, -1).reshape(-1)])
+    state = state.write_array(state_layout.TOKENS, rows, columns, jnp.concatenate([words, drafts.reshape(-1)]))
+    table_kinds = tuple((TABLE + t, name, 0) for t, name in enumerate(layout.table_fields))
+    columns, inside = _data_targets(state, table_kinds, kind, col)
+    return state.write_array(state_layout.TABLES, jnp.where(inside, row, num_rows), columns, value)
 
-    def rows_of(k):
-        return jnp.where(kind == k, row_index(updates.data_row, num_rows), num_rows)
 
-    batch = state.batch
-    batch = dataclasses.replace(batch, token_ids=batch.token_ids.at[rows_of(TOKENS), col].set(value, mode="drop"))
-    if batch.mrope_positions is not None:
-        positions = batch.mrope_positions
-        for d in range(positions.shape[1]):
-            positions = positions.at[rows_of(MROPE + d), d, col].set(value, mode="drop")
-        batch = dataclasses.replace(batch, mrope_positions=positions)
-    if batch.is_token_ids is not None:
-        flags = batch.is_token_ids.at[rows_of(IS_TOKEN_IDS), col].set(value != 0, mode="drop")
-        batch = dataclasses.replace(batch, is_token_ids=flags)
-    batch = _with_tables(batch, [t.at[rows_of(TABLE + i), col].set(value, mode="drop")
-                                 for i, t in enumerate(tables(batch))])
-    ends = updates.segment_end  # group 0's allocated columns: the end of its last segment
-    group0 = jnp.where(ends["kind"] == TABLE, row_index(ends["row"], num_rows), num_rows)
-    return dataclasses.replace(state, batch=batch, num_blocks=state.num_blocks.at[group0].max(ends["end"], mode="drop"))
+def allocated_body(block: RecordBlock, updates: DeviceUpdates) -> RecordBlock:
+    """KV group 0's allocated columns (``num_blocks``) raised to the end of its last segment of data."""
+    ends = updates.segment_end
+    group0 = jnp.where(ends["kind"] == TABLE, row_index(ends["row"], block.num_rows), block.num_rows)
+    return block.raise_to("num_blocks", group0, ends["end"])
 
 
 def admit_sampling_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
-    """The added rows' sampling parameters, and their penalty bins from the token words of this
-    update (vLLM V2 ``Sampler.add_request``): ``prompt_bin_mask`` bit t % 32 of word t // 32 for
-    each prompt token t, ``output_bin_counts`` for the tokens in [prompt_len, num_tokens).
+    """The added rows' seeds, and their penalty bins from the token words of this update (vLLM V2
+    ``Sampler.add_request``): ``prompt_bin_mask`` bit t % 32 of word t // 32 for each prompt token t,
+    ``output_bin_counts`` for the tokens in [prompt_len, num_tokens) (the other parameters are in the
+    added row's record, `admit_body`; the bins were emptied by `clear_rows_body`).
 
     ```
     # V 64, tokens [3, 40, 3, 7, 7], prompt_len 3 -> mask words [1 << 3, 1 << 8], counts[7] = 2
     ```
     """
-    batch, add = state.batch, updates.add
-    num_rows, vocab = state.num_tokens.shape[0], batch.output_bin_counts.shape[1]
+    add, num_rows = updates.add, state.num_rows
+    vocab = state.layout["output_bin_counts"].width
     rows = row_index(add["row"], num_rows)
-    values = {name: jax.lax.bitcast_convert_type(add[name], jnp.float32) for name in FLOAT_PARAMS}
-    values.update(top_k=add["top_k"], seeds=jnp.stack([add["seed_high"], add["seed_low"]], axis=1),
-                  seeds_set=add["seeds_set"] != 0, prompt_bin_mask=0, output_bin_counts=0)
-    batch = dataclasses.replace(batch, **{name: _set(getattr(batch, name), rows, value)
-                                          for name, value in values.items()})
+    state = state.write_cells([Cells("seeds", rows[:, None], jnp.stack([add["seed_high"], add["seed_low"]], axis=1),
+                                     jnp.arange(2, dtype=jnp.int32)[None, :])])
     # per data word: is it a token of an added row, in its prompt or its outputs?
     prompt_len = jnp.full((num_rows + 1,), -1, jnp.int32).at[rows].set(add["prompt_len"], mode="drop")
     num_tokens = jnp.zeros((num_rows + 1,), jnp.int32).at[rows].set(add["num_tokens"], mode="drop")
@@ -193,45 +209,32 @@ def admit_sampling_body(state: ServingState, updates: DeviceUpdates) -> ServingS
     known = (row < num_rows) & (token >= 0) & (token < vocab) & (prompt_len[row] >= 0)
     is_prompt = known & (col < prompt_len[row])
     is_output = known & (col >= prompt_len[row]) & (col < num_tokens[row])
-    counts = batch.output_bin_counts.at[jnp.where(is_output, row, num_rows), token].add(1, mode="drop")
     # each (row, token) of the prompt once: sorted, then the first of each run adds its bit
     sorted_row, sorted_token = jax.lax.sort((jnp.where(is_prompt, row, num_rows), token), num_keys=2)
     first = jnp.concatenate([jnp.ones((1,), bool), (sorted_row[1:] != sorted_row[:-1])
                              | (sorted_token[1:] != sorted_token[:-1])])
     bit = jnp.left_shift(jnp.int32(1), sorted_token % 32)
-    mask = batch.prompt_bin_mask.at[jnp.where(first, sorted_row, num_rows), sorted_token // 32].add(bit, mode="drop")
-    return dataclasses.replace(state, batch=dataclasses.replace(batch, output_bin_counts=counts, prompt_bin_mask=mask))
+    cells = [Cells("output_bin_counts", jnp.where(is_output, row, num_rows), 1, token),
+             Cells("prompt_bin_mask", jnp.where(first, sorted_row, num_rows), bit, sorted_token // 32)]
+    return state.write_cells(cells, mode="add")
 
 
-def schedule_body(state: ServingState, schedule: dict, present: jax.Array | bool = True) -> ServingState:
-    """Sets every row's scheduled and draft counts (in ``batch.num_draft_tokens``), writes each
-    schedule entry's drafts after its row's ``num_tokens`` and the step's grammar rows; nothing where
-    ``present`` is false.
+SCHEDULE_FIELDS = ("num_scheduled_tokens", "num_draft_tokens", "grammar_index")
+"""The per-row fields a schedule sets (``grammar_index`` where structured outputs are on)."""
+
+
+def draft_columns(block: RecordBlock, schedule: dict, present: jax.Array) -> jax.Array:
+    """[entries, K] each schedule entry's drafts' token_ids columns: ``num_tokens + k`` for k < D, -1 past D
+    (or when the schedule is absent).
 
     ```
-    # entry_rows [0], num_tokens [5], num_draft [2], drafts [[41, 42, 0]] -> token_ids[0, 5:7] = [41, 42]
+    # entry row 0, num_tokens 5, D 2, K 3 -> [5, 6, -1]
     ```
     """
-    num_rows, max_model_len = state.batch.token_ids.shape
-    present = jnp.asarray(present)
-
-    def chosen(new, old):
-        return jnp.where(present, new, old)
-
-    num_draft = chosen(schedule["num_draft_tokens"], state.batch.num_draft_tokens)
-    drafts = schedule["draft_token_ids"]  # [entries, K]
-    token_ids = state.batch.token_ids
-    if drafts.shape[1]:
-        rows = row_index(schedule["entry_rows"], num_rows)  # [entries]
-        offsets = jnp.arange(drafts.shape[1], dtype=jnp.int32)[None, :]
-        columns = jnp.where(present & (offsets < _gather(num_draft, rows)[:, None]),
-                            _gather(state.num_tokens, rows)[:, None] + offsets, max_model_len)
-        token_ids = token_ids.at[rows[:, None], columns].set(drafts, mode="drop")
-    fields = dict(token_ids=token_ids, num_draft_tokens=num_draft,
-                  num_scheduled_tokens=chosen(schedule["num_scheduled_tokens"], state.batch.num_scheduled_tokens))
-    if state.batch.grammar_index is not None:
-        fields["grammar_index"] = chosen(schedule["grammar_index"], state.batch.grammar_index)
-    return _replace_batch(state, **fields)
+    rows = row_index(schedule["entry_rows"], block.num_rows)
+    offsets = jnp.arange(schedule["draft_token_ids"].shape[1], dtype=jnp.int32)[None, :]
+    drafts = _gather(schedule["num_draft_tokens"], rows)[:, None]
+    return jnp.where(present & (offsets < drafts), _gather(block.field("num_tokens"), rows)[:, None] + offsets, -1)
 
 
 def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingState:
@@ -241,24 +244,32 @@ def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingSt
     (`DeviceUpdates.bad_counts`, ``value_faults``) and its rows against the state's
     (`update_bounds.state_faults`) make one scalar, and `packing.refused` sends every write to
     the drop sentinel; ``ERROR_BITS["packed_counts"]`` (header, layout) or ``["packed_values"]`` is
-    set, and the rest of the state is as it was, bit for bit."""
+    set, and the rest of the state is as it was, bit for bit.
+
+    Each array of the state is written by a few scatters whatever the update holds: the row records of
+    the finished and added rows, then of the resumed rows; the nulled block tables; one scatter of every
+    token (and draft) into ``tokens`` and of every block id into ``tables``; the counts of the schedule."""
+    block = state.record_block()
     bad_values = update_bounds.verdict([updates.value_faults, *update_bounds.state_faults(
-        state.num_tokens, updates.finish_rows, updates.add, updates.resume, updates.append_rows,
+        block.field("num_tokens"), updates.finish_rows, updates.add, updates.resume, updates.append_rows,
         updates.schedule["entry_rows"], updates.entry_scheduled)])
     errors = (jnp.where(updates.bad_counts, ERROR_BITS["packed_counts"], 0)
               | jnp.where(bad_values, ERROR_BITS["packed_values"], 0))
     updates = refused(updates, updates.bad_counts | bad_values)
-    state = dataclasses.replace(state, errors=state.errors | errors)
-    state = finish_body(state, updates.finish_rows)
-    state = add_body(state, updates.add)
-    state = resume_body(state, updates.resume)
-    state = segments_body(state, updates)
-    if state.batch.output_bin_counts is not None:
+    block = resume_body(admit_body(block, updates.finish_rows, updates.add), updates.resume)
+    present = updates.has_schedule == 1
+    columns = draft_columns(block, updates.schedule, present)
+    block = allocated_body(block, updates)
+    block = block.replace_where(present, **{name: updates.schedule[name] for name in SCHEDULE_FIELDS
+                                            if name in state.layout})
+    state = clear_rows_body(state.with_record_block(block), updates)
+    rows = jnp.broadcast_to(row_index(updates.schedule["entry_rows"], state.num_rows)[:, None], columns.shape)
+    state = write_data_body(state, updates, rows, columns, updates.schedule["draft_token_ids"])
+    if "output_bin_counts" in state.layout:
         state = admit_sampling_body(state, updates)
-    if state.batch.lora_slots is not None:
-        slots = jnp.where(updates.has_lora_slots == 1, updates.lora_slots, state.batch.lora_slots)
-        state = _replace_batch(state, lora_slots=slots)
-    return schedule_body(state, updates.schedule, updates.has_schedule == 1)
+    if "lora_slots" in state.layout:
+        state = state.replace_where(updates.has_lora_slots == 1, lora_slots=updates.lora_slots)
+    return state.with_error_bits(errors)
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
@@ -266,6 +277,11 @@ def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfi
     """`apply_updates_body` of one packed buffer (`jaxprep.serving.update_packing.pack_step`); one
     executable per buffer length of the ladder."""
     return apply_updates_body(state, unpack_updates(packed, config))
+
+
+def column(state: ServingState, records: jax.Array, name: str) -> jax.Array:
+    """Field ``name`` of row records ``records`` (as stored: int32)."""
+    return records[:, state.layout[name].start]
 
 
 def batch_rows_of(idx_mapping) -> jax.Array:
@@ -285,8 +301,9 @@ def _outside_vocab(token_ids: jax.Array, vocab_bound: int | None, low: int = 0) 
 def _discarded(state: ServingState, rows: jax.Array) -> jax.Array:
     """Per batch row: a prefill chunk short of the row's known tokens (C + S < num_tokens), whose
     sampled token is thrown away (the sentinel row ``num_rows`` reads 0s: not discarded)."""
-    seq_lens = _gather(state.batch.num_computed_tokens, rows) + _gather(state.batch.num_scheduled_tokens, rows)
-    return seq_lens < _gather(state.num_tokens, rows)
+    records = state.records(rows)
+    seq_lens = column(state, records, "num_computed_tokens") + column(state, records, "num_scheduled_tokens")
+    return seq_lens < column(state, records, "num_tokens")
 
 
 def computed_advance(num_scheduled, num_draft, num_sampled, sampled):
@@ -305,8 +322,26 @@ def computed_advance(num_scheduled, num_draft, num_sampled, sampled):
     return num_scheduled - sampled.astype(num_draft.dtype) * (num_draft + 1 - num_sampled)
 
 
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What `record_rows` did per batch row, from the values it read before writing (a caller that needs
+    them after the record reads them here, not from the old state: a read of the state after its in-place
+    write would make XLA keep a copy of its array)."""
+
+    rows: jax.Array  # [B] state row (scatter index: the sentinel for padding)
+    num_appended: jax.Array  # [B] tokens appended (n)
+    num_tokens_before: jax.Array  # [B] num_tokens before the record
+    num_draft_tokens: jax.Array  # [B] drafts the row had scheduled (D)
+
+
 def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array,
                         num_sampled: jax.Array, vocab_bound: int | None = None) -> ServingState:
+    """`record_rows`' state alone."""
+    return record_rows(state, idx_mapping, sampled_token_ids, num_sampled, vocab_bound)[0]
+
+
+def record_rows(state: ServingState, idx_mapping: jax.Array, sampled_token_ids: jax.Array, num_sampled: jax.Array,
+                vocab_bound: int | None = None) -> tuple[ServingState, Recorded]:
     """Post-update of one step (vLLM V2 ``_post_update_kernel``): advances the device counters.
 
     Per batch row b of state row s = idx_mapping[b] (pad -1 is skipped):
@@ -319,20 +354,22 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     ```
     # C 4, S 1, D 0, num_tokens 5, sampled [[77]], n 1 -> token_ids[s, 5] = 77, C 5, num_tokens 6
     ```
-    ``idx_mapping`` may be the step's `StepBuffer` (its field is read here).
+    ``idx_mapping`` may be the step's `StepBuffer` (its field is read here). One gather of the batch
+    rows' records, one scatter of the new ones, one scatter of the tokens.
 
     Inputs it cannot take set a bit of ``state.errors`` (`ERROR_BITS`) and stay in bounds: a token
     outside [0, ``vocab_bound``) is written as 0, ``n`` is clamped to [0, D + 1], an ``idx_mapping``
     entry outside [-1, max_num_reqs) is skipped.
     """
-    num_rows, max_model_len = state.batch.token_ids.shape
+    num_rows = state.num_rows
     idx_mapping = batch_rows_of(idx_mapping)
     sampled_token_ids = jnp.asarray(sampled_token_ids, jnp.int32)
     rows = row_index(idx_mapping, num_rows)
     bad_row = jnp.any((idx_mapping < -1) | (idx_mapping >= num_rows))
-    scheduled = _gather(state.batch.num_scheduled_tokens, rows)
-    num_tokens, num_draft = _gather(state.num_tokens, rows), _gather(state.num_draft_tokens, rows)
-    discarded = _discarded(state, rows)
+    old = state.records(rows)
+    computed, scheduled = column(state, old, "num_computed_tokens"), column(state, old, "num_scheduled_tokens")
+    num_tokens, num_draft = column(state, old, "num_tokens"), column(state, old, "num_draft_tokens")
+    discarded = computed + scheduled < num_tokens  # the sentinel row reads 0s: not discarded
     requested = jnp.asarray(num_sampled, jnp.int32)
     width = sampled_token_ids.shape[1]
     bound = jnp.minimum(num_draft + 1, width)
@@ -343,21 +380,21 @@ def record_sampled_body(state: ServingState, idx_mapping: jax.Array, sampled_tok
     kept = offsets < num_sampled[:, None]
     bad_token = kept & _outside_vocab(sampled_token_ids, vocab_bound)
     sampled_token_ids = jnp.where(bad_token, 0, sampled_token_ids)
-    columns = jnp.where(kept, num_tokens[:, None] + offsets, max_model_len)
-    token_ids = state.batch.token_ids.at[rows[:, None], columns].set(sampled_token_ids, mode="drop")
-    state = _replace_batch(state, token_ids=token_ids,
-                           num_computed_tokens=state.batch.num_computed_tokens.at[rows].add(advance, mode="drop"),
-                           num_scheduled_tokens=_set(state.batch.num_scheduled_tokens, rows, 0),
-                           num_draft_tokens=_set(state.batch.num_draft_tokens, rows, 0))
-    if state.batch.num_accepted_tokens is not None:
-        accepted = jnp.where(num_sampled > 0, rows, num_rows)
-        state = _replace_batch(state, num_accepted_tokens=_set(state.batch.num_accepted_tokens, accepted, num_sampled))
-    if state.batch.output_bin_counts is not None:  # FeatureConfig.sampling: every appended token counts
-        state = dataclasses.replace(state, batch=count_sampled(state.batch, rows, sampled_token_ids, num_sampled))
+    values = dict(num_computed_tokens=computed + advance, num_scheduled_tokens=0, num_draft_tokens=0,
+                  num_tokens=num_tokens + num_sampled)
+    if "num_accepted_tokens" in state.layout:
+        values["num_accepted_tokens"] = jnp.where(num_sampled > 0, num_sampled,
+                                                  column(state, old, "num_accepted_tokens"))
+    state = state.write_records(rows, assemble(state.layout, old, values))
+    cells = [Cells("token_ids", rows[:, None], sampled_token_ids, jnp.where(kept, num_tokens[:, None] + offsets, -1))]
+    state = state.write_cells(cells)
+    if "output_bin_counts" in state.layout:  # FeatureConfig.sampling: every appended token counts
+        state = state.write_cells(sampled_count_cells(state.layout["output_bin_counts"].width, rows,
+                                                      sampled_token_ids, num_sampled), mode="add")
     errors = (jnp.where(jnp.any(bad_token), ERROR_BITS["sampled_token_id"], 0)
               | jnp.where(bad_count, ERROR_BITS["num_sampled"], 0) | jnp.where(bad_row, ERROR_BITS["idx_mapping"], 0))
-    return dataclasses.replace(state, num_tokens=state.num_tokens.at[rows].add(num_sampled, mode="drop"),
-                               errors=state.errors | errors)
+    return state.with_error_bits(errors), Recorded(rows=rows, num_appended=num_sampled, num_tokens_before=num_tokens,
+                                                   num_draft_tokens=num_draft)
 
 
 @functools.partial(jax.jit, static_argnames=("vocab_bound",), donate_argnames=("state",))
@@ -388,8 +425,7 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
     #   -> prev_batch_rows [1, 0, ...], prev_sampled_token_ids [8, 9, ...], prev_draft_token_ids [[5, 6], [3, 4], ...]
     ```
     """
-    batch = state.batch
-    num_rows, width = batch.prev_sampled_token_ids.shape[0], sampled_token_ids.shape[1]
+    num_rows, width = state.num_rows, sampled_token_ids.shape[1]
     idx_mapping = batch_rows_of(idx_mapping)
     rows = row_index(idx_mapping, num_rows)
     counts = jnp.asarray(num_sampled, jnp.int32)
@@ -402,8 +438,8 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
                   prev_sampled_token_ids=_set(jnp.zeros(num_rows, jnp.int32), batch_rows,
                                               jnp.where(bad_sampled, 0, sampled)))
     errors = jnp.where(jnp.any(bad_sampled), ERROR_BITS["sampled_token_id"], 0)
-    if batch.prev_draft_token_ids is not None:
-        drafts = jnp.full(batch.prev_draft_token_ids.shape, PLACEHOLDER_TOKEN_ID, jnp.int32)
+    if "prev_draft_token_ids" in state.layout:
+        drafts = jnp.full((num_rows, *state.layout["prev_draft_token_ids"].shape), PLACEHOLDER_TOKEN_ID, jnp.int32)
         if draft_token_ids is not None:
             given = jnp.asarray(draft_token_ids, jnp.int32)[:, :drafts.shape[1]]
             bad_draft = _outside_vocab(given, vocab_bound, low=PLACEHOLDER_TOKEN_ID)
@@ -411,8 +447,7 @@ def record_prev_tokens_body(state: ServingState, idx_mapping: jax.Array, sampled
             drafts = drafts.at[batch_rows, :given.shape[1]].set(jnp.where(bad_draft, PLACEHOLDER_TOKEN_ID, given),
                                                                mode="drop")
         fields["prev_draft_token_ids"] = drafts
-    state = _replace_batch(state, **fields)
-    return dataclasses.replace(state, errors=state.errors | errors)
+    return state.replace(**fields).with_error_bits(errors)
 
 
 @functools.partial(jax.jit, static_argnames=("vocab_bound",), donate_argnames=("state",))

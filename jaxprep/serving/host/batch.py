@@ -153,7 +153,7 @@ class ServingBatch:
         """Under async scheduling with `FeatureConfig.async_tokens`: keeps this step's batch rows, last
         sampled tokens and the drafter's ``draft_token_ids`` [B, K] (device arrays, never read) for the
         next step's ``input_ids`` (`transitions.record_prev_tokens`). Call it before `record_sampled`."""
-        if self.state.batch.prev_sampled_token_ids is None:
+        if "prev_sampled_token_ids" not in self.state.layout:
             raise ValueError("record_prev_tokens needs FeatureConfig.async_tokens")
         idx_mapping, sampled_token_ids, num_sampled = _device_shapes(idx_mapping, sampled_token_ids, num_sampled)
         if draft_token_ids is not None:

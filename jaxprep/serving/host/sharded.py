@@ -116,9 +116,8 @@ class ShardedServingBatch:
 
     def __init__(self, config: ServingConfig, mesh: Mesh):
         self.config, self.mesh, self.num_ranks = config, mesh, mesh.size
-        state = ServingState.empty(_global(config, self.num_ranks))
-        state = dataclasses.replace(state, errors=np.zeros((self.num_ranks,), np.int32))  # one error word per rank
-        self.state = put_global(state, NamedSharding(mesh, ROWS))
+        # every rank's rows (its row 0 holds its error word and LoRA slots: `state_layout.SHARED`)
+        self.state = put_global(ServingState.empty(_global(config, self.num_ranks)), NamedSharding(mesh, ROWS))
         self.rows = [checks.HostRows.for_config(config) for _ in range(self.num_ranks)]
         self.h2d_bytes = self.changed_words = 0
 

@@ -18,23 +18,22 @@ as their float32 bit patterns, bit-cast back inside the jit; admission itself is
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from jaxprep.serving.device_state import Cells
 
-def count_sampled(batch, rows: jax.Array, sampled_token_ids: jax.Array, num_sampled: jax.Array):
-    """``output_bin_counts[s, token] += 1`` for the first ``num_sampled[b]`` tokens of each batch
-    row b (``rows``: its state row as a scatter index, the sentinel for padding).
+
+def sampled_count_cells(vocab: int, rows: jax.Array, sampled_token_ids: jax.Array, num_sampled: jax.Array):
+    """The cells to add 1 to for the first ``num_sampled[b]`` tokens of each batch row b (``rows``: its state
+    row as a scatter index, the sentinel for padding): ``output_bin_counts[s, token] += 1``, as the
+    `jaxprep.serving.device_state.Cells` of a ``write_cells(..., mode="add")``.
 
     ```
     # rows [2], sampled [[9, 4]], num_sampled [1] -> output_bin_counts[2, 9] += 1
     ```
     """
-    vocab = batch.output_bin_counts.shape[1]
     offsets = jnp.arange(sampled_token_ids.shape[1], dtype=jnp.int32)[None, :]
     valid = (offsets < num_sampled[:, None]) & (sampled_token_ids >= 0) & (sampled_token_ids < vocab)
     target = jnp.broadcast_to(rows[:, None], sampled_token_ids.shape)
-    counts = batch.output_bin_counts.at[target, jnp.where(valid, sampled_token_ids, vocab)].add(1, mode="drop")
-    return dataclasses.replace(batch, output_bin_counts=counts)
+    return [Cells("output_bin_counts", jnp.where(valid, target, -1), 1, sampled_token_ids)]

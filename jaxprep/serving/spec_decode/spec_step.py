@@ -23,11 +23,12 @@ from jaxprep.features.spec_decode import spec_decode_metadata
 from jaxprep.models.tiny import ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.device_state import Cells
 from jaxprep.serving.sample.sampler import check_vocab, row_keys, row_probabilities
 from jaxprep.serving.spec_decode.ngram import propose_ngram
 from jaxprep.serving.spec_decode.verify import PLACEHOLDER, greedy_verify, rejection_verify_rows
 from jaxprep.serving.state import ServingState
-from jaxprep.serving.transitions import record_sampled_body, row_index
+from jaxprep.serving.transitions import Recorded, record_rows, row_index
 
 
 def forward_verify_record(state: ServingState, kv_cache, params, config: ServingConfig, model: ServingModel,
@@ -50,13 +51,10 @@ def forward_verify_record(state: ServingState, kv_cache, params, config: Serving
                                      block_size=config.block_size, max_model_len=config.max_model_len)
     output, num_sampled = _verify(logits, inputs, meta, state, config)
     output, num_sampled = _cut_at_stop(state, rows, output, num_sampled, config.eos_token_id)
-    before_tokens = state.num_tokens
-    before_end = before_tokens + state.num_draft_tokens  # one past the last draft in the table
-    state = record_sampled_body(state, inputs.idx_mapping, output, num_sampled)
-    state = _clear_rejected(state, before_end)
-    per_row = jnp.full((num_rows, k + 1), PLACEHOLDER, jnp.int32).at[rows].set(output, mode="drop")
-    appended = (state.num_tokens > before_tokens)[:, None]
-    return state, kv_cache, jnp.where(appended, per_row, PLACEHOLDER).T
+    state, recorded = record_rows(state, inputs.idx_mapping, output, num_sampled)
+    state = _clear_rejected(state, recorded, k)
+    kept = jnp.where((recorded.num_appended > 0)[:, None], output, PLACEHOLDER)
+    return state, kv_cache, jnp.full((num_rows, k + 1), PLACEHOLDER, jnp.int32).at[rows].set(kept, mode="drop").T
 
 
 def _verify(logits, inputs, meta, state: ServingState, config: ServingConfig):
@@ -105,18 +103,19 @@ def _cut_at_stop(state: ServingState, rows, output, num_sampled, eos_token_id: i
     return jnp.where(slot < kept[:, None], output, PLACEHOLDER), kept
 
 
-def _clear_rejected(state: ServingState, before_end):
-    """Zeroes the token-table entries from the new ``num_tokens`` to the old end of the drafts.
+def _clear_rejected(state: ServingState, recorded: Recorded, k: int):
+    """Zeroes the token-table entries of each batch row from its new ``num_tokens`` to the old end of its drafts
+    (at most K per row: one scatter of cells).
 
     ```
     # num_tokens 5 -> 7 after 3 drafts (old end 8): token_ids[row, 7] = 0
     ```
     """
-    num_rows, width = state.batch.token_ids.shape
-    span = jnp.arange(width, dtype=jnp.int32)[None, :]
-    stale = (span >= state.num_tokens[:, None]) & (span < before_end[:, None])
-    return dataclasses.replace(state, batch=dataclasses.replace(
-        state.batch, token_ids=jnp.where(stale, 0, state.batch.token_ids)))
+    new_end = recorded.num_tokens_before + recorded.num_appended
+    old_end = recorded.num_tokens_before + recorded.num_draft_tokens  # one past the last draft in the table
+    span = new_end[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    return state.write_cells([Cells("token_ids", recorded.rows[:, None], 0,
+                                    jnp.where(span < old_end[:, None], span, -1))])
 
 
 def next_drafts(state: ServingState, appended, config: ServingConfig):
