@@ -484,38 +484,22 @@ class DeviceUpdates:
 
 
 def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
-    """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather), with its two
-    verdicts: ``bad_counts`` (the header and the layout) and ``value_faults`` (`update_bounds`). Raises
+    """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather, all sections in one), with
+    its two verdicts: ``bad_counts`` (the header and the layout) and ``value_faults`` (`update_bounds`). Raises
     `InvalidUpdateError` at trace time (on the host, before anything runs) for a buffer that is not
     1-D int32 with at least the header's words."""
     lay = payload_layout(config)
     blob = _checked_blob(blob)
     sizes = section_sizes(config, blob.shape[0])
-    head = {name: blob[i] for i, name in enumerate(HEADER)}
-    start = jnp.int32(HEADER_WORDS)
-    valid = {}
-
-    def section(name, count, fields, size):
-        nonlocal start
-        index = jnp.arange(size, dtype=jnp.int32)
-        valid[name] = index < count
-        # one gather of the whole section [fields, size]: field f of entry i at start + f * count + i
-        table = jnp.where(valid[name][None, :], _read(blob, start + jnp.arange(len(fields), dtype=jnp.int32)[:, None]
-                                                      * count + index[None, :]), -1)
-        out = {field: table[f] for f, field in enumerate(fields)}
-        start = start + len(fields) * count
-        return out
-
-    finish = section("finish", head["n_finish"], ("row",), sizes.finish)["row"]
-    add = section("add", head["n_add"], lay.add_fields, sizes.add)
-    resume = section("resume", head["n_resume"], resume_fields(config), sizes.resume)
-    explicit = section("segments", head["n_segments"], SEGMENT_FIELDS, sizes.segments)
-    schedule, entries = _read_schedule(blob, head, start, lay, config.max_num_reqs, sizes.schedule)
-    start = start + head["n_schedule"] * (len(lay.schedule_fields) - head["schedule_dense"])
-    lora_slots = _read(blob, start + jnp.arange(max(lay.max_loras, 1), dtype=jnp.int32))[: lay.max_loras]
-    start = start + head["has_lora_slots"] * lay.max_loras
+    head = dict(zip(HEADER, blob[:HEADER_WORDS]))
+    tables, valid = _read_sections(blob, head, lay, resume_fields(config), sizes)
+    finish = tables["finish"]["row"]
+    add, resume, explicit = tables["add"], tables["resume"], tables["segments"]
+    schedule, entries = _schedule_rows(head, tables["schedule"], valid["schedule"], lay, config.max_num_reqs)
+    lora_slots = tables["lora"]["slot"][: lay.max_loras]
     segments = _all_segments(config, add, resume, explicit, blob.shape[0])
-    kind, row, col, value, data_disagrees = _read_data(blob, start, head["n_data"], segments, sizes.data)
+    kind, row, col, data_disagrees = _data_places(head["n_data"], segments, sizes.data, blob.shape[0])
+    value = tables["data"]["value"]
     ends = dict(kind=segments["kind"], row=segments["row"], end=segments["col"] + segments["len"])
     bad_counts = _bad_counts(head, config, sizes, blob.shape[0]) | update_bounds.verdict(
         [*update_bounds.flag_faults(head), data_disagrees])
@@ -530,6 +514,80 @@ def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
                          has_lora_slots=head["has_lora_slots"], lora_slots=lora_slots,
                          has_schedule=head["has_schedule"], bad_counts=bad_counts, value_faults=value_faults,
                          entry_scheduled=entries["num_scheduled_tokens"])
+
+
+def _read_sections(blob, head: dict, lay: Layout, resume_names: tuple[str, ...], sizes: SectionSizes):
+    """Every section's table by field, read by ONE gather: ``{section: {field: [size]}}`` (entries past the
+    section's count read -1; the schedule's entries as stored, its row field absent when dense), and each
+    section's ``valid`` mask. Field f of entry i of a section of n entries starting at word s is word
+    ``s + f * n + i``; the sections follow each other in `HEADER` order, the data last.
+
+    ```
+    # n_finish 2, n_add 1 with 3 fields: finish words [10, 11], add field f at word 12 + f
+    ```
+    """
+    dense = head["schedule_dense"]
+    stored = len(lay.schedule_fields) - dense  # a dense schedule has no row field
+    plan = [("finish", head["n_finish"], ("row",), sizes.finish, 1),
+            ("add", head["n_add"], lay.add_fields, sizes.add, len(lay.add_fields)),
+            ("resume", head["n_resume"], resume_names, sizes.resume, len(resume_names)),
+            ("segments", head["n_segments"], SEGMENT_FIELDS, sizes.segments, len(SEGMENT_FIELDS)),
+            ("schedule", head["n_schedule"], lay.schedule_fields, sizes.schedule, stored),
+            ("lora", head["has_lora_slots"], ("slot",), max(lay.max_loras, 1), lay.max_loras),
+            ("data", head["n_data"], ("value",), sizes.data, 1)]
+    start, indices, valid = jnp.int32(HEADER_WORDS), [], {}
+    for name, count, fields, size, words_per_entry in plan:
+        entry = jnp.arange(size, dtype=jnp.int32)
+        field = jnp.arange(len(fields), dtype=jnp.int32)[:, None]
+        if name == "schedule":  # dense: field f is stored f - 1 (no row field); the row field reads the entry
+            field = field - dense
+        if name == "lora":  # one record of max_loras words when present
+            valid[name] = jnp.broadcast_to(count == 1, (size,))
+            indices.append((start + entry)[None, :])
+            start = start + count * words_per_entry
+            continue
+        valid[name] = entry < count
+        indices.append(start + field * count + entry[None, :])
+        start = start + words_per_entry * count
+    words = _read(blob, jnp.concatenate([i.reshape(-1) for i in indices]))
+    tables, offset = {}, 0
+    for (name, _, fields, _, _), index in zip(plan, indices):
+        block = words[offset: offset + index.size].reshape(index.shape)
+        offset += index.size
+        block = jnp.where(valid[name][None, :], block, -1) if name not in ("lora", "data") else block
+        tables[name] = {field: block[f] for f, field in enumerate(fields if name != "lora" else ("slot",))}
+    return tables, valid
+
+
+def _schedule_rows(head: dict, table: dict, valid: jax.Array, lay: Layout, rows: int) -> tuple[dict, dict]:
+    """Every row's counts [rows] from the schedule's entries (rows not listed: 0; one scatter), and each
+    entry's state row and drafts [size] (drafts are written per entry, not per row); and the entries as
+    read, for `update_bounds.schedule_faults` (``valid``, ``row``, each field)."""
+    index = jnp.arange(valid.shape[0], dtype=jnp.int32)
+    given = jnp.where(head["schedule_dense"] == 1, index, table["row"])
+    row = jnp.where(valid & (given >= 0) & (given < rows), given, rows)  # the sentinel: a -1 would wrap in a scatter
+
+    def column(name):
+        return jnp.where(valid, table[name], 0)
+
+    entries = dict(valid=valid, row=given, num_scheduled_tokens=column("num_scheduled_tokens"))
+    k = lay.num_drafts
+    per_row = {"num_scheduled_tokens": 0}
+    if k:
+        entries.update(num_draft_tokens=column("num_draft_tokens"),
+                       draft_token_ids=jnp.stack([column(f"draft_{i}") for i in range(k)], axis=1))
+        per_row["num_draft_tokens"] = 0
+    if lay.grammar:
+        entries["grammar_index"] = jnp.where(valid, table["grammar_index"], NO_GRAMMAR)
+        per_row["grammar_index"] = NO_GRAMMAR
+    fills = jnp.array(list(per_row.values()), jnp.int32)
+    scattered = jnp.broadcast_to(fills, (rows, len(per_row))).at[row].set(
+        jnp.stack([entries[name] for name in per_row], axis=1), mode="drop")
+    out = {name: scattered[:, i] for i, name in enumerate(per_row)}
+    out.setdefault("num_draft_tokens", jnp.zeros((rows,), jnp.int32))
+    out["entry_rows"] = row
+    out["draft_token_ids"] = entries["draft_token_ids"] if k else jnp.zeros((valid.shape[0], 0), jnp.int32)
+    return out, entries
 
 
 def _checked_blob(blob) -> jax.Array:
@@ -604,45 +662,10 @@ def _read(blob: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(blob, index, mode="fill", fill_value=0)
 
 
-def _read_schedule(blob, head, start, lay: Layout, rows: int, size: int) -> tuple[dict, dict]:
-    """Every row's counts [rows] from the section's first ``size`` entries (rows not listed: 0), and
-    each entry's state row and drafts [size] (drafts are written per entry, not per row); and the
-    entries as read, for `update_bounds.schedule_faults` (``valid``, ``row``, each field).
-    Dense: field f of row i at start + f * n + i; sparse: a row field first."""
-    dense, count = head["schedule_dense"], head["n_schedule"]
-    index = jnp.arange(size, dtype=jnp.int32)
-    valid = index < count
-    fields = lay.schedule_fields
-    given = jnp.where(dense == 1, index, _read(blob, start + index))
-    row = jnp.where(valid & (given >= 0) & (given < rows), given, rows)  # the sentinel: a -1 would wrap in a scatter
-
-    def column(name):  # field position counted without the row field in dense mode
-        f = fields.index(name) - dense
-        return jnp.where(valid, _read(blob, start + f * count + index), 0)
-
-    entries = dict(valid=valid, row=given, num_scheduled_tokens=column("num_scheduled_tokens"))
-
-    def scatter(name, fill):
-        return jnp.full((rows,), fill, jnp.int32).at[row].set(entries[name], mode="drop")
-
-    out = dict(num_scheduled_tokens=scatter("num_scheduled_tokens", 0))
-    k = lay.num_drafts
-    if k:
-        entries.update(num_draft_tokens=column("num_draft_tokens"),
-                       draft_token_ids=jnp.stack([column(f"draft_{i}") for i in range(k)], axis=1))
-    out["num_draft_tokens"] = scatter("num_draft_tokens", 0) if k else jnp.zeros((rows,), jnp.int32)
-    out["entry_rows"] = row
-    out["draft_token_ids"] = entries["draft_token_ids"] if k else jnp.zeros((size, 0), jnp.int32)
-    if lay.grammar:
-        entries["grammar_index"] = jnp.where(valid, column("grammar_index"), NO_GRAMMAR)
-        out["grammar_index"] = scatter("grammar_index", NO_GRAMMAR)
-    return out, entries
-
-
-def _read_data(blob, start, n_data, segments, length: int):
+def _data_places(n_data, segments, length: int, words: int):
     """Per data word j < ``length``: its segment's kind and row, and its column ``col + j - segment start``;
-    and whether the runs disagree with ``n_data`` (their total differs, or passes the buffer: each run is
-    clipped to the buffer's words, so the running total passes it before it could overflow int32).
+    and whether the runs disagree with ``n_data`` (their total differs, or passes the buffer's ``words``: each
+    run is clipped to the buffer's words, so the running total passes it before it could overflow int32).
 
     ```
     # segments len [3, 1], cols [0, 4] -> words 0..3 in segments [0, 0, 0, 1], columns [0, 1, 2, 4]
@@ -655,8 +678,8 @@ def _read_data(blob, start, n_data, segments, length: int):
     valid = (j < n_data) & (j < ends[-1])
     first = ends[seg] - lengths[seg]
     kind = jnp.where(valid, segments["kind"][seg], -1)
-    disagree = jnp.any(ends > blob.shape[0], keepdims=True) | (ends[-1:] != n_data)
-    return kind, segments["row"][seg], segments["col"][seg] + j - first, _read(blob, start + j), disagree
+    disagree = jnp.any(ends > words, keepdims=True) | (ends[-1:] != n_data)
+    return kind, segments["row"][seg], segments["col"][seg] + j - first, disagree
 
 
 def _segment_of_word(ends: jax.Array, lengths: jax.Array, length: int) -> jax.Array:
