@@ -224,7 +224,8 @@ def _used_ids_outside(table: Int32[Array, "max_num_reqs W"], row_seq_lens: Int32
     def cpu(table, row_seq_lens):  # no id outside the pool anywhere: none in a used column either
         outside_anywhere = max_of_blocks(lambda start, stop: _as_unsigned(table[:, start:stop]),
                                          table.shape[1]) > max_block_id
-        return jax.lax.cond(outside_anywhere, masked, lambda *_: jnp.bool_(False), table, row_seq_lens)
+        return jax.lax.cond(outside_anywhere, lambda outside, *rows: masked(*rows), lambda outside, *_: outside,
+                            outside_anywhere, table, row_seq_lens)  # the false branch answers False
 
     return on_cpu_else(cpu, masked, table, row_seq_lens)
 
