@@ -143,7 +143,7 @@ def step_from_fields(fields: dict[str, StepArray], num_tokens_padded: int) -> St
 
     Equal to ``StepInputs(**..., attn_metadata=AttentionMetadata(**...))``, built by `_filled`: a host
     fetch (`jaxprep.prepare.unpack_to_host`) rebuilds a step on every call, and the frozen dataclasses'
-    ``__init__`` costs a ``object.__setattr__`` per field (35 of them: ~3 µs, more than the fetch).
+    ``__init__`` costs an ``object.__setattr__`` per field (31 of them: ~3 µs, more than the fetch).
     """
     meta = _filled(AttentionMetadata, {name: fields[name] for name in _METADATA_FIELDS})
     step = {name: fields[name] for name in _STEP_ONLY_FIELDS}

@@ -150,29 +150,6 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequen
 """Optional fields of float32 values (each 1-D)."""
 OPTIONAL_FIELDS = (*_OPTIONAL_NDIM, *_FLOAT_FIELDS, "extra_block_tables", "is_token_ids", "seeds_set")
 """`BatchState` fields that only optional features read."""
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(BatchState))
-_field_values = operator.attrgetter(*_FIELDS)  # a state's fields as a tuple, in field order
-_FIELD_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _FIELDS)
-
-
-def _rebuild(_, leaves) -> BatchState:
-    """A `BatchState` from its pytree children, as JAX rebuilds one from every jitted call's outputs: the
-    fields written into a new object's ``__dict__`` at once, then `check_leaves`, as ``__init__`` and
-    ``__post_init__`` do. The pytree registration a dataclass gets (`jax.tree_util.register_dataclass`)
-    calls ``BatchState(**fields)`` instead, whose frozen ``__init__`` sets the 29 fields one
-    ``object.__setattr__`` at a time: that cost ~2.5x this, ~10 µs per serving step on a loaded 2-core host
-    (BENCHMARKS.md, "The XLA step under V1")."""
-    state = object.__new__(BatchState)
-    state.__dict__.update(zip(_FIELDS, leaves))
-    check_leaves(state)
-    return state
-
-
-# data fields only (every field), keyed by attribute as register_dataclass keys them
-jax.tree_util.register_pytree_with_keys(
-    BatchState, lambda state: (tuple(zip(_FIELD_KEYS, _field_values(state))), None), _rebuild,
-    flatten_func=lambda state: (_field_values(state), None))
 NOT_PER_ROW = frozenset({"lora_slots"})
 """Optional fields not indexed by state row (``lora_slots`` has ``max_loras`` entries)."""
 
@@ -229,6 +206,30 @@ def _raise_bad_leaf(name: str, array, expected: np.dtype, ndim: int, per_row: bo
     if array.ndim != ndim:
         raise ValueError(f"BatchState.{name} must be {ndim}-D, got shape {tuple(array.shape)}")
     raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(BatchState))
+_field_values = operator.attrgetter(*_FIELDS)  # a state's fields as a tuple, in field order
+_FIELD_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _FIELDS)
+
+
+def _rebuild(_, leaves) -> BatchState:
+    """A `BatchState` from its pytree children, as JAX rebuilds one from every jitted call's outputs: the
+    fields written into a new object's ``__dict__`` at once, then `check_leaves`, as ``__init__`` and
+    ``__post_init__`` do. The pytree registration a dataclass gets (`jax.tree_util.register_dataclass`)
+    calls ``BatchState(**fields)`` instead, whose frozen ``__init__`` sets the 31 fields one
+    ``object.__setattr__`` at a time: that cost ~2.5x this, ~10 µs per serving step on a loaded 2-core host
+    (BENCHMARKS.md, "The XLA step under V1")."""
+    state = object.__new__(BatchState)
+    state.__dict__.update(zip(_FIELDS, leaves))
+    check_leaves(state)
+    return state
+
+
+# data fields only (every field), keyed by attribute as register_dataclass keys them
+jax.tree_util.register_pytree_with_keys(
+    BatchState, lambda state: (tuple(zip(_FIELD_KEYS, _field_values(state))), None), _rebuild,
+    flatten_func=lambda state: (_field_values(state), None))
 
 
 def _feature_inputs_as_host(feature_inputs: dict) -> dict:
