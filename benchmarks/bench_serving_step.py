@@ -9,8 +9,9 @@ have every output on the host:
   and num_scheduled_tokens, one block id written per row (the block of its last scheduled token),
   and one sampled token id written per row (after its scheduled tokens);
 - jaxprep: one jitted call with the state donated (updated in place) takes the update as one packed
-  int32 array, applies it and runs `prepare_body`; the outputs come back packed (one buffer plus
-  the gathered block table, `jaxprep.prepare.unpack_to_host`);
+  int32 host array (counters and edits, `pack_update`; as jaxprep's serving door takes its payload,
+  `jaxprep.serving.update_packing`), applies it and runs `prepare_body`; the outputs come back packed
+  (one buffer plus the gathered block table, `jaxprep.prepare.unpack_to_host`);
 - baseline: the same update applied in place to the host tables of vLLM V1's persistent batch
   (as `vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states` writes them), then its host-side preparation
   (`vllm_v1_baseline.VllmV1HostPrep.prepare`), padded to the same bucket.
@@ -99,11 +100,14 @@ def with_block_values(update: dict, block_table: np.ndarray) -> dict:
 
 
 EDIT_FIELDS = ("block_rows", "block_cols", "block_values", "token_rows", "token_cols", "token_values")
+UPDATE_FIELDS = ("num_computed_tokens", "num_scheduled_tokens", *EDIT_FIELDS)
+"""An update's arrays in `pack_update`'s order, each [rows] int32."""
 
 
-def pack_edits(update: dict) -> np.ndarray:
-    """The table edits of an update as one [6 * rows] int32 array."""
-    return np.concatenate([update[name] for name in EDIT_FIELDS])
+def pack_update(update: dict) -> np.ndarray:
+    """The whole update, counters then table edits, as one [8 * rows] int32 host array: one array into the
+    jitted call (each host array in costs the call ~2 µs, BENCHMARKS.md "Small CPU measurements")."""
+    return np.concatenate([update[name] for name in UPDATE_FIELDS])
 
 
 def apply_update_numpy(tables: dict, update: dict) -> None:
@@ -115,33 +119,31 @@ def apply_update_numpy(tables: dict, update: dict) -> None:
     tables["token_ids"][update["token_rows"], update["token_cols"]] = update["token_values"]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnums=(0, 1, 2))
-def update_and_prepare(state: BatchState, num_computed_tokens, num_scheduled_tokens, edits: jax.Array,
-                       config: PrepConfig, num_tokens_padded: int):
-    """Applies the update to the donated state and prepares the step; returns the new state, the
-    packed int32 outputs and the gathered block table. The new counters are donated too: they
-    become the state's buffers, no copy."""
-    pieces = dict(zip(EDIT_FIELDS, jnp.split(edits, len(EDIT_FIELDS))))
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnums=(0,))
+def update_and_prepare(state: BatchState, packed: jax.Array, config: PrepConfig, num_tokens_padded: int):
+    """Applies the packed update (`pack_update`) to the donated state and prepares the step; returns the
+    new state, the packed int32 outputs and the gathered block table."""
+    rows = state.num_scheduled_tokens.shape[0]
+    pieces = {name: packed[i * rows:(i + 1) * rows] for i, name in enumerate(UPDATE_FIELDS)}
     # XLA:CPU's thunk executor hands kernels to its thread pool when more than 8 are ready at once,
     # which costs 10-80 us on a 2-core host: a reduction in front of the edits keeps them from all
     # being ready at the start (the edits still land before any read of the tables)
-    ready = jnp.max(num_scheduled_tokens) >= 0
-    pieces = {name: jnp.where(ready, value, -1) for name, value in pieces.items()}
-    block_table = state.block_table.at[pieces["block_rows"], pieces["block_cols"]].set(pieces["block_values"],
-                                                                                         mode="drop")
-    token_ids = state.token_ids.at[pieces["token_rows"], pieces["token_cols"]].set(pieces["token_values"],
-                                                                                     mode="drop")
-    state = dataclasses.replace(state, num_computed_tokens=num_computed_tokens,
-                                num_scheduled_tokens=num_scheduled_tokens, block_table=block_table,
+    ready = jnp.max(pieces["num_scheduled_tokens"]) >= 0
+    edits = {name: jnp.where(ready, pieces[name], -1) for name in EDIT_FIELDS}
+    block_table = state.block_table.at[edits["block_rows"], edits["block_cols"]].set(edits["block_values"],
+                                                                                       mode="drop")
+    token_ids = state.token_ids.at[edits["token_rows"], edits["token_cols"]].set(edits["token_values"],
+                                                                                   mode="drop")
+    state = dataclasses.replace(state, num_computed_tokens=pieces["num_computed_tokens"],
+                                num_scheduled_tokens=pieces["num_scheduled_tokens"], block_table=block_table,
                                 token_ids=token_ids)
     fields = step_fields(prepare_body(state, config, num_tokens_padded))
     return state, pack_body(fields, HOST_PACKED), fields["block_table"]
 
 
 def run_update(state, update: dict, config: PrepConfig, bucket: int):
-    """jaxprep's whole step: three small host arrays in, the new state and the host step out."""
-    state, words, table = update_and_prepare(state, update["num_computed_tokens"], update["num_scheduled_tokens"],
-                                             pack_edits(update), config, bucket)
+    """jaxprep's whole step: one packed host array in, the new state and the host step out."""
+    state, words, table = update_and_prepare(state, pack_update(update), config, bucket)
     return state, unpack_to_host(words, table, config, bucket)
 
 

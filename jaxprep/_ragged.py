@@ -24,9 +24,10 @@ from jaxprep._typing import Array, Bool, Float32, Int32
 SCAN_BLOCK = 32
 """Width of the blocks `prefix_sum` scans with one small matrix product each."""
 
-SINGLE_PRODUCT_SCAN = 256
-"""Up to this length a prefix sum is one product with an [n, n] constant (at most 256 KiB): one
-kernel instead of the ~6 of the blocked scan, which matters more than its n**2 work at this size."""
+SHORT_SCAN = 256
+"""Up to this length a prefix sum is XLA's own cumsum on every backend: one kernel (on XLA:CPU a
+serial loop, ~7 ns an entry), cheaper than a matrix product there at this size (XLA:CPU's product
+costs ~2 µs even at n = 8; BENCHMARKS.md, "The XLA step under V1")."""
 
 F32_EXACT_BOUND = 2**24
 """float32 holds every integer below this exactly, so sums that stay below it are exact."""
@@ -67,11 +68,12 @@ def _exact_matmul(a: Float32[Array, "m k"], b: np.ndarray) -> Float32[Array, "m 
 
 
 def _scan_f32(values: Float32[Array, "k n"]) -> Float32[Array, "k n"]:
-    """Inclusive prefix sums along the last axis, as blocks of `SCAN_BLOCK` and one product.
+    """Inclusive prefix sums along the last axis, as blocks of `SCAN_BLOCK` and one product (up to
+    `SHORT_SCAN` entries XLA's own cumsum).
 
     Exact while every partial sum stays below `F32_EXACT_BOUND`: the inputs are integers, ``U``
-    holds 0 and 1, and float32 adds integers below 2**24 without rounding. XLA:CPU only (see
-    `on_cpu_else`).
+    holds 0 and 1, and float32 adds integers below 2**24 without rounding, in any order. XLA:CPU
+    only (see `on_cpu_else`).
     Each block's sum starts from the carry of the blocks before it, appended as one more column:
     [block | carry] @ [[U], [1 .. 1]] is the block's prefix sum plus its carry.
 
@@ -80,8 +82,8 @@ def _scan_f32(values: Float32[Array, "k n"]) -> Float32[Array, "k n"]:
     ```
     """
     k, n = values.shape
-    if n <= SINGLE_PRODUCT_SCAN:
-        return _exact_matmul(values, _upper_ones(n))
+    if n <= SHORT_SCAN:
+        return jnp.cumsum(values, axis=-1)
     num_blocks = -(-n // SCAN_BLOCK)
     blocks = jnp.pad(values, ((0, 0), (0, num_blocks * SCAN_BLOCK - n))).reshape(k, num_blocks, SCAN_BLOCK)
     totals = jnp.sum(blocks, axis=2)
@@ -117,16 +119,16 @@ def prefix_sum(values: Int32[Array, "*k n"], max_total: int) -> Int32[Array, "*k
     """Inclusive cumulative sum in int32 along the last axis, of non-negative ``values`` whose
     total is at most ``max_total`` (static).
 
-    Integer ``cumsum`` on accelerators. On XLA:CPU, below 2**24, float32 matrix products
-    (`_scan_f32`), exact for such totals and faster than XLA:CPU's ``cumsum``, a serial
-    reduce-window (BENCHMARKS.md has the numbers).
+    Integer ``cumsum`` on accelerators, and everywhere up to `SHORT_SCAN` entries. On XLA:CPU, longer
+    and below 2**24, float32 matrix products (`_scan_f32`), exact for such totals and faster than
+    XLA:CPU's ``cumsum``, a serial reduce-window (BENCHMARKS.md has the numbers).
 
     ```
     # [3, 2, 5] -> [3, 5, 10]
     ```
     """
     rows = values.reshape(-1, values.shape[-1])
-    if max_total >= F32_EXACT_BOUND:
+    if max_total >= F32_EXACT_BOUND or rows.shape[-1] <= SHORT_SCAN:
         return _int_prefix_sum(rows).reshape(values.shape)
     return on_cpu_else(_f32_prefix_sum, _int_prefix_sum, rows).reshape(values.shape)
 
@@ -176,15 +178,16 @@ def token_request_index(request_ends: Int32[Array, " num_reqs_padded"],
     num_reqs = request_ends.shape[0]
     columns = jnp.clip(request_ends, 0, num_tokens_padded)
 
+    # the spare column is never scanned: a token's count reads only the columns before it
     def integer_count(columns):
         ends_per_token = jnp.zeros((1, num_tokens_padded + 1), jnp.int32).at[0, columns].add(
             1, mode="promise_in_bounds")
-        return _int_prefix_sum(ends_per_token)[0, :num_tokens_padded]
+        return _int_prefix_sum(ends_per_token[:, :num_tokens_padded])[0]
 
     def float_count(columns):  # counted in float32 from the start: the scan's input needs no conversion pass
         ends_per_token = jnp.zeros((1, num_tokens_padded + 1), jnp.float32).at[0, columns].add(
             1.0, mode="promise_in_bounds")
-        return _scan_f32(ends_per_token)[0, :num_tokens_padded].astype(jnp.int32)
+        return _scan_f32(ends_per_token[:, :num_tokens_padded])[0].astype(jnp.int32)
 
     exact_in_float = num_reqs < F32_EXACT_BOUND
     count = on_cpu_else(float_count, integer_count, columns) if exact_in_float else integer_count(columns)

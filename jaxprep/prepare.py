@@ -20,7 +20,7 @@ from jaxprep._constants import PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD
 from jaxprep._ragged import batch_layout, stack, token_blocks
 from jaxprep._ragged import slot_mapping as _slot_mapping
 from jaxprep._typing import Array, Int32
-from jaxprep.array_packing import INT32, Span, layout, pack_body, unpack
+from jaxprep.array_packing import INT32, Span, layout, pack_body
 from jaxprep.bounds import BLOCK_ID_OUT_OF_RANGE, NULL_BLOCK, expect_bucket, safe_block_table, token_flags
 from jaxprep.config import PrepConfig, triton_backend_available, uncovered_features
 from jaxprep.features import with_features
@@ -244,9 +244,24 @@ def prepare_to_host(state: BatchState, config: PrepConfig, num_tokens_padded: in
     return unpack_to_host(words, block_table, config, num_tokens_padded)
 
 
+@functools.cache
+def host_views(num_tokens_padded: int, num_reqs_padded: int) -> tuple[tuple[str, slice | tuple], ...]:
+    """``(field, index)`` per field of `host_layout`: ``words[index]`` is the field's view, a slice or (a scalar)
+    a 0-d view; `jaxprep.array_packing.unpack` of the layout, resolved once per bucket.
+
+    ```
+    # host_views(8, 3)[:2] -> (("input_ids", slice(0, 8)), ("positions", slice(8, 16))); errors -> (22, Ellipsis)
+    ```
+    """
+    return tuple((span.name, slice(span.offset, span.offset + span.num_words) if span.shape else (span.offset, ...))
+                 for span in host_layout(num_tokens_padded, num_reqs_padded))
+
+
 def unpack_to_host(words, block_table, config: PrepConfig, num_tokens_padded: int) -> StepInputs:
     """Fetches `prepare_packed`'s outputs and hands out a `StepInputs` of NumPy views into them."""
-    fields = unpack(np.asarray(words), host_layout(num_tokens_padded, config.num_reqs_padded(num_tokens_padded)))
+    words = np.asarray(words)
+    fields = {name: words[index] for name, index in host_views(num_tokens_padded,
+                                                                config.num_reqs_padded(num_tokens_padded))}
     fields["block_table"] = np.asarray(block_table)
     return step_from_fields(fields, num_tokens_padded)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import typing
 
 import jax
@@ -27,11 +28,11 @@ from jaxprep.features import registry
 INT32 = np.dtype(np.int32)
 
 
-@jax.tree_util.register_dataclass
 @typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class BatchState:
-    """Immutable pytree of the batch tables; every field is a device array."""
+    """Immutable pytree of the batch tables; every field is a device array (registered below the class:
+    `_rebuild`)."""
 
     token_ids: Int32[Array, "max_num_reqs max_model_len"]  # prompt, then outputs, then drafts
     block_table: Int32[Array, "max_num_reqs max_blocks_per_req"]  # 0 = null block past num_blocks
@@ -171,31 +172,31 @@ def check_leaves(state: BatchState) -> None:
     gets no conversion, so a float, bool or int64 table is rejected here instead of being cast or
     wrapped inside the step). Leaves that are not concrete arrays are skipped: JAX rebuilds the pytree
     with tracers and other leaves while tracing. JAX also rebuilds it from every jitted call's outputs,
-    so the walk is kept short: the per-field expectations are computed once (`_field_checks`) and absent
-    (None) features cost one attribute read each.
+    so the walk is kept short: the per-field expectations are computed once (`_field_checks`), the walk
+    goes over the state's ``__dict__``, and an absent (None) feature costs one comparison.
     """
     token_ids = state.token_ids
     rows = token_ids.shape[0] if _is_concrete_array(token_ids) and token_ids.ndim else None
-    for name, expected, ndim, per_row in _field_checks():
-        value = getattr(state, name)
+    checks = _field_checks()
+    for name, value in vars(state).items():
         if value is None:
             continue
-        arrays = value if isinstance(value, tuple) else (value,)
-        for i, array in enumerate(arrays):
-            if not _is_concrete_array(array):
-                continue
-            if array.dtype != expected or array.ndim != ndim or (per_row and rows is not None
-                                                                 and array.shape[0] != rows):
-                _raise_bad_leaf(f"{name}[{i}]" if isinstance(value, tuple) else name, array, expected, ndim,
+        expected, ndim, per_row = checks[name]
+        for i, array in enumerate(value if type(value) is tuple else (value,)):
+            if isinstance(array, jax.core.Tracer) or not isinstance(array, (np.ndarray, jax.Array)):
+                continue  # not a concrete array (`_is_concrete_array`, inlined: this runs per leaf per call)
+            shape = array.shape
+            if array.dtype != expected or len(shape) != ndim or (per_row and rows is not None and shape[0] != rows):
+                _raise_bad_leaf(f"{name}[{i}]" if type(value) is tuple else name, array, expected, ndim,
                                 per_row, rows)
 
 
 @functools.cache
-def _field_checks() -> tuple[tuple[str, np.dtype, int, bool], ...]:
-    """(field name, expected dtype, rank, indexed by state row) of every `BatchState` field, in field order."""
-    return tuple((f.name, np.dtype(bool if f.name in _BOOL_FIELDS else np.float32 if f.name in _FLOAT_FIELDS
-                                   else INT32), _NDIM[f.name], f.name not in NOT_PER_ROW)
-                 for f in dataclasses.fields(BatchState))
+def _field_checks() -> dict[str, tuple[np.dtype, int, bool]]:
+    """field name -> (expected dtype, rank, indexed by state row), for every `BatchState` field."""
+    return {f.name: (np.dtype(bool if f.name in _BOOL_FIELDS else np.float32 if f.name in _FLOAT_FIELDS else INT32),
+                     _NDIM[f.name], f.name not in NOT_PER_ROW)
+            for f in dataclasses.fields(BatchState)}
 
 
 def _raise_bad_leaf(name: str, array, expected: np.dtype, ndim: int, per_row: bool, rows: int | None) -> None:
@@ -205,6 +206,30 @@ def _raise_bad_leaf(name: str, array, expected: np.dtype, ndim: int, per_row: bo
     if array.ndim != ndim:
         raise ValueError(f"BatchState.{name} must be {ndim}-D, got shape {tuple(array.shape)}")
     raise ValueError(f"BatchState.{name} has {array.shape[0]} rows, but token_ids has {rows}")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(BatchState))
+_field_values = operator.attrgetter(*_FIELDS)  # a state's fields as a tuple, in field order
+_FIELD_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _FIELDS)
+
+
+def _rebuild(_, leaves) -> BatchState:
+    """A `BatchState` from its pytree children, as JAX rebuilds one from every jitted call's outputs: the
+    fields written into a new object's ``__dict__`` at once, then `check_leaves`, as ``__init__`` and
+    ``__post_init__`` do. The pytree registration a dataclass gets (`jax.tree_util.register_dataclass`)
+    calls ``BatchState(**fields)`` instead, whose frozen ``__init__`` sets the 31 fields one
+    ``object.__setattr__`` at a time: that cost ~2.5x this, ~10 µs per serving step on a loaded 2-core host
+    (BENCHMARKS.md, "The XLA step under V1")."""
+    state = object.__new__(BatchState)
+    state.__dict__.update(zip(_FIELDS, leaves))
+    check_leaves(state)
+    return state
+
+
+# data fields only (every field), keyed by attribute as register_dataclass keys them
+jax.tree_util.register_pytree_with_keys(
+    BatchState, lambda state: (tuple(zip(_FIELD_KEYS, _field_values(state))), None), _rebuild,
+    flatten_func=lambda state: (_field_values(state), None))
 
 
 def _feature_inputs_as_host(feature_inputs: dict) -> dict:

@@ -342,11 +342,13 @@ def _round_mantissa(x: jax.Array, bits: int) -> jax.Array:
 
 @pytest.mark.parametrize("bits, name", [(10, "tf32"), (7, "bf16")])
 def test_the_float_scan_is_wrong_under_accelerator_input_rounding(monkeypatch, bits, name):
-    """One 3001-token chunk and a 1024-request scan: the rounded product gets them wrong."""
+    """One 3001-token chunk and a 1024-request scan: the rounded product gets them wrong (scans longer
+    than `SHORT_SCAN`: shorter ones are XLA's cumsum, no product)."""
     def rounded_matmul(a, b):
         return jnp.matmul(_round_mantissa(a, bits), _round_mantissa(jnp.asarray(b), bits))
 
-    chunk = np.array([[3001, 1, 2]], np.int32)  # one prefill chunk, then two decodes
+    chunk = np.zeros((1, ragged.SHORT_SCAN + 1), np.int32)  # one prefill chunk, two decodes, idle rows
+    chunk[0, :3] = [3001, 1, 2]
     counts = np.random.default_rng(0).integers(1, 40, (1, 1024)).astype(np.int32)
     exact = [np.cumsum(chunk, axis=1), np.cumsum(counts, axis=1)]
     for values, want in zip([chunk, counts], exact):  # the real (HIGHEST) float scan is exact on CPU
