@@ -209,25 +209,24 @@ class UpdateColumns:
     decode_steps: int
     changed_words: int  # state entries the sections before the schedule write (`pack_columns` adds its own)
 
-    @classmethod
-    def of(cls, config: ServingConfig, *, finish=NO_ENTRIES, add=None, add_data=NO_ENTRIES, add_data_len=NO_ENTRIES,
-           segments=None, segment_data=NO_ENTRIES, schedule=None, decode_steps: int = 1,
-           changed_words: int = 0) -> UpdateColumns:
-        """Columns with only the sections given (the others empty): what a fast path fills."""
-        lay = payload_layout(config)
-        return cls(finish=finish, add=_empty_records(len(lay.add_fields)) if add is None else add, add_data=add_data,
-                   add_data_len=add_data_len, resume=_empty_records(len(RESUME_FIELDS) + lay.num_tables),
-                   resume_data=NO_ENTRIES, resume_data_len=NO_ENTRIES,
-                   segments=_empty_records(len(SEGMENT_FIELDS)) if segments is None else segments,
-                   segment_data=segment_data, lora=None, schedule=schedule, decode_steps=decode_steps,
-                   changed_words=changed_words)
-
 
 @functools.lru_cache(maxsize=16)
-def _empty_records(fields: int) -> np.ndarray:
+def empty_records(fields: int) -> np.ndarray:
+    """A section of no entries, ``fields`` wide (read-only, shared)."""
     records = np.zeros((fields, 0), np.int64)
     records.flags.writeable = False
     return records
+
+
+@functools.lru_cache(maxsize=64)
+def empty_columns(config: ServingConfig) -> UpdateColumns:
+    """An update with nothing in it (the schedule's buffer of a split update holds only the schedule)."""
+    lay = payload_layout(config)
+    return UpdateColumns(finish=NO_ENTRIES, add=empty_records(len(lay.add_fields)), add_data=NO_ENTRIES,
+                         add_data_len=NO_ENTRIES, resume=empty_records(len(resume_fields(config))),
+                         resume_data=NO_ENTRIES, resume_data_len=NO_ENTRIES,
+                         segments=empty_records(len(SEGMENT_FIELDS)), segment_data=NO_ENTRIES, lora=None,
+                         schedule=None, decode_steps=1, changed_words=0)
 
 
 def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np.ndarray) -> PackedStep:
@@ -240,16 +239,18 @@ def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     """``columns`` as buffers of the ladder: one, when it fits the serving step's rungs
     (`step_payload_buckets`); else the sections before the schedule greedily in buffers of the top rung (a
     split falls between entries, or between appended segments), applied first, and the schedule alone last."""
-    section = None if columns.schedule is None else _schedule_record(columns.schedule, payload_layout(config))
+    lay = payload_layout(config)
+    section = None if columns.schedule is None else _schedule_record(columns.schedule, lay)
     schedule_words = 0 if section is None else section[1]
     changed = columns.changed_words + (0 if section is None else section[2])
-    items = _item_words(config, columns)
-    content = int(items.sum()) + schedule_words
+    content = (len(columns.finish) + columns.add.size + columns.resume.size + columns.segments.size + schedule_words
+               + (0 if columns.lora is None else lay.max_loras)
+               + len(columns.add_data) + len(columns.resume_data) + len(columns.segment_data))
     if HEADER_WORDS + content <= step_payload_buckets(config)[-1]:
         step = _encode(config, columns, section, columns.decode_steps)
         return PackedStep(before=(), step=step, content_words=content, changed_words=changed)
-    before = tuple(_encode(config, part, None, 1) for part in _split(config, columns, items))
-    step = _encode(config, UpdateColumns.of(config), section, columns.decode_steps)
+    before = tuple(_encode(config, part, None, 1) for part in _split(config, columns, _item_words(config, columns)))
+    step = _encode(config, empty_columns(config), section, columns.decode_steps)
     return PackedStep(before=before, step=step, content_words=content, changed_words=changed)
 
 
@@ -324,7 +325,7 @@ def update_columns(config: ServingConfig, updates: StepUpdates, num_blocks_befor
     blocks[finish] = 0
     changed = len(finish)
     entries = updates.add.entries
-    add, add_data, add_data_len = _empty_records(len(lay.add_fields)), NO_ENTRIES, NO_ENTRIES
+    add, add_data, add_data_len = empty_records(len(lay.add_fields)), NO_ENTRIES, NO_ENTRIES
     if entries:
         add = (_add_records(entries, lay) if len(entries) > 1 else np.array([_add_record(entries[0], lay)])).T
         add_data, add_data_len = _entry_data([_row_data(e.token_ids, e.block_ids, e) for e in entries])
@@ -348,7 +349,7 @@ def update_columns(config: ServingConfig, updates: StepUpdates, num_blocks_befor
 def _resume_columns(entries, lay: Layout, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The resume records [fields, R], their data and its length per entry; ``blocks`` updated for replaced tables."""
     if not entries:
-        return _empty_records(len(RESUME_FIELDS) + lay.num_tables), NO_ENTRIES, NO_ENTRIES
+        return empty_records(len(RESUME_FIELDS) + lay.num_tables), NO_ENTRIES, NO_ENTRIES
     records, data = [], []
     for entry in entries:
         replace = entry.block_ids is not None
@@ -459,22 +460,27 @@ def _row_data(tokens, tables, entry) -> list[int]:
 
 def _schedule_record(schedule, lay: Layout):
     """(dense, rows, columns [fields, n]), its words and its changed entries: the rows with work or a
-    grammar, as a dense prefix or sparse rows, whichever is shorter."""
-    scheduled = np.asarray(schedule.num_scheduled_tokens, np.int64)
-    grammar = np.asarray(schedule.grammar_index, np.int64)
-    live = np.flatnonzero((scheduled > 0) | (grammar != NO_GRAMMAR))
+    grammar, as a dense prefix or sparse rows, whichever is shorter.
+
+    ```
+    # scheduled [2, 0, 1, 0, 0, 0, 0, 3], no drafts: live rows [0, 2, 7]; dense 8 words > sparse 6 -> rows [0, 2, 7],
+    #   columns [[2, 1, 3]]
+    ```
+    """
+    scheduled, grammar = schedule.num_scheduled_tokens, schedule.grammar_index
+    live = ((scheduled > 0) | (grammar != NO_GRAMMAR)).nonzero()[0]
     columns = [scheduled]
     if lay.num_drafts:
-        columns += [schedule.num_draft_tokens, *np.asarray(schedule.draft_token_ids, np.int64).T]
+        columns += [schedule.num_draft_tokens, *np.asarray(schedule.draft_token_ids).T]
     if lay.grammar:
         columns.append(grammar)
-    width = len(columns)
-    dense = len(live) == 0 or (int(live[-1]) + 1) * width <= len(live) * (width + 1)
-    n = 0 if len(live) == 0 else (int(live[-1]) + 1 if dense else len(live))
-    picked = np.arange(n) if dense else live
-    table = np.stack([np.asarray(c, np.int64)[picked] for c in columns]) if n else np.zeros((width, 0), np.int64)
-    drafts = int(np.asarray(schedule.num_draft_tokens)[live].sum()) if lay.num_drafts else 0
-    return (dense, None if dense else live, table), n * (width + (0 if dense else 1)), len(live) + drafts
+    width, count = len(columns), len(live)
+    dense = count == 0 or (int(live[-1]) + 1) * width <= count * (width + 1)
+    n = 0 if count == 0 else (int(live[-1]) + 1 if dense else count)
+    picked = slice(n) if dense else live
+    table = scheduled[None, picked] if width == 1 else np.array([column[picked] for column in columns], np.int64)
+    drafts = int(schedule.num_draft_tokens[live].sum()) if lay.num_drafts else 0
+    return (dense, None if dense else live, table), n * (width + (0 if dense else 1)), count + drafts
 
 
 def _encode(config: ServingConfig, columns: UpdateColumns, section, decode_steps: int) -> np.ndarray:

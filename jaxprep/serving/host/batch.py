@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -13,7 +14,7 @@ from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving import transitions
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.host import checks
+from jaxprep.serving.host import checks, column_checks
 from jaxprep.serving.state import (
     ERROR_BITS,
     AddRequests,
@@ -27,8 +28,24 @@ from jaxprep.serving.state import (
     draft_width,
 )
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_buffer
-from jaxprep.serving.update_packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
+from jaxprep.serving.update_packing import (
+    PackedStep,
+    UpdateColumns,
+    pack_columns,
+    pack_step,
+    payload_buckets,
+    step_payload_buckets,
+)
 from jaxprep.step_buffer import StepBuffer
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedUpdate:
+    """An update checked against the mirror and packed (`ServingBatch.check_columns`): its buffers, and the
+    mirror once the batch has taken them."""
+
+    packed: PackedStep
+    rows: checks.HostRows
 
 
 class ServingBatch:
@@ -76,10 +93,34 @@ class ServingBatch:
 
     def pack(self, updates: StepUpdates) -> PackedStep:
         """``updates`` (checked by the caller) as the buffers to send; counts their bytes."""
-        packed = pack_step(self.config, updates, self.rows.table_blocks)
+        return self._counted(pack_step(self.config, updates, self.rows.table_blocks))
+
+    def _counted(self, packed: PackedStep) -> PackedStep:
         self.h2d_bytes += packed.nbytes
         self.changed_words += packed.changed_words
         return packed
+
+    # --- an update read straight into columns (`UpdateColumns`) ----------------------------------
+
+    def check_columns(self, columns: UpdateColumns) -> CheckedUpdate | None:
+        """``columns`` checked at once against the mirror (`column_checks.check_columns`) and packed; None, with
+        nothing changed, if a bound breaks or the columns hold what that check does not cover: check the update
+        the general way then (`apply_updates`, `update_and_prepare`), which names the bound."""
+        rows = column_checks.check_columns(self.rows, columns, self.config)
+        return None if rows is None else CheckedUpdate(pack_columns(self.config, columns), rows)
+
+    def apply_checked(self, update: CheckedUpdate) -> None:
+        """`apply_updates` of an update `check_columns` checked: one dispatch per buffer, then its mirror."""
+        for buffer in self._counted(update.packed).buffers:
+            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
+        self.rows = update.rows
+
+    def update_and_prepare_checked(self, update: CheckedUpdate, num_tokens_padded: int) -> StepBuffer:
+        """`update_and_prepare` of an update `check_columns` checked (the bucket checked here)."""
+        check_bucket(update.rows, num_tokens_padded, self.config)
+        step = self.dispatch_prepare(self._counted(update.packed), num_tokens_padded)
+        self.rows = update.rows
+        return step
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
@@ -275,10 +316,12 @@ def check_dispatchable(config: ServingConfig) -> None:
 
 def advance_rows(rows: checks.HostRows, tokens: np.ndarray, num_speculative_tokens: int = 0) -> checks.HostRows:
     """The mirror after a serving step appended ``tokens`` [slots, max_num_reqs] (`AppendedTokens`);
-    rejected drafts are not computed."""
+    rejected drafts are not computed. The counters it advances are new arrays (``rows`` may share its arrays
+    with the mirror it was checked from: `column_checks.check_columns`)."""
     appended = AppendedTokens(tokens, num_speculative_tokens)
-    rows.num_computed_tokens += appended.computed_advance(rows.num_scheduled_tokens, rows.num_draft_tokens)
-    rows.num_tokens += appended.num_appended
-    rows.num_scheduled_tokens[:] = 0
-    rows.num_draft_tokens[:] = 0
+    rows.num_computed_tokens = rows.num_computed_tokens + appended.computed_advance(rows.num_scheduled_tokens,
+                                                                                    rows.num_draft_tokens)
+    rows.num_tokens = rows.num_tokens + appended.num_appended
+    rows.num_scheduled_tokens = np.zeros_like(rows.num_scheduled_tokens)
+    rows.num_draft_tokens = np.zeros_like(rows.num_draft_tokens)
     return rows
