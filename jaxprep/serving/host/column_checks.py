@@ -11,7 +11,7 @@ the general way (`checks.check_updates`), which names the first bound it breaks.
 what this check does not cover (resumed rows, LoRA slots, add records with a feature's fields, a Mamba table):
 the columns of vLLM's common steps have none of them.
 
-The bounds are `checks`' (``tests/serving/test_column_checks.py`` holds the two to the same verdicts and mirrors):
+The bounds are `checks`' (tests/serving/test_vllm_columns.py holds the two paths to the same verdicts and mirrors):
 
 - add: 1 <= num_tokens <= stop_len <= max_model_len; 0 <= num_computed_tokens < num_tokens, covered by each
   table's blocks; 0 <= prefill_len <= num_tokens; each table's block count within its width;
