@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import copy
 import cProfile
-import functools
 import os
 import pstats
 import sys
@@ -38,59 +37,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax
 import numpy as np
-from bench_vllm_adapter import RUNTIME, record_outputs, serving_config, workload
+from bench_vllm_adapter import PHASES, RUNTIME, PhaseClock, record_outputs, serving_config, workload
 from common import load_line, machine_line
 
-from jaxprep.serving.host import batch as batch_module
-from jaxprep.serving.host import checks
 from jaxprep.serving.host.vllm import VllmAdapter
-
-PHASES = ("translate", "checks", "pack", "dispatch", "wait")
-TIMED = (  # (module or class, attribute, phase): the parts of a step, where a checkout has them
-    (VllmAdapter, "_plan", "translate"),
-    (checks, "check_updates", "checks"),
-    ("jaxprep.serving.host.column_checks", "check_columns", "checks"),
-    (batch_module, "pack_step", "pack"),
-    (batch_module, "pack_columns", "pack"),
-)
-
-
-class PhaseClock:
-    """Exclusive time per phase of the functions `TIMED` names, while ``timing()`` is on."""
-
-    def __init__(self):
-        self.seconds, self._stack = dict.fromkeys(PHASES, 0.0), []
-
-    def wrap(self, function, phase: str):
-        @functools.wraps(function)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            self._stack.append(0.0)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                inner = self._stack.pop()
-                spent = time.perf_counter() - start
-                self.seconds[phase] += spent - inner
-                if self._stack:
-                    self._stack[-1] += spent
-        return timed
-
-    @contextlib.contextmanager
-    def timing(self):
-        patched = []
-        for owner, name, phase in TIMED:
-            if isinstance(owner, str):
-                owner = sys.modules.get(owner)
-            if owner is not None and hasattr(owner, name):
-                original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-                patched.append((owner, name, original))
-                setattr(owner, name, self.wrap(original, phase))
-        try:
-            yield
-        finally:
-            for owner, name, original in patched:
-                setattr(owner, name, original)
 
 
 def timed_step(adapter: VllmAdapter, so, clock: PhaseClock) -> tuple[dict, object]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -235,43 +236,59 @@ def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np
     return pack_columns(config, update_columns(config, updates, num_blocks_before))
 
 
+class _Ladder(NamedTuple):
+    """What packing reads of a configuration, looked up once per update."""
+
+    layout: Layout
+    buckets: tuple[int, ...]  # `payload_buckets`
+    step_words: int  # the serving step's top rung (`step_payload_buckets`)
+
+
+@functools.lru_cache(maxsize=64)
+def _ladder(config: ServingConfig) -> _Ladder:
+    return _Ladder(payload_layout(config), payload_buckets(config), step_payload_buckets(config)[-1])
+
+
 def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     """``columns`` as buffers of the ladder: one, when it fits the serving step's rungs
     (`step_payload_buckets`); else the sections before the schedule greedily in buffers of the top rung (a
     split falls between entries, or between appended segments), applied first, and the schedule alone last."""
-    lay = payload_layout(config)
+    ladder = _ladder(config)
+    lay = ladder.layout
     section = None if columns.schedule is None else _schedule_record(columns.schedule, lay)
     schedule_words = 0 if section is None else section[1]
     changed = columns.changed_words + (0 if section is None else section[2])
     content = (len(columns.finish) + columns.add.size + columns.resume.size + columns.segments.size + schedule_words
                + (0 if columns.lora is None else lay.max_loras)
                + len(columns.add_data) + len(columns.resume_data) + len(columns.segment_data))
-    if HEADER_WORDS + content <= step_payload_buckets(config)[-1]:
-        step = _encode(config, columns, section, columns.decode_steps)
+    if HEADER_WORDS + content <= ladder.step_words:
+        step = _encode(ladder.buckets, columns, section, columns.decode_steps)
         return PackedStep(before=(), step=step, content_words=content, changed_words=changed)
-    before = tuple(_encode(config, part, None, 1) for part in _split(config, columns, _item_words(config, columns)))
-    step = _encode(config, empty_columns(config), section, columns.decode_steps)
+    parts = _split(ladder.buckets[-1], columns, _item_words(lay, columns))
+    before = tuple(_encode(ladder.buckets, part, None, 1) for part in parts)
+    step = _encode(ladder.buckets, empty_columns(config), section, columns.decode_steps)
     return PackedStep(before=before, step=step, content_words=content, changed_words=changed)
 
 
-def _item_words(config: ServingConfig, columns: UpdateColumns) -> np.ndarray:
+def _item_words(lay: Layout, columns: UpdateColumns) -> np.ndarray:
     """The words of each item a split may fall between, in buffer order: the finish rows (one item), each added
     and each resumed row (record and data), each appended segment, the LoRA slots."""
     finish = [len(columns.finish)] if len(columns.finish) else []
-    lora = [] if columns.lora is None else [payload_layout(config).max_loras]
+    lora = [] if columns.lora is None else [lay.max_loras]
     return np.concatenate([np.array(finish, np.int64), len(columns.add) + columns.add_data_len,
                            len(columns.resume) + columns.resume_data_len,
                            len(SEGMENT_FIELDS) + columns.segments[3], np.array(lora, np.int64)])
 
 
-def _split(config: ServingConfig, columns: UpdateColumns, items: np.ndarray) -> list[UpdateColumns]:
-    """The items greedily into buffers of the top rung, in order (an item that fills one alone goes alone).
+def _split(top: int, columns: UpdateColumns, items: np.ndarray) -> list[UpdateColumns]:
+    """The items greedily into buffers of ``top`` words (the top rung), in order (an item that fills one alone
+    goes alone).
 
     ```
     # top 64, header 10, item words [30, 30, 30] -> [[30], [30], [30]]; [20, 20, 20] -> [[20, 20], [20]]
     ```
     """
-    top, ends, words = payload_buckets(config)[-1], [], HEADER_WORDS
+    ends, words = [], HEADER_WORDS
     for i, size in enumerate(items.tolist()):
         if words + size > top and words > HEADER_WORDS:
             ends.append(i)
@@ -483,7 +500,7 @@ def _schedule_record(schedule, lay: Layout):
     return (dense, None if dense else live, table), n * (width + (0 if dense else 1)), count + drafts
 
 
-def _encode(config: ServingConfig, columns: UpdateColumns, section, decode_steps: int) -> np.ndarray:
+def _encode(buckets: tuple[int, ...], columns: UpdateColumns, section, decode_steps: int) -> np.ndarray:
     """One buffer: the header, then each section at its offset (the module's layout), zeros to its rung.
     ``section``: the schedule's (`_schedule_record`), or None (the header says the counts are kept)."""
     dense, rows, table = section[0] if section is not None else (True, None, None)
@@ -497,19 +514,19 @@ def _encode(config: ServingConfig, columns: UpdateColumns, section, decode_steps
         sections += [table.ravel()] if dense else [rows, table.ravel()]
     if columns.lora is not None:
         sections.append(columns.lora)
-    return write_buffer(config, header, [*sections, *data])
+    return write_buffer(buckets, header, [*sections, *data])
 
 
-def write_buffer(config: ServingConfig, header, sections) -> np.ndarray:
+def write_buffer(buckets: tuple[int, ...], header, sections) -> np.ndarray:
     """``header`` (`HEADER`'s values) and ``sections`` (flat integer arrays, in buffer order) in one int32
-    buffer of the rung that holds them, zero past the last section.
+    buffer of the rung of ``buckets`` (`payload_buckets`) that holds them, zero past the last section.
 
     ```
     # header (1, 0, ..., 3, 1), sections [[], [1, 1, 1], [5, 6, 7]] -> [1, 0, ..., 3, 1, 1, 1, 1, 5, 6, 7, 0, ...]
     ```
     """
     words = HEADER_WORDS + sum(map(len, sections))
-    buffer = np.zeros(bucket_for(config, words), np.int32)
+    buffer = np.zeros(buckets[bisect.bisect_left(buckets, words)], np.int32)
     buffer[:HEADER_WORDS] = header
     at = HEADER_WORDS
     for section in sections:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -40,6 +41,22 @@ from jaxprep.step_buffer import StepBuffer
 
 
 @dataclasses.dataclass(frozen=True)
+class ColumnsUpdate:
+    """An update read straight into `UpdateColumns` (the host scheduler's: `scheduler_columns`), and the way
+    to read it as a `StepUpdates` (``as_updates``): where `column_checks.check_columns` finds a bound broken,
+    or does not cover the columns, the general checks take the `StepUpdates` and name the bound. `ServingBatch`
+    takes one wherever it takes a `StepUpdates`."""
+
+    columns: UpdateColumns
+    as_updates: Callable[[], StepUpdates]
+
+    @property
+    def decode_steps(self) -> np.ndarray:
+        """[1] as `StepUpdates.decode_steps`."""
+        return np.array([self.columns.decode_steps], np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckedUpdate:
     """An update checked against the mirror and packed (`ServingBatch.check_columns`): its buffers, and the
     mirror once the batch has taken them."""
@@ -68,9 +85,9 @@ class ServingBatch:
 
     # --- updates ---------------------------------------------------------------------------
 
-    def apply_updates(self, updates: StepUpdates) -> None:
+    def apply_updates(self, updates: StepUpdates | ColumnsUpdate) -> None:
         """finish, add, resume, append, lora_slots and schedule: checked, then one dispatch per buffer."""
-        rows = checks.check_updates(self.rows, updates, self.config)
+        rows, updates = self._checked(updates)
         packed = self.pack(updates)
         for buffer in packed.buffers:
             self.state = transitions.apply_packed(self.state, buffer, config=self.config)
@@ -91,9 +108,22 @@ class ServingBatch:
     def schedule(self, payload: Schedule) -> None:
         self.apply_updates(_only(self.config, schedule=payload))
 
-    def pack(self, updates: StepUpdates) -> PackedStep:
+    def pack(self, updates: StepUpdates | ColumnsUpdate) -> PackedStep:
         """``updates`` (checked by the caller) as the buffers to send; counts their bytes."""
+        if isinstance(updates, ColumnsUpdate):
+            return self._counted(pack_columns(self.config, updates.columns))
         return self._counted(pack_step(self.config, updates, self.rows.table_blocks))
+
+    def _checked(self, updates: StepUpdates | ColumnsUpdate) -> tuple[checks.HostRows, StepUpdates | ColumnsUpdate]:
+        """The mirror after ``updates`` (a copy), and the payload checked (the one to pack and send):
+        `column_checks.check_columns` of columns, else (or where it finds a bound broken) `checks.check_updates`
+        of the `StepUpdates`, which raises `InvalidUpdateError` naming the bound."""
+        if isinstance(updates, ColumnsUpdate):
+            rows = column_checks.check_columns(self.rows, updates.columns, self.config)
+            if rows is not None:
+                return rows, updates
+            updates = updates.as_updates()
+        return checks.check_updates(self.rows, updates, self.config), updates
 
     def _counted(self, packed: PackedStep) -> PackedStep:
         self.h2d_bytes += packed.nbytes
@@ -142,14 +172,14 @@ class ServingBatch:
         """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""
         return prepare_padded(self.state.batch, self.config.prep, num_tokens_padded)
 
-    def update_and_prepare(self, updates: StepUpdates, num_tokens_padded: int) -> StepBuffer:
+    def update_and_prepare(self, updates: StepUpdates | ColumnsUpdate, num_tokens_padded: int) -> StepBuffer:
         """Checks ``updates``, then applies them and prepares the step in ONE jitted call (the state donated,
         `step.update_and_prepare_buffer`); returns the step as one `StepBuffer` (`StepBuffer.inputs` for its
         `StepInputs`, `torch_bridge.to_torch` for torch). As in `serve`, an update too big for the step's
         payload rungs (`step_payload_buckets`) sends its leading buffers first (`transitions.apply_packed`).
         Raises `InvalidUpdateError` with nothing dispatched, also for a bucket that is not one of
         ``config.prep.token_buckets`` or that the scheduled total does not fit."""
-        rows = checks.check_updates(self.rows, updates, self.config)
+        rows, updates = self._checked(updates)
         check_bucket(rows, num_tokens_padded, self.config)
         step = self.dispatch_prepare(self.pack(updates), num_tokens_padded)
         self.rows = rows
@@ -252,9 +282,9 @@ class ServingBatch:
         return kv_cache, tokens
 
     def _run(self, kv_cache, params, updates, model, num_tokens_padded, packed):
-        rows = checks.check_updates(self.rows, updates, self.config)
-        checks.check_step(rows, int(np.asarray(updates.decode_steps)[0]), num_tokens_padded, self.config)
-        packed = self.pack(updates) if packed is None else packed
+        rows, checked = self._checked(updates)
+        checks.check_step(rows, int(np.asarray(checked.decode_steps)[0]), num_tokens_padded, self.config)
+        packed = self.pack(checked) if packed is None or checked is not updates else packed  # what was checked
         for buffer in packed.before:
             self.state = transitions.apply_packed(self.state, buffer, config=self.config)
         self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed.step, config=self.config,

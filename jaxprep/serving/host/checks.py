@@ -416,13 +416,9 @@ def schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
     prep, width = config.prep, draft_width(config)
     scheduled, drafts, grammar = payload.num_scheduled_tokens, payload.num_draft_tokens, payload.grammar_index
     num_tokens, budget = rows.num_tokens, prep.max_num_batched_tokens
-    known = num_tokens + drafts  # tokens the row holds once its drafts are written
-    seq_lens = rows.num_computed_tokens + scheduled
-    wrong = ((num_tokens <= 0) | (rows.pending_drafts >= 0) | (seq_lens > known) | (seq_lens > prep.max_model_len)
-             | ((seq_lens >= num_tokens) & (known >= prep.max_model_len)))  # the sampled token needs a column
-    for g, size in enumerate(group_block_sizes(config)):
-        wrong |= (seq_lens + (size - 1)) // size > rows.table_blocks[:, g]
     active = scheduled > 0
+    wrong = (num_tokens <= 0) | (rows.pending_drafts >= 0) | sequence_faults(
+        rows.num_computed_tokens + scheduled, num_tokens, num_tokens + drafts, rows.table_blocks, config)
     bad = ((scheduled < 0) | (scheduled > budget) | (drafts < 0) | (drafts > width) | (active & wrong)
            | ((drafts > 0) & (scheduled <= drafts)) | ((grammar != NO_GRAMMAR) & ((grammar < 0) | ~active)))
     if bad.any() or int(scheduled.sum()) > budget:  # each count within the budget already: the sum cannot wrap
@@ -434,6 +430,23 @@ def schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
         if not token_ids_fit(ids[drafted], config.token_id_bound, low):
             return False
     return True
+
+
+def sequence_faults(seq_lens: np.ndarray, num_tokens: np.ndarray, known: np.ndarray, table_blocks: np.ndarray,
+                    config: ServingConfig) -> np.ndarray:
+    """Per row, whether ``seq_lens`` (num_computed_tokens + num_scheduled_tokens) passes the tokens the row knows
+    (``known``: num_tokens, and the drafts written this step), max_model_len or the row's allocated blocks
+    (``table_blocks`` [rows, tables]), or reaches the row's end without a column for the sampled token.
+
+    ```
+    # max_model_len 8, block size 4: seq 5 of known 5, 2 blocks -> ok; 2 blocks, known 8, seq 8 -> no column
+    ```
+    """
+    max_len = config.prep.max_model_len
+    faults = (seq_lens > known) | (seq_lens > max_len) | ((seq_lens >= num_tokens) & (known >= max_len))
+    for g, size in enumerate(group_block_sizes(config)):
+        faults |= (seq_lens + (size - 1)) // size > table_blocks[:, g]
+    return faults
 
 
 def _schedule_named(rows: HostRows, payload, config: ServingConfig) -> None:

@@ -17,7 +17,8 @@ The bounds are `checks`' (tests/serving/test_vllm_columns.py holds the two paths
   table's blocks; 0 <= prefill_len <= num_tokens; each table's block count within its width;
 - append: each table's blocks after the append within its width;
 - data: token ids in [0, token_id_bound), block ids in their table's [low, high];
-- schedule: `checks.schedule_fits`.
+- schedule: `checks.schedule_fits`; of a `plain_schedule` (the common steps'), the bounds it can break: each
+  count within the budget, every row's sequence within its tokens and blocks (`checks.sequence_faults`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import functools
 
 import numpy as np
 
+from jaxprep._constants import NO_GRAMMAR
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.host.checks import HostRows, group_block_sizes, schedule_fits
-from jaxprep.serving.state import block_bounds, num_kv_groups, table_names, table_widths
+from jaxprep.serving.host.checks import HostRows, group_block_sizes, schedule_fits, sequence_faults
+from jaxprep.serving.state import Schedule, block_bounds, draft_width, num_kv_groups, table_names, table_widths
 from jaxprep.serving.update_packing import TABLE, TOKENS, UpdateColumns, payload_layout
 
 PLAIN_ADD_FIELDS = ("row", "num_tokens", "stop_len", "num_computed_tokens", "prefill_len")
@@ -46,6 +48,7 @@ class _Bounds:
     run_kinds: np.ndarray  # [1 + T] the data runs of an added row: TOKENS, then TABLE + t
     low: np.ndarray  # [TABLE + T] lowest value of each data kind (TOKENS: 0; TABLE + t: the table's lowest id)
     high: np.ndarray  # [TABLE + T] highest value
+    plain: tuple[np.ndarray, np.ndarray, np.ndarray]  # a `plain_schedule`'s drafts, draft ids, grammar rows
 
 
 @functools.lru_cache(maxsize=64)
@@ -58,8 +61,21 @@ def _bounds(config: ServingConfig) -> _Bounds:
     for t in range(tables):
         low[TABLE + t], high[TABLE + t] = block_bounds(config, t)
     sizes = np.array(group_block_sizes(config)[:tables], np.int64)[:, None]
+    rows = config.max_num_reqs
+    plain = (np.zeros(rows, np.int64), np.zeros((rows, draft_width(config)), np.int64), np.full(rows, NO_GRAMMAR))
+    for array in plain:
+        array.flags.writeable = False
     return _Bounds(covered=covered, widths=np.array(table_widths(config), np.int64), block_sizes=sizes,
-                   run_kinds=np.array([TOKENS] + [TABLE + t for t in range(tables)], np.int64), low=low, high=high)
+                   run_kinds=np.array([TOKENS] + [TABLE + t for t in range(tables)], np.int64), low=low, high=high,
+                   plain=plain)
+
+
+def plain_schedule(config: ServingConfig, num_scheduled_tokens: np.ndarray) -> Schedule:
+    """A schedule of ``num_scheduled_tokens`` (dense, each >= 0) without drafts or grammar rows (their arrays
+    shared and read-only): `check_columns` knows it as such and checks only the bounds it can break."""
+    drafts, draft_ids, grammar = _bounds(config).plain
+    return Schedule(num_scheduled_tokens=num_scheduled_tokens, num_draft_tokens=drafts, draft_token_ids=draft_ids,
+                    grammar_index=grammar)
 
 
 def covers(config: ServingConfig) -> bool:
@@ -96,11 +112,23 @@ def check_columns(rows: HostRows, columns: UpdateColumns, config: ServingConfig)
             return None
         rows.table_blocks[row, table] = end
     if schedule is not None:
-        if not schedule_fits(rows, schedule, config):
+        plain = schedule.num_draft_tokens is bounds.plain[0] and schedule.grammar_index is bounds.plain[2]
+        if not (_plain_schedule_fits(rows, schedule.num_scheduled_tokens, config) if plain
+                else schedule_fits(rows, schedule, config)):
             return None
         rows.num_scheduled_tokens = schedule.num_scheduled_tokens.copy()
         rows.num_draft_tokens = schedule.num_draft_tokens.copy()
     return rows
+
+
+def _plain_schedule_fits(rows: HostRows, scheduled: np.ndarray, config: ServingConfig) -> bool:
+    """`checks.schedule_fits` of a `plain_schedule` (no drafts, no grammar rows, counts >= 0) on rows the
+    caller's bookkeeping made busy and settled (running rows without pending drafts, or rows just added): each
+    count within the budget, then every row's sequence within its tokens and blocks, then the total."""
+    budget, num_tokens = config.prep.max_num_batched_tokens, rows.num_tokens
+    bad = (scheduled > budget) | ((scheduled > 0) & sequence_faults(rows.num_computed_tokens + scheduled, num_tokens,
+                                                                    num_tokens, rows.table_blocks, config))
+    return not bad.any() and int(scheduled.sum()) <= budget
 
 
 def _records_fit(add: np.ndarray, bounds: _Bounds, config: ServingConfig) -> bool:

@@ -186,8 +186,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         rows, k = self.config.max_num_reqs, self.config.num_speculative_tokens
         out = SchedulerOutput(finished_rows=self._rows_to_free, new_requests=[], new_block_ids={},
-                              num_scheduled_tokens=np.zeros(rows, np.int32),
-                              num_draft_tokens=np.zeros(rows, np.int32), draft_token_ids=np.zeros((rows, k), np.int32))
+                              num_scheduled_tokens=np.zeros(rows, np.int64),  # int64: `Schedule`'s own dtype
+                              num_draft_tokens=np.zeros(rows, np.int64), draft_token_ids=np.zeros((rows, k), np.int64))
         self._rows_to_free = []
         budget = self._schedule_running(out, self.config.prep.max_num_batched_tokens)
         if not out.num_preempted:
@@ -330,17 +330,20 @@ class Scheduler:
         the known tokens; every later iteration computes and appends one decode token (`AppendedTokens`).
         """
         step = AppendedTokens(tokens, self.config.num_speculative_tokens)
-        advance = step.computed_advance(out.num_scheduled_tokens, out.num_draft_tokens)
+        # each per-row array read once, as lists (the loop below reads them row by row)
+        advance = step.computed_advance(out.num_scheduled_tokens, out.num_draft_tokens).tolist()
+        num_appended = step.num_appended
+        samples, appended = (step.num_first > 0).tolist(), num_appended.tolist()
+        computed = (out.num_scheduled_tokens - out.num_draft_tokens).tolist()  # the scheduled tokens, drafts not
         for row, request in out.requests.items():
-            scheduled = int(out.num_scheduled_tokens[row])
-            computed = request.num_computed_tokens + scheduled - int(out.num_draft_tokens[row])
-            if bool(step.num_first[row]) != (computed >= request.num_tokens_with_placeholders):
+            reached = request.num_computed_tokens + computed[row]
+            if samples[row] != (reached >= request.num_tokens_with_placeholders):
                 raise RuntimeError(f"request {request.request_id}: the device and the host disagree on whether "
-                                   f"computing {computed} of {request.num_tokens_with_placeholders} tokens samples")
+                                   f"computing {reached} of {request.num_tokens_with_placeholders} tokens samples")
             # rejected drafts are not computed: the next step computes from the first of them again
-            request.num_computed_tokens += int(advance[row])
-            request.num_output_placeholders += int(step.num_appended[row])
-        out.num_appended = step.num_appended
+            request.num_computed_tokens += advance[row]
+            request.num_output_placeholders += appended[row]
+        out.num_appended = num_appended
 
     def resolve(self, out: SchedulerOutput, tokens: np.ndarray, eos_token_id: int) -> list[Request]:
         """Replaces the placeholders of ``out``'s step with the tokens it appended and finishes the
@@ -348,19 +351,21 @@ class Scheduler:
         earlier step gets nothing (its token from this step is discarded, vLLM's rule). Returns the
         newly finished requests."""
         step, done = AppendedTokens(tokens, self.config.num_speculative_tokens), []
+        new_tokens, expected = _row_tokens(step), out.num_appended.tolist()
+        drafts = _row_drafts(step) if self.config.num_speculative_tokens else None
         for row, request in out.requests.items():
             if request.status is Status.FINISHED:
                 continue
-            request.num_output_placeholders -= int(out.num_appended[row])
-            new = step.row_tokens(row)
+            request.num_output_placeholders -= expected[row]
+            new = new_tokens[row]
             if self._take(request, new, eos_token_id):
                 done.append(request)
                 continue
-            if len(new) != out.num_appended[row]:
+            if len(new) != expected[row]:
                 raise RuntimeError(f"request {request.request_id}: the device appended {len(new)} tokens, "
-                                   f"the host expected {int(out.num_appended[row])}, and none stops it")
+                                   f"the host expected {expected[row]}, and none stops it")
             if request.status is Status.RUNNING:
-                self._keep_drafts(request, step.draft_token_ids[row, : step.num_draft_tokens[row]])
+                self._keep_drafts(request, drafts[row] if drafts is not None else [])
         return done
 
     def _take(self, request: Request, new: list[int], eos_token_id: int) -> bool:
@@ -376,12 +381,12 @@ class Scheduler:
                 return True
         return False
 
-    def _keep_drafts(self, request: Request, drafts: np.ndarray) -> None:
+    def _keep_drafts(self, request: Request, drafts: list[int]) -> None:
         """The device's drafts for the request's next step, cut so that its accepted tokens and the
         token after them stay within the request's stop (``stop_len``): no block is ever needed
         past it."""
         room = request.stop_len(self.config.max_model_len) - request.num_tokens - 1
-        request.spec_token_ids = [int(t) for t in drafts[: max(room, 0)]]
+        request.spec_token_ids = drafts[: max(room, 0)]
 
     @staticmethod
     def _cut_drafts(out: SchedulerOutput, row: int, cut: int) -> None:
@@ -411,3 +416,20 @@ class Scheduler:
             self._free_rows.append(request.row)
         request.status, request.block_ids, request.num_output_placeholders = Status.FINISHED, [], 0
         self.finished.append(request)
+
+
+def _row_tokens(step: AppendedTokens) -> list[list[int]]:
+    """The tokens appended to each row, in order (`AppendedTokens.row_tokens` of every row, read at once).
+
+    ```
+    # tokens [[7, -1, 9], [8, -1, -1]] -> [[7, 8], [], [9]]
+    ```
+    """
+    appended = step.appended
+    tokens, kept = step.tokens[: appended.shape[0]].T.tolist(), appended.T.tolist()
+    return [[t for t, k in zip(row, keep) if k] for row, keep in zip(tokens, kept)]
+
+
+def _row_drafts(step: AppendedTokens) -> list[list[int]]:
+    """The drafts each row proposed for its next step (`AppendedTokens.draft_token_ids`, its count per row)."""
+    return [ids[:n] for ids, n in zip(step.draft_token_ids.tolist(), step.num_draft_tokens.tolist())]

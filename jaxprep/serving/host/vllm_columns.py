@@ -29,12 +29,12 @@ from operator import is_not
 
 import numpy as np
 
-from jaxprep._constants import NO_GRAMMAR, NO_LORA_ID
+from jaxprep._constants import NO_LORA_ID
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host.checks import HostRows
-from jaxprep.serving.host.column_checks import PLAIN_ADD_FIELDS
+from jaxprep.serving.host.column_checks import PLAIN_ADD_FIELDS, plain_schedule
 from jaxprep.serving.host.vllm_requests import Admission, RequestMap
-from jaxprep.serving.state import Schedule, draft_width, num_kv_groups
+from jaxprep.serving.state import Schedule, num_kv_groups
 from jaxprep.serving.update_packing import (
     NO_ENTRIES,
     RESUME_FIELDS,
@@ -64,9 +64,7 @@ class ColumnReader:
         self.no_adds = empty_records(len(PLAIN_ADD_FIELDS) + self.groups)
         self.no_resumes = empty_records(len(RESUME_FIELDS) + self.groups)
         self.no_segments = empty_records(len(SEGMENT_FIELDS))
-        self.no_drafts = _read_only(np.zeros(config.max_num_reqs, np.int64),
-                                    np.zeros((config.max_num_reqs, draft_width(config)), np.int64),
-                                    np.full(config.max_num_reqs, NO_GRAMMAR, np.int64))
+        self.config = config
         self._running = (None, None, None)  # (request map, req_ids, rows) of the last decode step read
 
     def read(self, scheduler_output, requests: RequestMap, mirror: HostRows) -> CommonStep | None:
@@ -165,32 +163,28 @@ class ColumnReader:
         lists = list(chain.from_iterable(entries))
         if set(map(type, entries)) != {tuple} or set(map(len, entries)) != {groups} or set(map(type, lists)) != {list}:
             return None
-        lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+        lengths = list(map(len, lists))
         ids = np.array(list(chain.from_iterable(lists)))
         if ids.dtype != np.int64 or ids.ndim != 1:
             return None if len(ids) else (self.no_segments, NO_ENTRIES)
-        if groups == 1:
-            seg_rows, tables = rows[index], np.zeros(len(index), np.int64)
-        else:
-            seg_rows, tables = np.repeat(rows[index], groups), np.tile(np.arange(groups, dtype=np.int64), len(index))
-        kept = lengths > 0
-        if not kept.all():  # an empty list (a group without new blocks) appends nothing
-            seg_rows, tables, lengths = seg_rows[kept], tables[kept], lengths[kept]
-        return np.array([TABLE + tables, seg_rows, table_blocks[seg_rows, tables], lengths]), ids
+        seg_rows = rows[index]
+        tables = np.zeros(len(index), np.int64) if groups == 1 else np.tile(np.arange(groups, dtype=np.int64),
+                                                                            len(index))
+        if groups > 1:
+            seg_rows = np.repeat(seg_rows, groups)
+        if 0 in lengths:  # an empty list (a group without new blocks) appends nothing
+            kept = np.array(lengths) > 0
+            seg_rows, tables, lengths = seg_rows[kept], tables[kept], np.array(lengths)[kept]
+        segments = np.empty((len(SEGMENT_FIELDS), len(seg_rows)), np.int64)
+        segments[0], segments[1], segments[2], segments[3] = TABLE + tables, seg_rows, table_blocks[seg_rows, tables], \
+            lengths
+        return segments, ids
 
     def _schedule(self, rows: np.ndarray, counts: np.ndarray) -> Schedule:
         """The dense schedule: ``counts`` at ``rows``, no drafts, no grammar rows."""
         scheduled = np.zeros(self.max_num_reqs, np.int64)
         scheduled[rows] = counts
-        drafts, draft_ids, grammar = self.no_drafts
-        return Schedule(num_scheduled_tokens=scheduled, num_draft_tokens=drafts, draft_token_ids=draft_ids,
-                        grammar_index=grammar)
-
-
-def _read_only(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    for array in arrays:
-        array.flags.writeable = False
-    return arrays
+        return plain_schedule(self.config, scheduled)
 
 
 def _int64(values) -> np.ndarray | None:
