@@ -9,7 +9,7 @@ its history kept) runs ``--rounds`` times; each iteration's host time is ``step_
 around the functions that do the host's parts split it (each part's own time, any checkout):
 
 - *schedule*: ``Scheduler.schedule``;
-- *updates*: the scheduler output as the update (``engine.scheduler_updates``);
+- *updates*: the scheduler output as the update (``engine.scheduler_columns``, or ``engine.scheduler_updates``);
 - *pack*: ``ServingBatch.pack`` (the update as its int32 buffers);
 - *count*: ``Engine._count`` (the loop's statistics) and ``dispatch_log.dispatch_record``;
 - *update*: ``Scheduler.update`` (the step's tokens back into the requests);
@@ -47,24 +47,31 @@ from jaxprep.serving.host.batch import ServingBatch  # noqa: E402
 from jaxprep.serving.host.scheduler import Scheduler  # noqa: E402
 
 PARTS = ("schedule", "updates", "pack", "count", "update")
-TIMED = ((Scheduler, "schedule", "schedule"), (engine, "scheduler_updates", "updates"), (ServingBatch, "pack", "pack"),
-         (engine.Engine, "_count", "count"), (engine, "dispatch_record", "count"), (Scheduler, "update", "update"))
+TIMED = ((Scheduler, "schedule", "schedule"), (engine, "scheduler_updates", "updates"),
+         (engine, "scheduler_columns", "updates"), (ServingBatch, "pack", "pack"), (engine.Engine, "_count", "count"),
+         (engine, "dispatch_record", "count"), (Scheduler, "update", "update"))
+"""(module or class, attribute, part): the parts of an iteration, where a checkout has them."""
 
 
 class PartClock:
-    """Each part's own time (`TIMED`), per iteration of the loop."""
+    """Each part's own time (`TIMED`; a part called inside another is taken out of the outer one), per
+    iteration of the loop."""
 
     def __init__(self):
-        self.seconds, self.iterations = dict.fromkeys(PARTS, 0.0), []
+        self.seconds, self.iterations, self._stack = dict.fromkeys(PARTS, 0.0), [], []
 
     def wrap(self, function, part: str):
         @functools.wraps(function)
         def timed(*args, **kwargs):
             start = time.perf_counter()
+            self._stack.append(0.0)
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds[part] += time.perf_counter() - start
+                inner, spent = self._stack.pop(), time.perf_counter() - start
+                self.seconds[part] += spent - inner
+                if self._stack:
+                    self._stack[-1] += spent
         return timed
 
     def next_iteration(self, _engine) -> None:
@@ -73,9 +80,10 @@ class PartClock:
 
     @contextlib.contextmanager
     def timing(self):
+        timed = [(owner, name, part) for owner, name, part in TIMED if hasattr(owner, name)]
         originals = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-                     for owner, name, _ in TIMED]
-        for (owner, name, original), (_, _, part) in zip(originals, TIMED):
+                     for owner, name, _ in timed]
+        for (owner, name, original), (_, _, part) in zip(originals, timed):
             setattr(owner, name, self.wrap(original, part))
         try:
             yield

@@ -18,10 +18,10 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import column_checks, dp_policy
 from jaxprep.serving.host.batch import ColumnsUpdate, ServingBatch
 from jaxprep.serving.host.dispatch_log import DispatchRecord, dispatch_record
-from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput
+from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput, StepTokens, step_tokens
 from jaxprep.serving.host.scheduler_columns import scheduler_columns
 from jaxprep.serving.state import StepUpdates
-from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_donated
+from jaxprep.serving.step import serve_step, update_and_prepare_donated
 from jaxprep.serving.update_packing import PackedStep, payload_buckets, step_payload_buckets
 
 
@@ -171,6 +171,7 @@ class Engine:
         dispatched = time.perf_counter()
         tokens = self._serve(updates, bucket, packed)
         read = time.perf_counter()
+        tokens = [StepTokens(part, self.config.num_speculative_tokens) for part in tokens]  # each array read once
         self._count(outs, tokens, bucket)
         eos = self.config.eos_token_id
         done = [r for s, out, part in zip(self.schedulers, outs, tokens, strict=True) for r in s.update(out, part, eos)]
@@ -253,14 +254,19 @@ class Engine:
                             ColumnsUpdate(columns, functools.partial(scheduler_updates, self.config, out)))
         return payloads
 
-    def _count(self, outs: list[SchedulerOutput], tokens: list[np.ndarray], bucket: int) -> None:
+    def _count(self, outs: list[SchedulerOutput], tokens: list[np.ndarray | StepTokens], bucket: int) -> None:
         """Every rank pads to ``bucket`` in every iteration it runs (an idle rank runs one, all padding);
         a dispatch's model steps are those of its longest-running rank."""
         stats = self.stats
         stats.dispatches += 1
+        k = self.config.num_speculative_tokens
+        tokens = [step_tokens(part, k) for part in tokens]
+        scheduled = [out.num_scheduled_tokens for out in outs]
+        # the first pass's prefill and decode tokens: the dispatch's record has them (kept with the history)
+        record = dispatch_record(scheduled, [part.tokens[k:part.tokens.shape[0] - k] for part in tokens], bucket) \
+            if self.keep_history else None
         iterations = []
-        for out, part in zip(outs, tokens, strict=True):
-            appended = AppendedTokens(part, self.config.num_speculative_tokens)
+        for out, appended, counts in zip(outs, tokens, scheduled, strict=True):
             iterations.append(appended.num_iterations)
             stats.preemptions += out.num_preempted
             drafts = out.num_draft_tokens
@@ -271,19 +277,19 @@ class Engine:
             stats.output_tokens += int(appended.num_appended.sum())
             decoded = int(appended.num_decoded.sum())  # later iterations' tokens, one decode each
             stats.scheduled_tokens += out.total_num_scheduled_tokens + decoded
-            counts = np.asarray(out.num_scheduled_tokens)
-            stats.prefill_tokens += int(counts[counts > 1].sum())
-            stats.decode_tokens += int((counts == 1).sum()) + decoded
+            stats.decode_tokens += decoded
+            if record is None:
+                stats.prefill_tokens += int(counts[counts > 1].sum())
+                stats.decode_tokens += int((counts == 1).sum())
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
         step_bytes = self.batch.h2d_bytes - stats.h2d_bytes
         stats.h2d_bytes, stats.changed_words = self.batch.h2d_bytes, self.batch.changed_words
         stats.model_steps += max(iterations)
-        if self.keep_history:
-            scheduled = [out.num_scheduled_tokens for out in outs]
-            first = self.config.num_speculative_tokens  # later iterations start at slot K + 1 (`AppendedTokens`)
-            appended = [part[first:part.shape[0] - first] for part in tokens]
-            stats.dispatches_log.append(dispatch_record(scheduled, appended, bucket))
+        if record is not None:
+            stats.prefill_tokens += record.prefill_tokens
+            stats.decode_tokens += record.decode_tokens
+            stats.dispatches_log.append(record)
             stats.h2d_bytes_log.append(step_bytes)
 
     # --- device hooks: one rank on one device ---------------------------------------------------
