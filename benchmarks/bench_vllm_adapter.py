@@ -21,7 +21,7 @@ device; ``_bookkeeping_sync`` for V1). A first replay warms jaxprep up (compiles
 size; reported apart). Reported: per-step mean over the replayed steps, and over its decode-only steps
 (no admission, one token per request), the median over ``--rounds`` replays (the two sides alternate, round
 by round), and the ratios jaxprep / V1 (goal on CPU: <= 1.0x). A third replay per round times jaxprep's host
-phases alone (translate + checks + pack, clocked by `PhaseClock` around the functions that do them, as
+phases alone (translate + checks + pack, clocked by `phase_clock` around the functions that do them, as
 benchmarks/profile_vllm_adapter.py reports them), against V1's whole step (issue 37's goal: <= 0.3x).
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ from support.vllm_scheduler import no_pinned_memory  # noqa: E402
 
 no_pinned_memory()  # before vLLM's runner modules are imported
 
-from common import configure_benchmark_runtime, load_line, machine_line  # noqa: E402
+from common import PartClock, configure_benchmark_runtime, load_line, machine_line  # noqa: E402
 
 RUNTIME = configure_benchmark_runtime()
 
@@ -70,42 +69,9 @@ TIMED = (  # (module or class, attribute, phase): the parts of a step, where a c
 )
 
 
-class PhaseClock:
-    """Exclusive time per phase of the functions `TIMED` names, while ``timing()`` is on."""
-
-    def __init__(self):
-        self.seconds, self._stack = dict.fromkeys(PHASES, 0.0), []
-
-    def wrap(self, function, phase: str):
-        @functools.wraps(function)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            self._stack.append(0.0)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                inner = self._stack.pop()
-                spent = time.perf_counter() - start
-                self.seconds[phase] += spent - inner
-                if self._stack:
-                    self._stack[-1] += spent
-        return timed
-
-    @contextlib.contextmanager
-    def timing(self):
-        patched = []
-        for owner, name, phase in TIMED:
-            if isinstance(owner, str):
-                owner = sys.modules.get(owner)
-            if owner is not None and hasattr(owner, name):
-                original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-                patched.append((owner, name, original))
-                setattr(owner, name, self.wrap(original, phase))
-        try:
-            yield
-        finally:
-            for owner, name, original in patched:
-                setattr(owner, name, original)
+def phase_clock() -> PartClock:
+    """A clock of the `PHASES` of `VllmAdapter.step` (`TIMED`)."""
+    return PartClock(PHASES, TIMED)
 
 
 def workload(size: int, steps: int) -> Workload:
@@ -169,12 +135,12 @@ def numpy_slot_mapping(runner) -> None:
 def replay_jaxprep(config: ServingConfig, recorded: list, finish=None, host: list | None = None) -> list[float]:
     """Per step: ``adapter.step`` until the step is ready (``finish(step)``, default: its buffer's
     ``block_until_ready``), seconds; the fake model's tokens recorded between steps, untimed. ``host``: a
-    list that gets each step's host phases (translate + checks + pack, `PhaseClock`), seconds."""
-    adapter, times, clock = VllmAdapter(config), [], PhaseClock()
+    list that gets each step's host phases (translate + checks + pack, `phase_clock`), seconds."""
+    adapter, times, clock = VllmAdapter(config), [], phase_clock()
     outputs = copy.deepcopy([so for so, _ in recorded])
     with contextlib.nullcontext() if host is None else clock.timing():
         for so, (_, sampled) in zip(outputs, recorded):
-            clock.seconds = dict.fromkeys(PHASES, 0.0)
+            clock.reset()
             start = time.perf_counter()
             step = adapter.step(so)
             if finish is None:

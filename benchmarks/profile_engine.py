@@ -23,17 +23,14 @@ median, and the function calls per iteration (cProfile, one more round: the whol
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import cProfile
-import functools
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_line, machine_line
+from common import PartClock, load_line, machine_line
 
 from jaxprep.cli import configure_runtime
 
@@ -50,56 +47,18 @@ PARTS = ("schedule", "updates", "pack", "count", "update")
 TIMED = ((Scheduler, "schedule", "schedule"), (engine, "scheduler_updates", "updates"),
          (engine, "scheduler_columns", "updates"), (ServingBatch, "pack", "pack"), (engine.Engine, "_count", "count"),
          (engine, "dispatch_record", "count"), (Scheduler, "update", "update"))
-"""(module or class, attribute, part): the parts of an iteration, where a checkout has them."""
+"""(module or class, attribute, part): the parts of an iteration, where a checkout has them (`common.PartClock`)."""
 
 
-class PartClock:
-    """Each part's own time (`TIMED`; a part called inside another is taken out of the outer one), per
-    iteration of the loop."""
-
-    def __init__(self):
-        self.seconds, self.iterations, self._stack = dict.fromkeys(PARTS, 0.0), [], []
-
-    def wrap(self, function, part: str):
-        @functools.wraps(function)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            self._stack.append(0.0)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                inner, spent = self._stack.pop(), time.perf_counter() - start
-                self.seconds[part] += spent - inner
-                if self._stack:
-                    self._stack[-1] += spent
-        return timed
-
-    def next_iteration(self, _engine) -> None:
-        self.iterations.append(self.seconds)
-        self.seconds = dict.fromkeys(PARTS, 0.0)
-
-    @contextlib.contextmanager
-    def timing(self):
-        timed = [(owner, name, part) for owner, name, part in TIMED if hasattr(owner, name)]
-        originals = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-                     for owner, name, _ in timed]
-        for (owner, name, original), (_, _, part) in zip(originals, timed):
-            setattr(owner, name, self.wrap(original, part))
-        try:
-            yield
-        finally:
-            for owner, name, original in originals:
-                setattr(owner, name, original)
-
-
-def one_run(config, model, args, params, workload, clock: PartClock | None = None):
+def one_run(config, model, args, params, workload, clock: PartClock | None = None, iterations: list | None = None):
+    """One serving run of the workload; with ``clock``, each iteration's parts appended to ``iterations``."""
     run_engine = simulate._engine(config, model, args, params)
     run_engine.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
     if clock is None:
         run_engine.run()
     else:
         with clock.timing():
-            run_engine.run(on_step=clock.next_iteration)
+            run_engine.run(on_step=lambda _: iterations.append(clock.reset()))
     return run_engine
 
 
@@ -114,10 +73,10 @@ def main() -> None:
     print(machine_line())
     rounds = []
     for _ in range(known.rounds):
-        clock = PartClock()
-        run_engine = one_run(config, model, args, params, workload, clock)
+        clock, iterations = PartClock(PARTS, TIMED), []
+        run_engine = one_run(config, model, args, params, workload, clock, iterations)
         host = (np.array(run_engine.stats.step_us) - np.array(run_engine.stats.dispatch_us))
-        parts = {part: np.array([it[part] for it in clock.iterations]) * 1e6 for part in PARTS}
+        parts = {part: np.array([it[part] for it in iterations]) * 1e6 for part in PARTS}
         parts["rest"] = host - sum(parts.values())
         rounds.append(dict({part: float(np.median(v)) for part, v in parts.items()}, host=float(np.median(host)),
                            dispatches=len(host)))

@@ -37,15 +37,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax
 import numpy as np
-from bench_vllm_adapter import PHASES, RUNTIME, PhaseClock, record_outputs, serving_config, workload
-from common import load_line, machine_line
+from bench_vllm_adapter import PHASES, RUNTIME, phase_clock, record_outputs, record_step, serving_config, workload
+from common import PartClock, load_line, machine_line
 
 from jaxprep.serving.host.vllm import VllmAdapter
 
 
-def timed_step(adapter: VllmAdapter, so, clock: PhaseClock) -> tuple[dict, object]:
+def timed_step(adapter: VllmAdapter, so, clock: PartClock) -> tuple[dict, object]:
     """One `VllmAdapter.step`, its parts timed apart: ({phase: seconds}, the step)."""
-    clock.seconds = dict.fromkeys(PHASES, 0.0)
+    clock.reset()
     start = time.perf_counter()
     step = adapter.step(so)
     stepped = time.perf_counter()
@@ -67,19 +67,13 @@ def step_calls(adapter: VllmAdapter, so) -> tuple[int, object]:
 
 def replay(config, recorded: list, count_calls: bool = False) -> list:
     """Per step: its phases ({phase: seconds}), or with ``count_calls`` its function calls."""
-    adapter, out, clock = VllmAdapter(config), [], PhaseClock()
+    adapter, out, clock = VllmAdapter(config), [], phase_clock()
     outputs = copy.deepcopy([so for so, _ in recorded])
     with contextlib.nullcontext() if count_calls else clock.timing():
         for so, (_, sampled) in zip(outputs, recorded):
             measured, step = step_calls(adapter, so) if count_calls else timed_step(adapter, so, clock)
             out.append(measured)
-            rows = config.prep.num_reqs_padded(step.num_tokens_padded)
-            tokens, counts = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
-            for b, req_id in enumerate(step.req_ids):
-                if sampled[req_id]:
-                    tokens[b, 0], counts[b] = sampled[req_id][0], 1
-            adapter.record_sampled(jax.device_put(tokens), jax.device_put(counts))
-            jax.block_until_ready(adapter.batch.state)
+            record_step(adapter, config, step, sampled)
     return out
 
 
@@ -98,7 +92,8 @@ def main() -> None:
         work = workload(size, args.steps)
         recorded = record_outputs(work)
         config = serving_config(work)
-        calls = replay(config, recorded, count_calls=True)  # compiles too
+        replay(config, recorded)  # compiles
+        calls = replay(config, recorded, count_calls=True)
         new = [len(so.scheduled_new_reqs) for so, _ in recorded]
         kinds = {"decode": [not n and max(so.num_scheduled_tokens.values()) == 1 for n, (so, _) in zip(new, recorded)],
                  "admission": [n > 0 for n in new]}

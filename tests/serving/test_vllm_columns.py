@@ -22,7 +22,7 @@ import pytest
 import jaxprep
 from jaxprep.serving import ServingConfig
 from jaxprep.serving.host.vllm import GRAMMAR_NOT_GIVEN, VllmAdapter
-from support.column_paths import both_paths, differences
+from support.column_paths import both_paths, differences, try_corruptions
 from support.vllm_workers import worker_report
 
 VOCAB, BLOCK = 50, 4
@@ -206,14 +206,7 @@ def run_random(seed: int, cfg: ServingConfig, steps: int = 40) -> dict:
         paths = both_paths(adapter, so)
         seen[paths.kind] += 1
         seen["problems"] += [f"step {number}: {d}" for d in differences(paths)]
-        for name, corrupt in CORRUPTIONS.items():
-            broken = copy.deepcopy(so)
-            if corrupt(broken, rng) is False:
-                continue
-            bad = both_paths(adapter, broken)
-            seen["corrupt_refused"] += bad.kind == "refused"
-            seen["corrupt_common"] += bad.kind == "common"
-            seen["problems"] += [f"step {number} {name}: {d}" for d in differences(bad)]
+        seen["problems"] += try_corruptions(adapter, so, CORRUPTIONS, rng, seen, f"step {number}")
         step = adapter.step(so)
         sampled = scheduler.advance(so)
         if step.buffer is not None:

@@ -10,6 +10,7 @@ and the same request map.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -77,3 +78,20 @@ def differences(paths: Paths) -> list[str]:
         if getattr(common.checked.packed, name) != getattr(packed, name):
             out.append(f"packed.{name}")
     return out
+
+
+def try_corruptions(adapter: VllmAdapter, scheduler_output, corruptions: dict, rng, seen: dict,
+                    label: str) -> list[str]:
+    """Each of ``corruptions`` (name -> fn(output, rng), False where it does not apply) on a deep copy of
+    ``scheduler_output``, read both ways: counts in ``seen`` the corruptions the general path refused
+    (``corrupt_refused``) and those the common path took (``corrupt_common``); returns the differences."""
+    problems = []
+    for name, corrupt in corruptions.items():
+        broken = copy.deepcopy(scheduler_output)
+        if corrupt(broken, rng) is False:
+            continue
+        paths = both_paths(adapter, broken)
+        seen["corrupt_refused"] += paths.kind == "refused"
+        seen["corrupt_common"] += paths.kind == "common"
+        problems += [f"{label} {name}: {d}" for d in differences(paths)]
+    return problems

@@ -17,7 +17,6 @@ every difference found.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -34,7 +33,7 @@ import numpy as np  # noqa: E402
 import jaxprep  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
 from jaxprep.serving.host.vllm import VllmAdapter  # noqa: E402
-from support.column_paths import both_paths, differences  # noqa: E402
+from support.column_paths import both_paths, differences, try_corruptions  # noqa: E402
 from support.vllm_door_worker import CORRUPTIONS  # noqa: E402
 from support.vllm_scheduler import WORKLOADS, Requests, Workload, fake_token, make_scheduler  # noqa: E402
 
@@ -86,14 +85,7 @@ def run(work: Workload, v2_mode: bool, report: dict) -> None:
         report["problems"] += [f"[{label}] step {number}: {d}" for d in differences(paths)]
         if paths.kind == "common":
             seen["controls_caught"] += control_caught(paths)
-        for name, corrupt in CORRUPTIONS.items():
-            broken = copy.deepcopy(so)
-            if corrupt(broken, rng) is False:
-                continue
-            bad = both_paths(adapter, broken)
-            seen["corrupt_refused"] += bad.kind == "refused"
-            seen["corrupt_common"] += bad.kind == "common"
-            report["problems"] += [f"[{label}] step {number} {name}: {d}" for d in differences(bad)]
+        report["problems"] += try_corruptions(adapter, so, CORRUPTIONS, rng, seen, f"[{label}] step {number}")
         step = adapter.step(so)
         sampled = sampled_tokens(so, adapter)
         if step.buffer is not None:
