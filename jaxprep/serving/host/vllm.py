@@ -12,6 +12,13 @@ applies it, and only then does the adapter keep the plan's request map, free row
 A malformed output raises `InvalidSchedulerOutputError` (or `InvalidUpdateError`) naming the object
 and the field, with nothing written anywhere.
 
+The common step (no request resumed, no drafts or grammar rows, no feature value per request: most of
+vLLM's steps) skips the `StepUpdates`: `jaxprep.serving.host.vllm_columns` reads it in one pass straight
+into the buffer's columns, `jaxprep.serving.host.column_checks` checks them at once against the mirror,
+and they are packed as they are (issue 37). A step of any other shape, and one that breaks a bound, is
+read the general way, which names what is wrong; both ways give the same buffer, bit for bit
+(tests/serving/test_vllm_columns.py).
+
 What each part of the scheduler output becomes, following the two runners that consume it
 (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states`, "V1", and
 `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner` ``finish_requests`` / ``add_requests`` /
