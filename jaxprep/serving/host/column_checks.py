@@ -72,10 +72,16 @@ def _bounds(config: ServingConfig) -> _Bounds:
 
 def plain_schedule(config: ServingConfig, num_scheduled_tokens: np.ndarray) -> Schedule:
     """A schedule of ``num_scheduled_tokens`` (dense, each >= 0) without drafts or grammar rows (their arrays
-    shared and read-only): `check_columns` knows it as such and checks only the bounds it can break."""
-    drafts, draft_ids, grammar = _bounds(config).plain
+    shared and read-only, `plain_arrays`): `check_columns` knows it as such and checks only the bounds it can
+    break."""
+    drafts, draft_ids, grammar = plain_arrays(config)
     return Schedule(num_scheduled_tokens=num_scheduled_tokens, num_draft_tokens=drafts, draft_token_ids=draft_ids,
                     grammar_index=grammar)
+
+
+def plain_arrays(config: ServingConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A `plain_schedule`'s draft counts, draft ids and grammar rows (a caller building one per step keeps them)."""
+    return _bounds(config).plain
 
 
 def covers(config: ServingConfig) -> bool:
@@ -102,8 +108,8 @@ def check_columns(rows: HostRows, columns: UpdateColumns, config: ServingConfig)
             rows.clear(columns.finish)
         if add.shape[1]:
             _write_added(rows, add)
-    else:  # a decode step: only the block counts and the schedule change
-        rows = dataclasses.replace(rows, table_blocks=rows.table_blocks.copy())
+    else:  # a decode step: only the block counts and the schedule change (the other arrays are shared)
+        rows = HostRows(**{**vars(rows), "table_blocks": rows.table_blocks.copy()})
     if segments.shape[1]:
         _, row, col, length = segments
         table = segments[0] - TABLE

@@ -32,7 +32,7 @@ import numpy as np
 from jaxprep._constants import NO_LORA_ID
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host.checks import HostRows
-from jaxprep.serving.host.column_checks import PLAIN_ADD_FIELDS, plain_schedule
+from jaxprep.serving.host.column_checks import PLAIN_ADD_FIELDS, plain_arrays
 from jaxprep.serving.host.vllm_requests import Admission, RequestMap
 from jaxprep.serving.state import Schedule, num_kv_groups
 from jaxprep.serving.update_packing import (
@@ -64,7 +64,7 @@ class ColumnReader:
         self.no_adds = empty_records(len(PLAIN_ADD_FIELDS) + self.groups)
         self.no_resumes = empty_records(len(RESUME_FIELDS) + self.groups)
         self.no_segments = empty_records(len(SEGMENT_FIELDS))
-        self.config = config
+        self.plain = plain_arrays(config)  # a schedule's drafts, draft ids and grammar rows: none (`plain_schedule`)
         self._running = (None, None, None)  # (request map, req_ids, rows) of the last decode step read
 
     def read(self, scheduler_output, requests: RequestMap, mirror: HostRows) -> CommonStep | None:
@@ -184,7 +184,9 @@ class ColumnReader:
         """The dense schedule: ``counts`` at ``rows``, no drafts, no grammar rows."""
         scheduled = np.zeros(self.max_num_reqs, np.int64)
         scheduled[rows] = counts
-        return plain_schedule(self.config, scheduled)
+        drafts, draft_ids, grammar = self.plain
+        return Schedule(num_scheduled_tokens=scheduled, num_draft_tokens=drafts, draft_token_ids=draft_ids,
+                        grammar_index=grammar)
 
 
 def _int64(values) -> np.ndarray | None:
