@@ -20,13 +20,15 @@ Between steps, untimed on both sides: the fake model's tokens are recorded (``re
 device; ``_bookkeeping_sync`` for V1). A first replay warms jaxprep up (compiles every bucket and payload
 size; reported apart). Reported: per-step mean over the replayed steps, and over its decode-only steps
 (no admission, one token per request), the median over ``--rounds`` replays (the two sides alternate, round
-by round), and the ratios jaxprep / V1 (goal on
-CPU: <= 1.0x).
+by round), and the ratios jaxprep / V1 (goal on CPU: <= 1.0x). A third replay per round times jaxprep's host
+phases alone (translate + checks + pack, clocked by `phase_clock` around the functions that do them, as
+benchmarks/profile_vllm_adapter.py reports them), against V1's whole step (issue 37's goal: <= 0.3x).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -40,7 +42,7 @@ from support.vllm_scheduler import no_pinned_memory  # noqa: E402
 
 no_pinned_memory()  # before vLLM's runner modules are imported
 
-from common import configure_benchmark_runtime, load_line, machine_line  # noqa: E402
+from common import PartClock, configure_benchmark_runtime, load_line, machine_line  # noqa: E402
 
 RUNTIME = configure_benchmark_runtime()
 
@@ -50,9 +52,26 @@ import torch  # noqa: E402
 
 import jaxprep  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
+from jaxprep.serving.host import batch as batch_module  # noqa: E402
+from jaxprep.serving.host import checks  # noqa: E402
 from jaxprep.serving.host.vllm import VllmAdapter  # noqa: E402
 from support.vllm_scheduler import Requests, Workload, fake_token, make_scheduler  # noqa: E402
 from support.vllm_v1_runner import V1Runner  # noqa: E402
+
+PHASES = ("translate", "checks", "pack", "dispatch", "wait")
+HOST_PHASES = ("translate", "checks", "pack")
+TIMED = (  # (module or class, attribute, phase): the parts of a step, where a checkout has them
+    (VllmAdapter, "_plan", "translate"),
+    (checks, "check_updates", "checks"),
+    ("jaxprep.serving.host.column_checks", "check_columns", "checks"),
+    (batch_module, "pack_step", "pack"),
+    (batch_module, "pack_columns", "pack"),
+)
+
+
+def phase_clock() -> PartClock:
+    """A clock of the `PHASES` of `VllmAdapter.step` (`TIMED`)."""
+    return PartClock(PHASES, TIMED)
 
 
 def workload(size: int, steps: int) -> Workload:
@@ -113,27 +132,37 @@ def numpy_slot_mapping(runner) -> None:
         table.compute_slot_mapping = compute
 
 
-def replay_jaxprep(config: ServingConfig, recorded: list, finish=None) -> list[float]:
+def replay_jaxprep(config: ServingConfig, recorded: list, finish=None, host: list | None = None) -> list[float]:
     """Per step: ``adapter.step`` until the step is ready (``finish(step)``, default: its buffer's
-    ``block_until_ready``), seconds; the fake model's tokens recorded between steps, untimed."""
-    adapter, times = VllmAdapter(config), []
+    ``block_until_ready``), seconds; the fake model's tokens recorded between steps, untimed. ``host``: a
+    list that gets each step's host phases (translate + checks + pack, `phase_clock`), seconds."""
+    adapter, times, clock = VllmAdapter(config), [], phase_clock()
     outputs = copy.deepcopy([so for so, _ in recorded])
-    for so, (_, sampled) in zip(outputs, recorded):
-        start = time.perf_counter()
-        step = adapter.step(so)
-        if finish is None:
-            jax.block_until_ready(ready(step))
-        else:
-            finish(step)
-        times.append(time.perf_counter() - start)
-        rows = config.prep.num_reqs_padded(step.num_tokens_padded)
-        tokens, counts = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
-        for b, req_id in enumerate(step.req_ids):
-            if sampled[req_id]:
-                tokens[b, 0], counts[b] = sampled[req_id][0], 1
-        adapter.record_sampled(jax.device_put(tokens), jax.device_put(counts))
-        jax.block_until_ready(adapter.batch.state)
+    with contextlib.nullcontext() if host is None else clock.timing():
+        for so, (_, sampled) in zip(outputs, recorded):
+            clock.reset()
+            start = time.perf_counter()
+            step = adapter.step(so)
+            if finish is None:
+                jax.block_until_ready(ready(step))
+            else:
+                finish(step)
+            times.append(time.perf_counter() - start)
+            if host is not None:
+                host.append(sum(clock.seconds[p] for p in HOST_PHASES))
+            record_step(adapter, config, step, sampled)
     return times
+
+
+def record_step(adapter: VllmAdapter, config: ServingConfig, step, sampled: dict) -> None:
+    """The fake model's tokens recorded on the device (untimed)."""
+    rows = config.prep.num_reqs_padded(step.num_tokens_padded)
+    tokens, counts = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
+    for b, req_id in enumerate(step.req_ids):
+        if sampled[req_id]:
+            tokens[b, 0], counts[b] = sampled[req_id][0], 1
+    adapter.record_sampled(jax.device_put(tokens), jax.device_put(counts))
+    jax.block_until_ready(adapter.batch.state)
 
 
 def ready(step):
@@ -191,8 +220,9 @@ def main() -> None:
     print(machine_line())
     print(RUNTIME)
     print("| requests | steps (decode-only) | tokens/step | jaxprep us/step | vLLM V1 us/step | ratio | "
-          "decode-only: jaxprep | V1 | ratio | jaxprep warm-up s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "decode-only: jaxprep | V1 | ratio | host phases us/step: mixed | / V1 | decode-only | / V1 | "
+          "jaxprep warm-up s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
         work = workload(size, args.steps)
         recorded = record_outputs(work)
@@ -202,12 +232,16 @@ def main() -> None:
         warmup = time.perf_counter() - start
         decode = np.array([not so.scheduled_new_reqs and max(so.num_scheduled_tokens.values()) == 1
                            for so, _ in recorded])
-        rounds = [(replay_jaxprep(config, recorded), replay_v1(work, recorded)) for _ in range(args.rounds)]
-        ours = median_means([a for a, _ in rounds], decode)  # the two sides interleaved, round by round
-        theirs = median_means([b for _, b in rounds], decode)
+        rounds = []
+        for _ in range(args.rounds):  # the sides interleaved, round by round
+            host: list[float] = []
+            rounds.append((replay_jaxprep(config, recorded), replay_v1(work, recorded),
+                           replay_jaxprep(config, recorded, host=host) and host))
+        ours, theirs, phases = (median_means([r[i] for r in rounds], decode) for i in range(3))
         tokens = np.mean([so.total_num_scheduled_tokens for so, _ in recorded])
         print(f"| {size} | {len(recorded)} ({decode.sum()}) | {tokens:.0f} | {ours[0]:.0f} | {theirs[0]:.0f} | "
               f"{ours[0] / theirs[0]:.2f}x | {ours[1]:.0f} | {theirs[1]:.0f} | {ours[1] / theirs[1]:.2f}x | "
+              f"{phases[0]:.0f} | {phases[0] / theirs[0]:.2f}x | {phases[1]:.0f} | {phases[1] / theirs[1]:.2f}x | "
               f"{warmup:.1f} |", flush=True)
     print(load_line())
 

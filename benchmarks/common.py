@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import statistics
@@ -199,3 +200,48 @@ def unchecked_step(state, config, num_tokens: int):
         step = jax.jit(body, static_argnames=("config", "num_tokens_padded"))
         jax.block_until_ready(step(state, config, num_tokens))  # traced and compiled under the patch
     return lambda: jax.block_until_ready(step(state, config, num_tokens))
+
+
+class PartClock:
+    """Each part's own time, from clocks around the functions ``timed`` names ((module, class or module name,
+    attribute, part); one a checkout lacks is skipped), while ``timing()`` is on: a part called inside another
+    is taken out of the outer one. ``seconds`` adds up since it was last reset."""
+
+    def __init__(self, parts: tuple[str, ...], timed: tuple):
+        self.parts, self.timed = parts, timed
+        self.seconds, self._stack = dict.fromkeys(parts, 0.0), []
+
+    def reset(self) -> dict:
+        """The seconds so far, and a fresh count."""
+        seconds, self.seconds = self.seconds, dict.fromkeys(self.parts, 0.0)
+        return seconds
+
+    def wrap(self, function, part: str):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            self._stack.append(0.0)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                inner, spent = self._stack.pop(), time.perf_counter() - start
+                self.seconds[part] += spent - inner
+                if self._stack:
+                    self._stack[-1] += spent
+        return timed
+
+    @contextlib.contextmanager
+    def timing(self):
+        patched = []
+        for owner, name, part in self.timed:
+            if isinstance(owner, str):
+                owner = sys.modules.get(owner)
+            if owner is not None and hasattr(owner, name):
+                original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+                patched.append((owner, name, original))
+                setattr(owner, name, self.wrap(original, part))
+        try:
+            yield
+        finally:
+            for owner, name, original in patched:
+                setattr(owner, name, original)

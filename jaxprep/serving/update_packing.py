@@ -36,8 +36,10 @@ the last one (the schedule) goes with the step (`pack_step`).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +48,14 @@ import numpy as np
 from jaxprep._constants import NO_GRAMMAR
 from jaxprep.serving import update_bounds
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.state import InvalidUpdateError, StepUpdates, draft_width, table_names, table_widths
+from jaxprep.serving.state import (
+    InvalidUpdateError,
+    Schedule,
+    StepUpdates,
+    draft_width,
+    table_names,
+    table_widths,
+)
 
 HEADER = ("decode_steps", "n_finish", "n_add", "n_resume", "n_segments", "n_schedule", "schedule_dense",
           "has_lora_slots", "n_data", "has_schedule")
@@ -147,34 +156,6 @@ def packed_size(config: ServingConfig) -> int:
 # --- host side ---------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Chunk:
-    finish: list = dataclasses.field(default_factory=list)
-    add: list = dataclasses.field(default_factory=list)
-    resume: list = dataclasses.field(default_factory=list)
-    segments: list = dataclasses.field(default_factory=list)  # int64 arrays [n, 4] (SEGMENT_FIELDS)
-    data: list = dataclasses.field(default_factory=list)  # int64 arrays (or lists), run after run
-    lora: np.ndarray | None = None
-    schedule: tuple | None = None  # (dense, rows [n] or None, columns [width, n])
-    words: int = HEADER_WORDS
-
-    def take(self, item) -> None:
-        kind, record, segments, data, words = item
-        if kind == "finish":
-            self.finish += record
-        elif kind == "lora":
-            self.lora = record
-        elif kind == "schedule":
-            self.schedule = record
-        elif record is not None:
-            getattr(self, kind).append(record)
-        if segments is not None:
-            self.segments.append(segments)
-        if len(data):
-            self.data.append(data)
-        self.words += words
-
-
 @dataclasses.dataclass(frozen=True)
 class PackedStep:
     """An update as buffers: ``before`` (applied by `transitions.apply_packed`, in order) and ``step``
@@ -196,38 +177,148 @@ class PackedStep:
         return (*self.before, self.step)
 
 
+NO_ENTRIES = np.zeros(0, np.int64)
+NO_ENTRIES.flags.writeable = False
+"""An empty section (read-only: shared by every update that has none)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateColumns:
+    """A step's update as the buffer's sections hold it, before `pack_columns` cuts it into buffers: each
+    section's records as columns (field-major, the buffer's order), each entry's data runs flat, entry after
+    entry. `update_columns` reads a checked `StepUpdates` into it; `jaxprep.serving.host.vllm_columns` writes
+    vLLM's common steps straight into it.
+
+    ```
+    # add row 2 tokens [7, 8, 9], blocks [5]; append row 0 block 6 at column 2 (fields row, num_tokens, ..., blocks_0)
+    #   -> add [[2], [3], ..., [1]], add_data [7, 8, 9, 5], add_data_len [4],
+    #      segments [[TABLE], [0], [2], [1]], segment_data [6]
+    ```
+    """
+
+    finish: np.ndarray  # [F] rows to free
+    add: np.ndarray  # [len(add_fields), A] one record per added row (`Layout.add_fields`)
+    add_data: np.ndarray  # [sum(add_data_len)] each added row's data runs (`add_runs`), row after row
+    add_data_len: np.ndarray  # [A]
+    resume: np.ndarray  # [len(resume_fields), R]
+    resume_data: np.ndarray  # [sum(resume_data_len)] each resumed row's runs (`resume_runs`)
+    resume_data_len: np.ndarray  # [R]
+    segments: np.ndarray  # [4, S] kind, row, col, len of each appended run (`SEGMENT_FIELDS`)
+    segment_data: np.ndarray  # [sum(len)] the appended block ids, segment after segment
+    lora: np.ndarray | None  # [max_loras] adapter id per slot; None: unchanged
+    schedule: Schedule | None  # the dense counts; None: the scheduled counts are kept
+    decode_steps: int
+    changed_words: int  # state entries the sections before the schedule write (`pack_columns` adds its own)
+
+
+@functools.lru_cache(maxsize=16)
+def empty_records(fields: int) -> np.ndarray:
+    """A section of no entries, ``fields`` wide (read-only, shared)."""
+    records = np.zeros((fields, 0), np.int64)
+    records.flags.writeable = False
+    return records
+
+
+@functools.lru_cache(maxsize=64)
+def empty_columns(config: ServingConfig) -> UpdateColumns:
+    """An update with nothing in it (the schedule's buffer of a split update holds only the schedule)."""
+    lay = payload_layout(config)
+    return UpdateColumns(finish=NO_ENTRIES, add=empty_records(len(lay.add_fields)), add_data=NO_ENTRIES,
+                         add_data_len=NO_ENTRIES, resume=empty_records(len(resume_fields(config))),
+                         resume_data=NO_ENTRIES, resume_data_len=NO_ENTRIES,
+                         segments=empty_records(len(SEGMENT_FIELDS)), segment_data=NO_ENTRIES, lora=None,
+                         schedule=None, decode_steps=1, changed_words=0)
+
+
 def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np.ndarray) -> PackedStep:
     """``updates`` (checked) as buffers of the ladder. ``num_blocks_before`` [max_num_reqs, tables]:
     the rows' block counts before the update (`HostRows.table_blocks`), to place the appended blocks."""
-    items, changed = _items(config, updates, np.array(num_blocks_before, np.int64))
-    step_cap, top = step_payload_buckets(config)[-1], payload_buckets(config)[-1]
-    total = HEADER_WORDS + sum(item[-1] for item in items)
-    chunks = [_Chunk()]
-    if total > step_cap:
-        items = [part for item in items for part in _per_segment(item)]  # a split may fall between segments
-        last = 1 if updates.schedule is not None else 0
-        for item in items[: len(items) - last]:  # everything but the schedule, greedily into buffers of the top rung
-            if chunks[-1].words + item[-1] > top and chunks[-1].words > HEADER_WORDS:
-                chunks.append(_Chunk())
-            chunks[-1].take(item)
-        chunks.append(_Chunk())
-        items = items[len(items) - last:]
-    for item in items:
-        chunks[-1].take(item)
-    decode_steps = int(np.asarray(updates.decode_steps).ravel()[0])
-    buffers = [_encode(config, chunk, decode_steps if i == len(chunks) - 1 else 1) for i, chunk in enumerate(chunks)]
-    content = sum(c.words - HEADER_WORDS for c in chunks)
-    return PackedStep(before=tuple(buffers[:-1]), step=buffers[-1], content_words=content, changed_words=changed)
+    return pack_columns(config, update_columns(config, updates, num_blocks_before))
 
 
-def _per_segment(item) -> list:
-    """The appended segments' item as one item per segment (a buffer split falls between them)."""
-    kind, _, segments, data, _ = item
-    if kind != "append":
-        return [item]
-    ends = np.cumsum(segments[:, 3])
-    return [("append", None, segments[i: i + 1], data[ends[i] - segments[i, 3]: ends[i]],
-             len(SEGMENT_FIELDS) + int(segments[i, 3])) for i in range(len(segments))]
+class _Ladder(NamedTuple):
+    """What packing reads of a configuration, looked up once per update."""
+
+    layout: Layout
+    buckets: tuple[int, ...]  # `payload_buckets`
+    step_words: int  # the serving step's top rung (`step_payload_buckets`)
+
+
+@functools.lru_cache(maxsize=64)
+def _ladder(config: ServingConfig) -> _Ladder:
+    return _Ladder(payload_layout(config), payload_buckets(config), step_payload_buckets(config)[-1])
+
+
+def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
+    """``columns`` as buffers of the ladder: one, when it fits the serving step's rungs
+    (`step_payload_buckets`); else the sections before the schedule greedily in buffers of the top rung (a
+    split falls between entries, or between appended segments), applied first, and the schedule alone last."""
+    ladder = _ladder(config)
+    lay = ladder.layout
+    section = None if columns.schedule is None else _schedule_record(columns.schedule, lay)
+    schedule_words = 0 if section is None else section[1]
+    changed = columns.changed_words + (0 if section is None else section[2])
+    content = (len(columns.finish) + columns.add.size + columns.resume.size + columns.segments.size + schedule_words
+               + (0 if columns.lora is None else lay.max_loras)
+               + len(columns.add_data) + len(columns.resume_data) + len(columns.segment_data))
+    if HEADER_WORDS + content <= ladder.step_words:
+        step = _encode(ladder.buckets, columns, section, columns.decode_steps)
+        return PackedStep(before=(), step=step, content_words=content, changed_words=changed)
+    parts = _split(ladder.buckets[-1], columns, _item_words(lay, columns))
+    before = tuple(_encode(ladder.buckets, part, None, 1) for part in parts)
+    step = _encode(ladder.buckets, empty_columns(config), section, columns.decode_steps)
+    return PackedStep(before=before, step=step, content_words=content, changed_words=changed)
+
+
+def _item_words(lay: Layout, columns: UpdateColumns) -> np.ndarray:
+    """The words of each item a split may fall between, in buffer order: the finish rows (one item), each added
+    and each resumed row (record and data), each appended segment, the LoRA slots."""
+    finish = [len(columns.finish)] if len(columns.finish) else []
+    lora = [] if columns.lora is None else [lay.max_loras]
+    return np.concatenate([np.array(finish, np.int64), len(columns.add) + columns.add_data_len,
+                           len(columns.resume) + columns.resume_data_len,
+                           len(SEGMENT_FIELDS) + columns.segments[3], np.array(lora, np.int64)])
+
+
+def _split(top: int, columns: UpdateColumns, items: np.ndarray) -> list[UpdateColumns]:
+    """The items greedily into buffers of ``top`` words (the top rung), in order (an item that fills one alone
+    goes alone).
+
+    ```
+    # top 64, header 10, item words [30, 30, 30] -> [[30], [30], [30]]; [20, 20, 20] -> [[20, 20], [20]]
+    ```
+    """
+    ends, words = [], HEADER_WORDS
+    for i, size in enumerate(items.tolist()):
+        if words + size > top and words > HEADER_WORDS:
+            ends.append(i)
+            words = HEADER_WORDS
+        words += size
+    bounds = [0, *ends, len(items)]
+    return [_part(columns, start, end) for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def _part(columns: UpdateColumns, start: int, end: int) -> UpdateColumns:
+    """The items [start, end) of ``columns`` (in `_item_words` order) as columns of their own, without the schedule."""
+    counts = [int(len(columns.finish) > 0), columns.add.shape[1], columns.resume.shape[1], columns.segments.shape[1],
+              int(columns.lora is not None)]
+    offsets = np.cumsum([0, *counts]).tolist()
+    picked = [slice(min(max(start - at, 0), n), min(max(end - at, 0), n)) for at, n in zip(offsets, counts)]
+    finish, add, resume, segments, lora = picked
+    return dataclasses.replace(
+        columns, finish=columns.finish if finish.start < finish.stop else NO_ENTRIES,
+        add=columns.add[:, add], add_data=_runs_of(columns.add_data, columns.add_data_len, add),
+        add_data_len=columns.add_data_len[add], resume=columns.resume[:, resume],
+        resume_data=_runs_of(columns.resume_data, columns.resume_data_len, resume),
+        resume_data_len=columns.resume_data_len[resume], segments=columns.segments[:, segments],
+        segment_data=_runs_of(columns.segment_data, columns.segments[3], segments),
+        lora=columns.lora if lora.start < lora.stop else None, schedule=None, decode_steps=1)
+
+
+def _runs_of(data: np.ndarray, lengths: np.ndarray, picked: slice) -> np.ndarray:
+    """The data of the entries ``picked`` (``lengths`` words each, entry after entry)."""
+    start = int(lengths[: picked.start].sum())
+    return data[start: start + int(lengths[picked].sum())]
 
 
 def pad_to(buffer: np.ndarray, words: int) -> np.ndarray:
@@ -240,50 +331,61 @@ def pad_to(buffer: np.ndarray, words: int) -> np.ndarray:
 
 
 def bucket_for(config: ServingConfig, words: int) -> int:
-    return next(b for b in payload_buckets(config) if b >= words)
+    buckets = payload_buckets(config)
+    return buckets[bisect.bisect_left(buckets, words)]
 
 
-def _items(config: ServingConfig, updates: StepUpdates, blocks: np.ndarray):
-    """(kind, record, segments, data, words) per item, the schedule last; and the changed entries."""
-    lay, items, changed = payload_layout(config), [], 0
-    rows = [int(r) for r in updates.finish.rows]
-    if rows:
-        items.append(("finish", rows, None, [], len(rows)))
-        blocks[rows] = 0
-        changed += len(rows)
+def update_columns(config: ServingConfig, updates: StepUpdates, num_blocks_before: np.ndarray) -> UpdateColumns:
+    """A checked ``updates`` as `UpdateColumns`; ``num_blocks_before`` places the appended blocks."""
+    lay, blocks = payload_layout(config), np.array(num_blocks_before, np.int64)
+    finish = np.asarray(updates.finish.rows, np.int64).reshape(-1)
+    blocks[finish] = 0
+    changed = len(finish)
     entries = updates.add.entries
-    records = _add_records(entries, lay) if len(entries) > 1 else [_add_record(entry, lay) for entry in entries]
-    for entry, values in zip(entries, records):
-        data = _row_data(entry.token_ids, entry.block_ids, entry)
-        blocks[entry.row] = [len(b) for b in entry.block_ids]
-        items.append(("add", values, None, data, len(values) + len(data)))
-        changed += len(values) - 1 - len(entry.block_ids) + len(data)
-    for entry in updates.resume.entries:
+    add, add_data, add_data_len = empty_records(len(lay.add_fields)), NO_ENTRIES, NO_ENTRIES
+    if entries:
+        add = (_add_records(entries, lay) if len(entries) > 1 else np.array([_add_record(entries[0], lay)])).T
+        add_data, add_data_len = _entry_data([_row_data(e.token_ids, e.block_ids, e) for e in entries])
+        for entry in entries:
+            blocks[entry.row] = [len(b) for b in entry.block_ids]
+        changed += len(entries) * (len(lay.add_fields) - 1 - lay.num_tables) + len(add_data)
+    resume, resume_data, resume_data_len = _resume_columns(updates.resume.entries, lay, blocks)
+    changed += len(updates.resume.entries) + len(resume_data)
+    append = updates.append
+    segments = np.stack([TABLE + append.tables, append.rows, _append_columns(blocks, append.rows, append.tables,
+                                                                              append.lengths), append.lengths])
+    changed += len(append.block_ids)
+    lora = None if updates.lora_slots is None else updates.lora_slots.astype(np.int32)
+    changed += 0 if lora is None else lay.max_loras
+    return UpdateColumns(finish=finish, add=add, add_data=add_data, add_data_len=add_data_len, resume=resume,
+                         resume_data=resume_data, resume_data_len=resume_data_len, segments=segments.astype(np.int64),
+                         segment_data=np.asarray(append.block_ids, np.int64), lora=lora, schedule=updates.schedule,
+                         decode_steps=int(np.asarray(updates.decode_steps).ravel()[0]), changed_words=changed)
+
+
+def _resume_columns(entries, lay: Layout, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The resume records [fields, R], their data and its length per entry; ``blocks`` updated for replaced tables."""
+    if not entries:
+        return empty_records(len(RESUME_FIELDS) + lay.num_tables), NO_ENTRIES, NO_ENTRIES
+    records, data = [], []
+    for entry in entries:
         replace = entry.block_ids is not None
         # -1: the device keeps its own count (drafts still being verified, `ResumeEntry.unverified_drafts`)
         computed = -1 if entry.unverified_drafts else entry.num_computed_tokens
         record = [entry.row, computed, -1 if entry.token_ids is None else len(entry.token_ids),
                   -1 if entry.prefill_len is None else entry.prefill_len, int(replace)]
         record += [len(b) for b in entry.block_ids] if replace else [0] * lay.num_tables
-        data = _row_data(entry.token_ids, entry.block_ids if replace else (), None)
+        records.append(record)
+        data.append(_row_data(entry.token_ids, entry.block_ids if replace else (), None))
         if replace:
             blocks[entry.row] = [len(b) for b in entry.block_ids]
-        items.append(("resume", record, None, data, len(record) + len(data)))
-        changed += 1 + len(data)
-    append = updates.append
-    if len(append.rows):
-        columns = _append_columns(blocks, append.rows, append.tables, append.lengths)
-        segments = np.stack([TABLE + append.tables, append.rows, columns, append.lengths], axis=1)
-        items.append(("append", None, segments, append.block_ids, segments.size + len(append.block_ids)))
-        changed += len(append.block_ids)
-    if updates.lora_slots is not None:
-        items.append(("lora", updates.lora_slots.astype(np.int32), None, [], lay.max_loras))
-        changed += lay.max_loras
-    if updates.schedule is None:
-        return items, changed
-    schedule, words, count = _schedule_record(updates.schedule, lay)
-    items.append(("schedule", schedule, None, [], words))
-    return items, changed + count
+    return (np.array(records, np.int64).T, *_entry_data(data))
+
+
+def _entry_data(runs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each entry's data (one array per entry) as one array and each entry's length."""
+    lengths = np.fromiter(map(len, runs), np.int64, len(runs))
+    return (np.concatenate(runs) if lengths.any() else NO_ENTRIES), lengths
 
 
 def _append_columns(blocks: np.ndarray, rows: np.ndarray, tables: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -375,47 +477,63 @@ def _row_data(tokens, tables, entry) -> list[int]:
 
 def _schedule_record(schedule, lay: Layout):
     """(dense, rows, columns [fields, n]), its words and its changed entries: the rows with work or a
-    grammar, as a dense prefix or sparse rows, whichever is shorter."""
-    scheduled = np.asarray(schedule.num_scheduled_tokens, np.int64)
-    grammar = np.asarray(schedule.grammar_index, np.int64)
-    live = np.flatnonzero((scheduled > 0) | (grammar != NO_GRAMMAR))
+    grammar, as a dense prefix or sparse rows, whichever is shorter.
+
+    ```
+    # scheduled [2, 0, 1, 0, 0, 0, 0, 3], no drafts: live rows [0, 2, 7]; dense 8 words > sparse 6 -> rows [0, 2, 7],
+    #   columns [[2, 1, 3]]
+    ```
+    """
+    scheduled, grammar = schedule.num_scheduled_tokens, schedule.grammar_index
+    live = ((scheduled > 0) | (grammar != NO_GRAMMAR)).nonzero()[0]
     columns = [scheduled]
     if lay.num_drafts:
-        columns += [schedule.num_draft_tokens, *np.asarray(schedule.draft_token_ids, np.int64).T]
+        columns += [schedule.num_draft_tokens, *np.asarray(schedule.draft_token_ids).T]
     if lay.grammar:
         columns.append(grammar)
-    width = len(columns)
-    dense = len(live) == 0 or (int(live[-1]) + 1) * width <= len(live) * (width + 1)
-    n = 0 if len(live) == 0 else (int(live[-1]) + 1 if dense else len(live))
-    picked = np.arange(n) if dense else live
-    table = np.stack([np.asarray(c, np.int64)[picked] for c in columns]) if n else np.zeros((width, 0), np.int64)
-    drafts = int(np.asarray(schedule.num_draft_tokens)[live].sum()) if lay.num_drafts else 0
-    return (dense, None if dense else live, table), n * (width + (0 if dense else 1)), len(live) + drafts
+    width, count = len(columns), len(live)
+    dense = count == 0 or (int(live[-1]) + 1) * width <= count * (width + 1)
+    n = 0 if count == 0 else (int(live[-1]) + 1 if dense else count)
+    picked = slice(n) if dense else live
+    table = scheduled[None, picked] if width == 1 else np.array([column[picked] for column in columns], np.int64)
+    drafts = int(schedule.num_draft_tokens[live].sum()) if lay.num_drafts else 0
+    return (dense, None if dense else live, table), n * (width + (0 if dense else 1)), count + drafts
 
 
-def _encode(config: ServingConfig, chunk: _Chunk, decode_steps: int) -> np.ndarray:
-    dense, sched_rows, sched_table = chunk.schedule if chunk.schedule is not None else (True, None, np.zeros((0, 0)))
-    n_schedule = sched_table.shape[1] if sched_table.size else 0
-    parts = [np.array([decode_steps, len(chunk.finish), len(chunk.add), len(chunk.resume),
-                       sum(len(seg) for seg in chunk.segments),
-                       n_schedule, int(dense), int(chunk.lora is not None), sum(map(len, chunk.data)),
-                       int(chunk.schedule is not None)], np.int64)]
-    for section in (chunk.add, chunk.resume):
-        if section:
-            parts.append(np.asarray(section, np.int64).T.ravel())
-    if chunk.segments:
-        segments = chunk.segments[0] if len(chunk.segments) == 1 else np.concatenate(chunk.segments)
-        parts.append(segments.T.ravel())
-    parts.insert(1, np.asarray(chunk.finish, np.int64))
+def _encode(buckets: tuple[int, ...], columns: UpdateColumns, section, decode_steps: int) -> np.ndarray:
+    """One buffer: the header, then each section at its offset (the module's layout), zeros to its rung.
+    ``section``: the schedule's (`_schedule_record`), or None (the header says the counts are kept)."""
+    dense, rows, table = section[0] if section is not None else (True, None, None)
+    n_schedule = 0 if table is None or not table.size else table.shape[1]
+    data = (columns.add_data, columns.resume_data, columns.segment_data)
+    header = (decode_steps, len(columns.finish), columns.add.shape[1], columns.resume.shape[1],
+              columns.segments.shape[1], n_schedule, int(dense), int(columns.lora is not None), sum(map(len, data)),
+              int(section is not None))
+    sections = [columns.finish, columns.add.ravel(), columns.resume.ravel(), columns.segments.ravel()]
     if n_schedule:
-        if not dense:
-            parts.append(np.asarray(sched_rows, np.int64))
-        parts.append(sched_table.ravel())
-    if chunk.lora is not None:
-        parts.append(np.asarray(chunk.lora, np.int64))
-    parts += [np.asarray(data, np.int64) for data in chunk.data]
-    words = np.concatenate(parts).astype(np.int32)
-    return pad_to(words, bucket_for(config, len(words)))
+        sections += [table.ravel()] if dense else [rows, table.ravel()]
+    if columns.lora is not None:
+        sections.append(columns.lora)
+    return write_buffer(buckets, header, [*sections, *data])
+
+
+def write_buffer(buckets: tuple[int, ...], header, sections) -> np.ndarray:
+    """``header`` (`HEADER`'s values) and ``sections`` (flat integer arrays, in buffer order) in one int32
+    buffer of the rung of ``buckets`` (`payload_buckets`) that holds them, zero past the last section.
+
+    ```
+    # header (1, 0, ..., 3, 1), sections [[], [1, 1, 1], [5, 6, 7]] -> [1, 0, ..., 3, 1, 1, 1, 1, 5, 6, 7, 0, ...]
+    ```
+    """
+    words = HEADER_WORDS + sum(map(len, sections))
+    buffer = np.zeros(buckets[bisect.bisect_left(buckets, words)], np.int32)
+    buffer[:HEADER_WORDS] = header
+    at = HEADER_WORDS
+    for section in sections:
+        if len(section):
+            buffer[at: at + len(section)] = section
+            at += len(section)
+    return buffer
 
 
 # --- device side -------------------------------------------------------------------------------

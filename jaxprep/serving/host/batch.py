@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -13,7 +15,7 @@ from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving import transitions
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.host import checks
+from jaxprep.serving.host import checks, column_checks
 from jaxprep.serving.state import (
     ERROR_BITS,
     AddRequests,
@@ -27,8 +29,40 @@ from jaxprep.serving.state import (
     draft_width,
 )
 from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_buffer
-from jaxprep.serving.update_packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
+from jaxprep.serving.update_packing import (
+    PackedStep,
+    UpdateColumns,
+    pack_columns,
+    pack_step,
+    payload_buckets,
+    step_payload_buckets,
+)
 from jaxprep.step_buffer import StepBuffer
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnsUpdate:
+    """An update read straight into `UpdateColumns` (the host scheduler's: `scheduler_columns`), and the way
+    to read it as a `StepUpdates` (``as_updates``): where `column_checks.check_columns` finds a bound broken,
+    or does not cover the columns, the general checks take the `StepUpdates` and name the bound. `ServingBatch`
+    takes one wherever it takes a `StepUpdates`."""
+
+    columns: UpdateColumns
+    as_updates: Callable[[], StepUpdates]
+
+    @property
+    def decode_steps(self) -> np.ndarray:
+        """[1] as `StepUpdates.decode_steps`."""
+        return np.array([self.columns.decode_steps], np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedUpdate:
+    """An update checked against the mirror and packed (`ServingBatch.check_columns`): its buffers, and the
+    mirror once the batch has taken them."""
+
+    packed: PackedStep
+    rows: checks.HostRows
 
 
 class ServingBatch:
@@ -51,9 +85,9 @@ class ServingBatch:
 
     # --- updates ---------------------------------------------------------------------------
 
-    def apply_updates(self, updates: StepUpdates) -> None:
+    def apply_updates(self, updates: StepUpdates | ColumnsUpdate) -> None:
         """finish, add, resume, append, lora_slots and schedule: checked, then one dispatch per buffer."""
-        rows = checks.check_updates(self.rows, updates, self.config)
+        rows, updates = self._checked(updates)
         packed = self.pack(updates)
         for buffer in packed.buffers:
             self.state = transitions.apply_packed(self.state, buffer, config=self.config)
@@ -74,12 +108,49 @@ class ServingBatch:
     def schedule(self, payload: Schedule) -> None:
         self.apply_updates(_only(self.config, schedule=payload))
 
-    def pack(self, updates: StepUpdates) -> PackedStep:
+    def pack(self, updates: StepUpdates | ColumnsUpdate) -> PackedStep:
         """``updates`` (checked by the caller) as the buffers to send; counts their bytes."""
-        packed = pack_step(self.config, updates, self.rows.table_blocks)
+        if isinstance(updates, ColumnsUpdate):
+            return self._counted(pack_columns(self.config, updates.columns))
+        return self._counted(pack_step(self.config, updates, self.rows.table_blocks))
+
+    def _checked(self, updates: StepUpdates | ColumnsUpdate) -> tuple[checks.HostRows, StepUpdates | ColumnsUpdate]:
+        """The mirror after ``updates`` (a copy), and the payload checked (the one to pack and send):
+        `column_checks.check_columns` of columns, else (or where it finds a bound broken) `checks.check_updates`
+        of the `StepUpdates`, which raises `InvalidUpdateError` naming the bound."""
+        if isinstance(updates, ColumnsUpdate):
+            rows = column_checks.check_columns(self.rows, updates.columns, self.config)
+            if rows is not None:
+                return rows, updates
+            updates = updates.as_updates()
+        return checks.check_updates(self.rows, updates, self.config), updates
+
+    def _counted(self, packed: PackedStep) -> PackedStep:
         self.h2d_bytes += packed.nbytes
         self.changed_words += packed.changed_words
         return packed
+
+    # --- an update read straight into columns (`UpdateColumns`) ----------------------------------
+
+    def check_columns(self, columns: UpdateColumns) -> CheckedUpdate | None:
+        """``columns`` checked at once against the mirror (`column_checks.check_columns`) and packed; None, with
+        nothing changed, if a bound breaks or the columns hold what that check does not cover: check the update
+        the general way then (`apply_updates`, `update_and_prepare`), which names the bound."""
+        rows = column_checks.check_columns(self.rows, columns, self.config)
+        return None if rows is None else CheckedUpdate(pack_columns(self.config, columns), rows)
+
+    def apply_checked(self, update: CheckedUpdate) -> None:
+        """`apply_updates` of an update `check_columns` checked: one dispatch per buffer, then its mirror."""
+        for buffer in self._counted(update.packed).buffers:
+            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
+        self.rows = update.rows
+
+    def update_and_prepare_checked(self, update: CheckedUpdate, num_tokens_padded: int) -> StepBuffer:
+        """`update_and_prepare` of an update `check_columns` checked (the bucket checked here)."""
+        check_bucket(update.rows, num_tokens_padded, self.config)
+        step = self.dispatch_prepare(self._counted(update.packed), num_tokens_padded)
+        self.rows = update.rows
+        return step
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
@@ -101,14 +172,14 @@ class ServingBatch:
         """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""
         return prepare_padded(self.state.batch, self.config.prep, num_tokens_padded)
 
-    def update_and_prepare(self, updates: StepUpdates, num_tokens_padded: int) -> StepBuffer:
+    def update_and_prepare(self, updates: StepUpdates | ColumnsUpdate, num_tokens_padded: int) -> StepBuffer:
         """Checks ``updates``, then applies them and prepares the step in ONE jitted call (the state donated,
         `step.update_and_prepare_buffer`); returns the step as one `StepBuffer` (`StepBuffer.inputs` for its
         `StepInputs`, `torch_bridge.to_torch` for torch). As in `serve`, an update too big for the step's
         payload rungs (`step_payload_buckets`) sends its leading buffers first (`transitions.apply_packed`).
         Raises `InvalidUpdateError` with nothing dispatched, also for a bucket that is not one of
         ``config.prep.token_buckets`` or that the scheduled total does not fit."""
-        rows = checks.check_updates(self.rows, updates, self.config)
+        rows, updates = self._checked(updates)
         check_bucket(rows, num_tokens_padded, self.config)
         step = self.dispatch_prepare(self.pack(updates), num_tokens_padded)
         self.rows = rows
@@ -211,9 +282,9 @@ class ServingBatch:
         return kv_cache, tokens
 
     def _run(self, kv_cache, params, updates, model, num_tokens_padded, packed):
-        rows = checks.check_updates(self.rows, updates, self.config)
-        checks.check_step(rows, int(np.asarray(updates.decode_steps)[0]), num_tokens_padded, self.config)
-        packed = self.pack(updates) if packed is None else packed
+        rows, checked = self._checked(updates)
+        checks.check_step(rows, int(np.asarray(checked.decode_steps)[0]), num_tokens_padded, self.config)
+        packed = self.pack(checked) if packed is None or checked is not updates else packed  # what was checked
         for buffer in packed.before:
             self.state = transitions.apply_packed(self.state, buffer, config=self.config)
         self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed.step, config=self.config,
@@ -275,10 +346,12 @@ def check_dispatchable(config: ServingConfig) -> None:
 
 def advance_rows(rows: checks.HostRows, tokens: np.ndarray, num_speculative_tokens: int = 0) -> checks.HostRows:
     """The mirror after a serving step appended ``tokens`` [slots, max_num_reqs] (`AppendedTokens`);
-    rejected drafts are not computed."""
+    rejected drafts are not computed. The counters it advances are new arrays (``rows`` may share its arrays
+    with the mirror it was checked from: `column_checks.check_columns`)."""
     appended = AppendedTokens(tokens, num_speculative_tokens)
-    rows.num_computed_tokens += appended.computed_advance(rows.num_scheduled_tokens, rows.num_draft_tokens)
-    rows.num_tokens += appended.num_appended
-    rows.num_scheduled_tokens[:] = 0
-    rows.num_draft_tokens[:] = 0
+    rows.num_computed_tokens = rows.num_computed_tokens + appended.computed_advance(rows.num_scheduled_tokens,
+                                                                                    rows.num_draft_tokens)
+    rows.num_tokens = rows.num_tokens + appended.num_appended
+    rows.num_scheduled_tokens = np.zeros_like(rows.num_scheduled_tokens)
+    rows.num_draft_tokens = np.zeros_like(rows.num_draft_tokens)
     return rows

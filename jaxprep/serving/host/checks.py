@@ -63,7 +63,12 @@ class HostRows:
         return cls.empty(config.max_num_reqs, len(table_names(config)))
 
     def copy(self) -> HostRows:
-        return HostRows(**{f.name: getattr(self, f.name).copy() for f in dataclasses.fields(self)})
+        return HostRows(*(getattr(self, name).copy() for name in _ROW_FIELDS))
+
+    def clear(self, rows: np.ndarray) -> None:
+        """Frees ``rows``: every counter 0, no drafts pending."""
+        for name in _ROW_FIELDS:
+            getattr(self, name)[rows] = -1 if name == "pending_drafts" else 0
 
     @property
     def busy(self) -> np.ndarray:
@@ -77,6 +82,9 @@ class HostRows:
     @property
     def pending(self) -> np.ndarray:
         return self.pending_drafts >= 0
+
+
+_ROW_FIELDS = tuple(field.name for field in dataclasses.fields(HostRows))
 
 
 def _fail(message: str):
@@ -112,13 +120,13 @@ def _check_tables(where: str, tables, config: ServingConfig, used=None) -> None:
                   f"({'block 0 is the null block; ' if low else ''}num_blocks - 1 = {high})")
 
 
-def _group_block_sizes(config: ServingConfig) -> list[int]:
+def group_block_sizes(config: ServingConfig) -> list[int]:
     groups = config.prep.features.kv_groups
     return [config.block_size] + [g.block_size for g in groups[1:]]
 
 
 def _check_blocks_cover(where: str, rows: HostRows, row: int, tokens: int, config: ServingConfig, what: str) -> None:
-    for g, size in enumerate(_group_block_sizes(config)):
+    for g, size in enumerate(group_block_sizes(config)):
         if cdiv(tokens, size) > rows.table_blocks[row, g]:
             _fail(f"{where}: {what}={tokens} needs {cdiv(tokens, size)} blocks of {size} in "
                   f"{table_names(config)[g]}, the row holds {int(rows.table_blocks[row, g])}")
@@ -131,8 +139,7 @@ def _finish(rows: HostRows, payload, config: ServingConfig) -> None:
     idle = real[~rows.busy[real]]
     if len(idle):
         _fail(f"FinishRequests.rows: row {int(idle[0])} holds no request")
-    for field in dataclasses.fields(rows):
-        getattr(rows, field.name)[real] = -1 if field.name == "pending_drafts" else 0
+    rows.clear(real)
 
 
 def _add(rows: HostRows, payload, config: ServingConfig) -> None:
@@ -221,7 +228,7 @@ def _adds_fit_values(rows: HostRows, entries: tuple, real: np.ndarray, config: S
         low, high = block_bounds(config, t)
         if ids.dtype.kind not in "iu" or ids.size and (ids.min() < low or ids.max() > high):
             return False
-    for g, size in enumerate(_group_block_sizes(config)):
+    for g, size in enumerate(group_block_sizes(config)):
         if (-(-computed // size) > counts[:, g]).any():
             return False
     if (np.fromiter((e.lora_id for e in entries), np.int64, len(entries)) < 0).any():
@@ -392,36 +399,29 @@ def _schedule(rows: HostRows, payload, config: ServingConfig) -> None:
     within the known tokens (+ drafts), max_model_len and every group's allocated blocks; a row that
     samples has room for its new tokens below max_model_len; grammar rows only on scheduled rows.
 
-    Every bound is evaluated at once (`_schedule_fits`, one pass of NumPy over the rows); only a schedule
+    Every bound is evaluated at once (`schedule_fits`, one pass of NumPy over the rows); only a schedule
     that breaks one walks the bounds in order (`_schedule_named`) to name the first."""
     if payload is None:
         return
-    if not _schedule_fits(rows, payload, config):
+    if not schedule_fits(rows, payload, config):
         _schedule_named(rows, payload, config)
         raise AssertionError("a schedule bound failed without a named error")  # pragma: no cover
     rows.num_scheduled_tokens[:] = payload.num_scheduled_tokens
     rows.num_draft_tokens[:] = payload.num_draft_tokens
 
 
-def _schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
-    """Whether ``payload`` keeps every bound of `_schedule` (the same bounds as `_schedule_named`, joined)."""
+def schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
+    """Whether ``payload`` keeps every bound of `_schedule` (the same bounds as `_schedule_named`, joined): the
+    bounds of every row as one boolean vector of element-wise compares, then one reduction (and the sum)."""
     prep, width = config.prep, draft_width(config)
-    scheduled, drafts = payload.num_scheduled_tokens, payload.num_draft_tokens
+    scheduled, drafts, grammar = payload.num_scheduled_tokens, payload.num_draft_tokens, payload.grammar_index
+    num_tokens, budget = rows.num_tokens, prep.max_num_batched_tokens
     active = scheduled > 0
-    if scheduled.min() < 0 or drafts.min() < 0 or drafts.max() > width or int(scheduled.sum()) > \
-            prep.max_num_batched_tokens:
-        return False
-    seq_lens = rows.num_computed_tokens + scheduled
-    new_len = rows.num_tokens + drafts + 1
-    bad = active & ((rows.num_tokens <= 0) | (rows.pending_drafts >= 0) | (seq_lens > rows.num_tokens + drafts)
-                    | (seq_lens > prep.max_model_len)
-                    | ((seq_lens >= rows.num_tokens) & (new_len > prep.max_model_len)))
-    bad |= (drafts > 0) & (scheduled < drafts + 1)
-    grammar = payload.grammar_index
-    bad |= (grammar != NO_GRAMMAR) & ((grammar < 0) | ~active)
-    for g, size in enumerate(_group_block_sizes(config)):
-        bad |= active & (-(-seq_lens // size) > rows.table_blocks[:, g])
-    if bad.any():
+    wrong = (num_tokens <= 0) | (rows.pending_drafts >= 0) | sequence_faults(
+        rows.num_computed_tokens + scheduled, num_tokens, num_tokens + drafts, rows.table_blocks, config)
+    bad = ((scheduled < 0) | (scheduled > budget) | (drafts < 0) | (drafts > width) | (active & wrong)
+           | ((drafts > 0) & (scheduled <= drafts)) | ((grammar != NO_GRAMMAR) & ((grammar < 0) | ~active)))
+    if bad.any() or int(scheduled.sum()) > budget:  # each count within the budget already: the sum cannot wrap
         return False
     if width and drafts.any():
         ids = payload.draft_token_ids
@@ -430,6 +430,23 @@ def _schedule_fits(rows: HostRows, payload, config: ServingConfig) -> bool:
         if not token_ids_fit(ids[drafted], config.token_id_bound, low):
             return False
     return True
+
+
+def sequence_faults(seq_lens: np.ndarray, num_tokens: np.ndarray, known: np.ndarray, table_blocks: np.ndarray,
+                    config: ServingConfig) -> np.ndarray:
+    """Per row, whether ``seq_lens`` (num_computed_tokens + num_scheduled_tokens) passes the tokens the row knows
+    (``known``: num_tokens, and the drafts written this step), max_model_len or the row's allocated blocks
+    (``table_blocks`` [rows, tables]), or reaches the row's end without a column for the sampled token.
+
+    ```
+    # max_model_len 8, block size 4: seq 5 of known 5, 2 blocks -> ok; 2 blocks, known 8, seq 8 -> no column
+    ```
+    """
+    max_len = config.prep.max_model_len
+    faults = (seq_lens > known) | (seq_lens > max_len) | ((seq_lens >= num_tokens) & (known >= max_len))
+    for g, size in enumerate(group_block_sizes(config)):
+        faults |= (seq_lens + (size - 1)) // size > table_blocks[:, g]
+    return faults
 
 
 def _schedule_named(rows: HostRows, payload, config: ServingConfig) -> None:
@@ -444,8 +461,9 @@ def _schedule_named(rows: HostRows, payload, config: ServingConfig) -> None:
              "is set on a row whose drafts are pending: state its num_computed_tokens with a resume entry first")
     _require((drafts == 0) | (scheduled >= drafts + 1), "Schedule.num_scheduled_tokens", scheduled,
              "is below num_draft_tokens + 1")
-    if scheduled.sum() > prep.max_num_batched_tokens:
-        _fail(f"Schedule: sum(num_scheduled_tokens)={int(scheduled.sum())} exceeds max_num_batched_tokens="
+    total = sum(map(int, scheduled))  # Python ints: a sum of huge counts does not wrap
+    if total > prep.max_num_batched_tokens:
+        _fail(f"Schedule: sum(num_scheduled_tokens)={total} exceeds max_num_batched_tokens="
               f"{prep.max_num_batched_tokens}")
     for row in np.flatnonzero(drafts > 0):
         check_token_ids(f"Schedule.draft_token_ids[{row}]", payload.draft_token_ids[row, : drafts[row]],
@@ -459,7 +477,7 @@ def _schedule_named(rows: HostRows, payload, config: ServingConfig) -> None:
              seq_lens, "passes the row's num_tokens + num_draft_tokens (tokens not known yet)")
     _require(~active | (seq_lens <= prep.max_model_len), "num_computed_tokens + num_scheduled_tokens", seq_lens,
              f"exceeds max_model_len={prep.max_model_len}")
-    for g, size in enumerate(_group_block_sizes(config)):
+    for g, size in enumerate(group_block_sizes(config)):
         needed = -(-seq_lens // size)
         _require(~active | (needed <= rows.table_blocks[:, g]),
                  f"blocks of {table_names(config)[g]} needed by num_computed_tokens + num_scheduled_tokens",

@@ -35,7 +35,7 @@ def dispatch_record(scheduled: list[np.ndarray], tokens: list[np.ndarray], bucke
     # one rank, scheduled [5, 1, 0, 1], tokens [[x, x, -1, x], [-1, x, -1, x]] -> prefill 5, decode 2, later (2,)
     ```
     """
-    counts = np.stack([np.asarray(s) for s in scheduled])  # [ranks, max_num_reqs]
+    counts = np.asarray(scheduled[0]) if len(scheduled) == 1 else np.stack([np.asarray(s) for s in scheduled])
     later = sum((np.asarray(t)[1:] >= 0).sum(axis=1) for t in tokens)  # [iterations - 1]
     return DispatchRecord(prefill_tokens=int(counts[counts > 1].sum()), decode_tokens=int((counts == 1).sum()),
-                          later_tokens=tuple(int(n) for n in later if n > 0), padded_tokens=bucket * len(scheduled))
+                          later_tokens=tuple(later[later > 0].tolist()), padded_tokens=bucket * len(scheduled))

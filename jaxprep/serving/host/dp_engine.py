@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxprep.models.tiny import ServingModel, init_params
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.host.engine import Engine, with_vocab_size
+from jaxprep.serving.host.engine import Engine, scheduler_updates, with_vocab_size
 from jaxprep.serving.host.sharded import (
     ShardedServingBatch,
     apply_updates_sharded,
@@ -38,6 +38,10 @@ class DataParallelEngine(Engine):
         self._start(config, model, time_prep, batch=ShardedServingBatch(config, mesh), num_ranks=mesh.size,
                     params=replicated(params, mesh), kv_cache=sharded_kv_cache(model, config, mesh),
                     keep_history=keep_history)
+
+    def _rank_updates(self, outs) -> list[StepUpdates]:
+        """Every rank's `StepUpdates` (what `ShardedServingBatch` checks and packs, rank by rank)."""
+        return [scheduler_updates(self.config, out) for out in outs]
 
     def _pack(self, updates: list[StepUpdates]):
         return self.batch.packed(updates)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -14,12 +15,13 @@ from jaxprep.models.tiny import KVCache, ServingModel, init_params
 from jaxprep.serving import transitions
 from jaxprep.serving._values import integer
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.host import dp_policy
-from jaxprep.serving.host.batch import ServingBatch
+from jaxprep.serving.host import column_checks, dp_policy
+from jaxprep.serving.host.batch import ColumnsUpdate, ServingBatch
 from jaxprep.serving.host.dispatch_log import DispatchRecord, dispatch_record
-from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput
+from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput, StepTokens, step_tokens
+from jaxprep.serving.host.scheduler_columns import scheduler_columns
 from jaxprep.serving.state import StepUpdates
-from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_donated
+from jaxprep.serving.step import serve_step, update_and_prepare_donated
 from jaxprep.serving.update_packing import PackedStep, payload_buckets, step_payload_buckets
 
 
@@ -106,6 +108,8 @@ class Engine:
         self.keep_history = keep_history
         self.prep_replay: list[tuple[np.ndarray, int]] = []  # ``time_prep``: (packed updates, bucket) per dispatch
         self.schedulers = [Scheduler(config) for _ in range(num_ranks)]
+        # the scheduler's output read straight into the buffer's columns where the configuration allows
+        self._columns = column_checks.covers(config)
         self.params, self.kv_cache = params, kv_cache
         self.stats = LoopStats()
         self.iteration = 0  # host iterations, the clock of request arrivals
@@ -167,6 +171,7 @@ class Engine:
         dispatched = time.perf_counter()
         tokens = self._serve(updates, bucket, packed)
         read = time.perf_counter()
+        tokens = [StepTokens(part, self.config.num_speculative_tokens) for part in tokens]  # each array read once
         self._count(outs, tokens, bucket)
         eos = self.config.eos_token_id
         done = [r for s, out, part in zip(self.schedulers, outs, tokens, strict=True) for r in s.update(out, part, eos)]
@@ -235,39 +240,56 @@ class Engine:
         call it as a long-running engine goes, so its memory stays flat."""
         return [request for s in self.schedulers for request in s.drain_finished()]
 
-    def _rank_updates(self, outs: list[SchedulerOutput]) -> list[StepUpdates]:
-        """Every rank's payload (any number of adds and appends: the buffers grow with them)."""
-        return [scheduler_updates(self.config, out) for out in outs]
+    def _rank_updates(self, outs: list[SchedulerOutput]) -> list[StepUpdates | ColumnsUpdate]:
+        """Every rank's payload (any number of adds and appends: the buffers grow with them): the scheduler's
+        output read straight into the buffer's columns (`scheduler_columns`) where the configuration allows,
+        else a `StepUpdates`."""
+        if not self._columns:
+            return [scheduler_updates(self.config, out) for out in outs]
+        table_blocks = self.batch.rows.table_blocks
+        payloads = []
+        for out in outs:
+            columns = scheduler_columns(self.config, out, table_blocks)
+            payloads.append(scheduler_updates(self.config, out) if columns is None else
+                            ColumnsUpdate(columns, functools.partial(scheduler_updates, self.config, out)))
+        return payloads
 
-    def _count(self, outs: list[SchedulerOutput], tokens: list[np.ndarray], bucket: int) -> None:
+    def _count(self, outs: list[SchedulerOutput], tokens: list[np.ndarray | StepTokens], bucket: int) -> None:
         """Every rank pads to ``bucket`` in every iteration it runs (an idle rank runs one, all padding);
         a dispatch's model steps are those of its longest-running rank."""
         stats = self.stats
         stats.dispatches += 1
+        k = self.config.num_speculative_tokens
+        tokens = [step_tokens(part, k) for part in tokens]
+        scheduled = [out.num_scheduled_tokens for out in outs]
+        # the first pass's prefill and decode tokens: the dispatch's record has them (kept with the history)
+        record = dispatch_record(scheduled, [part.tokens[k:part.tokens.shape[0] - k] for part in tokens], bucket) \
+            if self.keep_history else None
         iterations = []
-        for out, part in zip(outs, tokens, strict=True):
-            appended = AppendedTokens(part, self.config.num_speculative_tokens)
+        for out, appended, counts in zip(outs, tokens, scheduled, strict=True):
             iterations.append(appended.num_iterations)
             stats.preemptions += out.num_preempted
             drafts = out.num_draft_tokens
-            stats.draft_tokens += int(drafts.sum())
-            stats.accepted_draft_tokens += int((drafts - appended.num_rejected(drafts))[drafts > 0].sum())
-            stats.draft_steps += int((drafts > 0).sum())
+            if drafts.any():
+                stats.draft_tokens += int(drafts.sum())
+                stats.accepted_draft_tokens += int((drafts - appended.num_rejected(drafts))[drafts > 0].sum())
+                stats.draft_steps += int((drafts > 0).sum())
             stats.output_tokens += int(appended.num_appended.sum())
-            stats.scheduled_tokens += out.total_num_scheduled_tokens + int(appended.num_decoded.sum())
-            counts = np.asarray(out.num_scheduled_tokens)
-            stats.prefill_tokens += int(counts[counts > 1].sum())
-            stats.decode_tokens += int((counts == 1).sum()) + int(appended.num_decoded.sum())
+            decoded = int(appended.num_decoded.sum())  # later iterations' tokens, one decode each
+            stats.scheduled_tokens += out.total_num_scheduled_tokens + decoded
+            stats.decode_tokens += decoded
+            if record is None:
+                stats.prefill_tokens += int(counts[counts > 1].sum())
+                stats.decode_tokens += int((counts == 1).sum())
             stats.padded_tokens += bucket * iterations[-1]
         stats.multi_step_dispatches += int(any(out.decode_steps > 1 for out in outs))
         step_bytes = self.batch.h2d_bytes - stats.h2d_bytes
         stats.h2d_bytes, stats.changed_words = self.batch.h2d_bytes, self.batch.changed_words
         stats.model_steps += max(iterations)
-        if self.keep_history:
-            scheduled = [out.num_scheduled_tokens for out in outs]
-            first = self.config.num_speculative_tokens  # later iterations start at slot K + 1 (`AppendedTokens`)
-            appended = [part[first:part.shape[0] - first] for part in tokens]
-            stats.dispatches_log.append(dispatch_record(scheduled, appended, bucket))
+        if record is not None:
+            stats.prefill_tokens += record.prefill_tokens
+            stats.decode_tokens += record.decode_tokens
+            stats.dispatches_log.append(record)
             stats.h2d_bytes_log.append(step_bytes)
 
     # --- device hooks: one rank on one device ---------------------------------------------------

@@ -25,8 +25,8 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import dp_policy
 from jaxprep.serving.host.batch import check_dispatchable
 from jaxprep.serving.host.engine import Engine
-from jaxprep.serving.host.scheduler import Request, SchedulerOutput
-from jaxprep.serving.step import NO_TOKEN, AppendedTokens
+from jaxprep.serving.host.scheduler import Request, SchedulerOutput, StepTokens
+from jaxprep.serving.step import NO_TOKEN
 
 PLACEHOLDER_TOKEN = 0
 """What `predicted_tokens` writes for a token the host has not seen (any id but NO_TOKEN)."""
@@ -101,7 +101,8 @@ class AsyncEngine(Engine):
 
     def _resolve(self, in_flight, tokens: np.ndarray) -> list[Request]:
         out, _, bucket, predicted = in_flight
-        appended = AppendedTokens(tokens).appended  # [iterations, max_num_reqs]
+        tokens = StepTokens(tokens)  # each array read once
+        appended = tokens.appended  # [iterations, max_num_reqs]
         if appended[1:].any() or not np.array_equal(appended[0], predicted[0] != NO_TOKEN):
             raise RuntimeError("the device appended tokens to other rows than the host predicted")
         self._count([out], [tokens], bucket)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 
 import numpy as np
 
@@ -32,6 +33,24 @@ from jaxprep.serving.step import AppendedTokens
 
 NO_ROW = -1
 """`Request.row` of a request that holds no state row (waiting, preempted or finished)."""
+
+
+class StepTokens(AppendedTokens):
+    """`AppendedTokens` whose arrays are computed once: the loop reads one step's tokens several times (its
+    counters, `Scheduler.after_schedule`, `Scheduler.resolve`), each property more than once."""
+
+    appended = functools.cached_property(AppendedTokens.appended.fget)
+    num_appended = functools.cached_property(AppendedTokens.num_appended.fget)
+    num_first = functools.cached_property(AppendedTokens.num_first.fget)
+    num_decoded = functools.cached_property(AppendedTokens.num_decoded.fget)
+    num_iterations = functools.cached_property(AppendedTokens.num_iterations.fget)
+    draft_token_ids = functools.cached_property(AppendedTokens.draft_token_ids.fget)
+    num_draft_tokens = functools.cached_property(AppendedTokens.num_draft_tokens.fget)
+
+
+def step_tokens(tokens, num_speculative_tokens: int) -> StepTokens:
+    """``tokens`` (a step's [slots, max_num_reqs] array, or its `StepTokens` already) as `StepTokens`."""
+    return tokens if isinstance(tokens, StepTokens) else StepTokens(np.asarray(tokens), num_speculative_tokens)
 
 
 class BlockAllocator:
@@ -139,6 +158,7 @@ class Scheduler:
 
     def __init__(self, config: ServingConfig):
         self.config = config
+        self.max_model_len, self.block_size = config.max_model_len, config.block_size  # read per request
         self.allocator = BlockAllocator(config.num_blocks)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -186,8 +206,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         rows, k = self.config.max_num_reqs, self.config.num_speculative_tokens
         out = SchedulerOutput(finished_rows=self._rows_to_free, new_requests=[], new_block_ids={},
-                              num_scheduled_tokens=np.zeros(rows, np.int32),
-                              num_draft_tokens=np.zeros(rows, np.int32), draft_token_ids=np.zeros((rows, k), np.int32))
+                              num_scheduled_tokens=np.zeros(rows, np.int64),  # int64: `Schedule`'s own dtype
+                              num_draft_tokens=np.zeros(rows, np.int64), draft_token_ids=np.zeros((rows, k), np.int64))
         self._rows_to_free = []
         budget = self._schedule_running(out, self.config.prep.max_num_batched_tokens)
         if not out.num_preempted:
@@ -198,7 +218,7 @@ class Scheduler:
     def _awaiting_stop(self, request: Request) -> bool:
         """A step in flight reaches the request's length stop: nothing is left to schedule (vLLM
         async scheduling skips it too); it finishes when that step's tokens arrive."""
-        return request.num_tokens_with_placeholders >= request.stop_len(self.config.max_model_len)
+        return request.num_tokens_with_placeholders >= request.stop_len(self.max_model_len)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -215,14 +235,15 @@ class Scheduler:
             out.requests[request.row] = request
             # the budget may cut the drafts (vLLM: scheduled_spec_decode_tokens)
             drafts, request.spec_token_ids = request.spec_token_ids[: max(num_new - num_known, 0)], []
-            out.num_draft_tokens[request.row] = len(drafts)
-            out.draft_token_ids[request.row, : len(drafts)] = drafts
+            if drafts:
+                out.num_draft_tokens[request.row] = len(drafts)
+                out.draft_token_ids[request.row, : len(drafts)] = drafts
             budget -= num_new
         return budget
 
     def _grow(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocates blocks for ``num_tokens`` of a running request, preempting from the tail if needed."""
-        needed = cdiv(num_tokens, self.config.block_size) - len(request.block_ids)
+        needed = cdiv(num_tokens, self.block_size) - len(request.block_ids)
         while needed > self.allocator.num_free:
             victim = self.running.pop()
             self._preempt(victim, out)
@@ -249,7 +270,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        block_size = self.config.block_size
+        block_size = self.block_size
         # a request preempted with a step in flight waits for that step's tokens: its prefill needs them
         while self.waiting and budget > 0 and self._free_rows and not self.waiting[0].num_output_placeholders:
             request = self.waiting[0]
@@ -264,7 +285,7 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             out.new_requests.append(dict(row=request.row, token_ids=request.all_token_ids,
-                                         stop_len=request.stop_len(self.config.max_model_len),
+                                         stop_len=request.stop_len(self.max_model_len),
                                          block_ids=list(request.block_ids), sampling=request.sampling_params,
                                          prompt_len=len(request.prompt_token_ids)))
             out.num_scheduled_tokens[request.row] = num_new
@@ -274,7 +295,7 @@ class Scheduler:
     def _maybe_multi_step(self, out: SchedulerOutput) -> None:
         """Every running request decoding and none waiting: give each the blocks of up to K tokens
         (as many as are free) and let the device run the K decode steps."""
-        steps, max_model_len = self.config.decode_steps, self.config.max_model_len
+        steps, max_model_len = self.config.decode_steps, self.max_model_len
         running = [r for r in self.running if not self._awaiting_stop(r)]
         if steps == 1 or self.waiting or not running or any(r.stop_token_ids for r in running):
             return  # the device stops only at EOS and stop_len: a stop token ends multi-step decoding
@@ -284,7 +305,7 @@ class Scheduler:
         for request in running:
             # K decodes compute positions C .. C+K-1; the last token worth computing is stop_len - 2
             num_positions = min(request.num_computed_tokens + steps, request.stop_len(max_model_len) - 1)
-            needed = cdiv(num_positions, self.config.block_size) - len(request.block_ids)
+            needed = cdiv(num_positions, self.block_size) - len(request.block_ids)
             needed = min(needed, self.allocator.num_free)
             if needed > 0:
                 blocks = self.allocator.allocate(needed)
@@ -315,13 +336,15 @@ class Scheduler:
         if excess > 0:
             raise ValueError(f"cannot cap a step to {budget} tokens: it decodes more rows than that")
 
-    def update(self, out: SchedulerOutput, tokens: np.ndarray, eos_token_id: int) -> list[Request]:
+    def update(self, out: SchedulerOutput, tokens: np.ndarray | StepTokens, eos_token_id: int) -> list[Request]:
         """`after_schedule` and `resolve` with the tokens the device appended ([iterations,
-        max_num_reqs], NO_TOKEN = none): the synchronous loop. Returns the newly finished requests."""
+        max_num_reqs], NO_TOKEN = none, or their `StepTokens`): the synchronous loop. Returns the newly
+        finished requests."""
+        tokens = step_tokens(tokens, self.config.num_speculative_tokens)
         self.after_schedule(out, tokens)
         return self.resolve(out, tokens, eos_token_id)
 
-    def after_schedule(self, out: SchedulerOutput, tokens: np.ndarray) -> None:
+    def after_schedule(self, out: SchedulerOutput, tokens: np.ndarray | StepTokens) -> None:
         """Advances every request ``out`` scheduled by what ``tokens`` says the step appends (the
         step's own tokens, or the prediction of `jaxprep.serving.host.overlap.predicted_tokens`): its
         computed tokens, and one output placeholder per appended token.
@@ -329,38 +352,43 @@ class Scheduler:
         Iteration 0 computes the scheduled tokens and appends a token only if they reach the end of
         the known tokens; every later iteration computes and appends one decode token (`AppendedTokens`).
         """
-        step = AppendedTokens(tokens, self.config.num_speculative_tokens)
-        advance = step.computed_advance(out.num_scheduled_tokens, out.num_draft_tokens)
+        step = step_tokens(tokens, self.config.num_speculative_tokens)
+        # each per-row array read once, as lists (the loop below reads them row by row)
+        advance = step.computed_advance(out.num_scheduled_tokens, out.num_draft_tokens).tolist()
+        num_appended = step.num_appended
+        samples, appended = (step.num_first > 0).tolist(), num_appended.tolist()
+        computed = (out.num_scheduled_tokens - out.num_draft_tokens).tolist()  # the scheduled tokens, drafts not
         for row, request in out.requests.items():
-            scheduled = int(out.num_scheduled_tokens[row])
-            computed = request.num_computed_tokens + scheduled - int(out.num_draft_tokens[row])
-            if bool(step.num_first[row]) != (computed >= request.num_tokens_with_placeholders):
+            reached = request.num_computed_tokens + computed[row]
+            if samples[row] != (reached >= request.num_tokens_with_placeholders):
                 raise RuntimeError(f"request {request.request_id}: the device and the host disagree on whether "
-                                   f"computing {computed} of {request.num_tokens_with_placeholders} tokens samples")
+                                   f"computing {reached} of {request.num_tokens_with_placeholders} tokens samples")
             # rejected drafts are not computed: the next step computes from the first of them again
-            request.num_computed_tokens += int(advance[row])
-            request.num_output_placeholders += int(step.num_appended[row])
-        out.num_appended = step.num_appended
+            request.num_computed_tokens += advance[row]
+            request.num_output_placeholders += appended[row]
+        out.num_appended = num_appended
 
-    def resolve(self, out: SchedulerOutput, tokens: np.ndarray, eos_token_id: int) -> list[Request]:
+    def resolve(self, out: SchedulerOutput, tokens: np.ndarray | StepTokens, eos_token_id: int) -> list[Request]:
         """Replaces the placeholders of ``out``'s step with the tokens it appended and finishes the
         requests that stop: at EOS, at max_tokens or at max_model_len. A request that stopped in an
         earlier step gets nothing (its token from this step is discarded, vLLM's rule). Returns the
         newly finished requests."""
-        step, done = AppendedTokens(tokens, self.config.num_speculative_tokens), []
+        step, done = step_tokens(tokens, self.config.num_speculative_tokens), []
+        new_tokens, expected = _row_tokens(step), out.num_appended.tolist()
+        drafts = _row_drafts(step) if self.config.num_speculative_tokens else None
         for row, request in out.requests.items():
             if request.status is Status.FINISHED:
                 continue
-            request.num_output_placeholders -= int(out.num_appended[row])
-            new = step.row_tokens(row)
+            request.num_output_placeholders -= expected[row]
+            new = new_tokens[row]
             if self._take(request, new, eos_token_id):
                 done.append(request)
                 continue
-            if len(new) != out.num_appended[row]:
+            if len(new) != expected[row]:
                 raise RuntimeError(f"request {request.request_id}: the device appended {len(new)} tokens, "
-                                   f"the host expected {int(out.num_appended[row])}, and none stops it")
+                                   f"the host expected {expected[row]}, and none stops it")
             if request.status is Status.RUNNING:
-                self._keep_drafts(request, step.draft_token_ids[row, : step.num_draft_tokens[row]])
+                self._keep_drafts(request, drafts[row] if drafts is not None else [])
         return done
 
     def _take(self, request: Request, new: list[int], eos_token_id: int) -> bool:
@@ -376,12 +404,12 @@ class Scheduler:
                 return True
         return False
 
-    def _keep_drafts(self, request: Request, drafts: np.ndarray) -> None:
+    def _keep_drafts(self, request: Request, drafts: list[int]) -> None:
         """The device's drafts for the request's next step, cut so that its accepted tokens and the
         token after them stay within the request's stop (``stop_len``): no block is ever needed
         past it."""
-        room = request.stop_len(self.config.max_model_len) - request.num_tokens - 1
-        request.spec_token_ids = [int(t) for t in drafts[: max(room, 0)]]
+        room = request.stop_len(self.max_model_len) - request.num_tokens - 1
+        request.spec_token_ids = drafts[: max(room, 0)]
 
     @staticmethod
     def _cut_drafts(out: SchedulerOutput, row: int, cut: int) -> None:
@@ -398,7 +426,7 @@ class Scheduler:
     def _stops(self, request: Request, token: int, eos_token_id: int) -> bool:
         return (token == eos_token_id or token in request.stop_token_ids
                 or len(request.output_token_ids) >= request.max_tokens
-                or request.num_tokens >= self.config.max_model_len)
+                or request.num_tokens >= self.max_model_len)
 
     def _finish(self, request: Request) -> None:
         """Frees the request's row and blocks (a preempted, waiting request holds none)."""
@@ -411,3 +439,20 @@ class Scheduler:
             self._free_rows.append(request.row)
         request.status, request.block_ids, request.num_output_placeholders = Status.FINISHED, [], 0
         self.finished.append(request)
+
+
+def _row_tokens(step: AppendedTokens) -> list[list[int]]:
+    """The tokens appended to each row, in order (`AppendedTokens.row_tokens` of every row, read at once).
+
+    ```
+    # tokens [[7, -1, 9], [8, -1, -1]] -> [[7, 8], [], [9]]
+    ```
+    """
+    appended = step.appended
+    tokens, kept = step.tokens[: appended.shape[0]].T.tolist(), appended.T.tolist()
+    return [[t for t, k in zip(row, keep) if k] for row, keep in zip(tokens, kept)]
+
+
+def _row_drafts(step: AppendedTokens) -> list[list[int]]:
+    """The drafts each row proposed for its next step (`AppendedTokens.draft_token_ids`, its count per row)."""
+    return [ids[:n] for ids, n in zip(step.draft_token_ids.tolist(), step.num_draft_tokens.tolist())]

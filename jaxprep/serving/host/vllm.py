@@ -12,6 +12,13 @@ applies it, and only then does the adapter keep the plan's request map, free row
 A malformed output raises `InvalidSchedulerOutputError` (or `InvalidUpdateError`) naming the object
 and the field, with nothing written anywhere.
 
+The common step (no request resumed, no drafts or grammar rows, no feature value per request: most of
+vLLM's steps) skips the `StepUpdates`: `jaxprep.serving.host.vllm_columns` reads it in one pass straight
+into the buffer's columns, `jaxprep.serving.host.column_checks` checks them at once against the mirror,
+and they are packed as they are (issue 37). A step of any other shape, and one that breaks a bound, is
+read the general way, which names what is wrong; both ways give the same buffer, bit for bit
+(tests/serving/test_vllm_columns.py).
+
 What each part of the scheduler output becomes, following the two runners that consume it
 (`vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._update_states`, "V1", and
 `vllm/v1/worker/gpu/model_runner.py::GPUModelRunner` ``finish_requests`` / ``add_requests`` /
@@ -64,7 +71,6 @@ The batch order is the state-row order of the scheduled rows (``FeatureConfig.re
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -76,9 +82,11 @@ from jaxprep.features.config import MROPE_NUM_DIMS
 from jaxprep.features.sampling_params import SamplingParams
 from jaxprep.metadata import StepInputs
 from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.host import vllm_checks
-from jaxprep.serving.host.batch import ServingBatch
+from jaxprep.serving.host import column_checks, vllm_checks
+from jaxprep.serving.host.batch import CheckedUpdate, ServingBatch
 from jaxprep.serving.host.vllm_checks import InvalidSchedulerOutputError, fail
+from jaxprep.serving.host.vllm_columns import ColumnReader
+from jaxprep.serving.host.vllm_requests import Admission, RequestMap
 from jaxprep.serving.state import AppendBlocks, StepUpdates, draft_width, num_kv_groups
 from jaxprep.step_buffer import StepBuffer
 
@@ -111,61 +119,13 @@ class AdapterStep:
         return None if self.buffer is None else self.buffer.inputs()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Admission:
-    """What a request was admitted with: kept on the host while vLLM knows the request."""
-
-    prompt_len: int
-    lora_id: int
-    sampling: SamplingParams | None
-    mrope: tuple[np.ndarray, int] | None = None  # a multimodal prompt's M-RoPE positions [3, P] and delta
-
-
-class _RequestMap:
-    """The adapter's request map as the step being read leaves it: ``rows`` (request id -> state row),
-    ``admitted`` and the sorted free rows, copied on the first change, so the adapter's own maps stay as
-    they were until `VllmAdapter.step` keeps the plan."""
-
-    def __init__(self, rows: dict, admitted: dict, free: list):
-        self.rows, self.admitted, self.free, self._copied = rows, admitted, free, False
-
-    def _copy(self) -> None:
-        if not self._copied:
-            self.rows, self.admitted, self.free, self._copied = dict(self.rows), dict(self.admitted), \
-                list(self.free), True
-
-    def forget(self, req_id) -> None:
-        if req_id in self.admitted:
-            self._copy()
-            self.admitted.pop(req_id)
-
-    def release(self, req_id) -> int:
-        self._copy()
-        row = self.rows.pop(req_id)
-        bisect.insort(self.free, row)
-        return row
-
-    def admit(self, req_id, admission: _Admission) -> None:
-        self._copy()
-        self.admitted[req_id] = admission
-
-    def take_row(self, req_id, max_num_reqs: int) -> int:
-        if req_id in self.rows:
-            fail(f"request {req_id!r} is added but already holds row {self.rows[req_id]}")
-        if not self.free:
-            fail(f"request {req_id!r}: no free row (max_num_reqs={max_num_reqs})")
-        self._copy()
-        row = self.free.pop(0)
-        self.rows[req_id] = row
-        return row
-
-
 @dataclasses.dataclass(slots=True)
 class _Plan:
-    """A scheduler output read whole: the update, and the adapter's state once the batch has taken it."""
+    """A scheduler output read whole: the update (as a `StepUpdates`, or checked and packed already: a common
+    step), and the adapter's state once the batch has taken it."""
 
-    updates: StepUpdates
-    requests: _RequestMap
+    updates: StepUpdates | None
+    requests: RequestMap
     lora_slots: np.ndarray | None
     verifying: dict
     scheduled: dict  # num_scheduled_tokens
@@ -173,6 +133,7 @@ class _Plan:
     num_tokens_padded: int
     grammar: tuple | None  # (rows, bitmask, num_acceptable_drafts) of the GrammarOutput
     scheduled_rows: np.ndarray | None = None  # the rows of ``scheduled``, in its order, where the plan knows them
+    checked: CheckedUpdate | None = None  # a common step's update, read as columns (`vllm_columns`), checked, packed
 
 
 class VllmAdapter:
@@ -206,7 +167,7 @@ class VllmAdapter:
         self.mrope_positions = mrope_positions
         self.batch = ServingBatch(config)
         self.rows: dict[str, int] = {}  # request id -> state row, for every request holding a row
-        self.admitted: dict[str, _Admission] = {}  # every request vLLM has not finished, preempted ones too
+        self.admitted: dict[str, Admission] = {}  # every request vLLM has not finished, preempted ones too
         self._free = list(range(config.max_num_reqs))  # kept sorted: the lowest free row is taken first
         self._lora_slots = np.full(config.prep.features.lora.max_loras, -1, np.int64) \
             if config.prep.features.lora is not None else None
@@ -214,6 +175,8 @@ class VllmAdapter:
         self._verifying: dict[str, int] = {}  # request id -> drafts the last prepared step verifies
         self._num_groups = num_kv_groups(config)
         self._sampling = config.prep.features.sampling is not None  # only then are the parameters read
+        # common steps read as columns (`vllm_columns`), where the configuration allows
+        self._columns = ColumnReader(config) if column_checks.covers(config) else None
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -230,9 +193,14 @@ class VllmAdapter:
         returns ``EMPTY_MODEL_RUNNER_OUTPUT`` after ``_update_states``."""
         plan = self._plan(scheduler_output, grammar_output)
         # host checks first (they raise with nothing dispatched), then ONE jitted call: update and prepare
-        if plan.total == 0:
+        buffer = None
+        if plan.checked is not None:
+            if plan.total == 0:
+                self.batch.apply_checked(plan.checked)
+            else:
+                buffer = self.batch.update_and_prepare_checked(plan.checked, plan.num_tokens_padded)
+        elif plan.total == 0:
             self.batch.apply_updates(plan.updates)
-            buffer = None
         else:
             buffer = self.batch.update_and_prepare(plan.updates, plan.num_tokens_padded)
         self.rows, self.admitted, self._free = plan.requests.rows, plan.requests.admitted, plan.requests.free
@@ -281,16 +249,39 @@ class VllmAdapter:
 
     def updates(self, scheduler_output, grammar_output=GRAMMAR_NOT_GIVEN) -> StepUpdates:
         """The `StepUpdates` of ``scheduler_output`` (checked as `step` checks it); nothing is changed."""
-        return self._plan(scheduler_output, grammar_output).updates
+        return self._general_plan(scheduler_output, grammar_output).updates
 
     def _plan(self, scheduler_output, grammar_output) -> _Plan:
-        """The whole output read and translated, the adapter untouched: every check raises from here."""
+        """The whole output read, translated and checked, the adapter untouched: every check raises from here.
+        A common step is read straight into the buffer's columns and checked at once (`_common_plan`); any other
+        step, or one that breaks a bound, the general way (`_general_plan`), which names what is wrong."""
+        plan = self._common_plan(scheduler_output, grammar_output) if self._columns is not None else None
+        return plan if plan is not None else self._general_plan(scheduler_output, grammar_output)
+
+    def _common_plan(self, scheduler_output, grammar_output) -> _Plan | None:
+        """A common step (`vllm_columns`: no request resumed, no drafts, no grammar rows) as a checked, packed
+        update; None for any other step, or when a check fails."""
+        if grammar_output is not None and (grammar_output is not GRAMMAR_NOT_GIVEN
+                                           or getattr(scheduler_output, "has_structured_output_requests", False)):
+            return None
+        step = self._columns.read(scheduler_output, RequestMap(self.rows, self.admitted, self._free), self.batch.rows)
+        checked = None if step is None else self.batch.check_columns(step.columns)
+        if checked is None:
+            return None
+        total, prep = step.total, self.config.prep
+        return _Plan(updates=None, checked=checked, requests=step.requests, lora_slots=None, verifying={},
+                     scheduled=scheduler_output.num_scheduled_tokens, total=total,
+                     num_tokens_padded=prep.bucket_for(total) if total else 0, grammar=None,
+                     scheduled_rows=step.scheduled_rows)
+
+    def _general_plan(self, scheduler_output, grammar_output) -> _Plan:
+        """Any step read the general way: the checks of `vllm_checks` and one `StepUpdates`."""
         scheduled, counts, total = vllm_checks.scheduled_counts(scheduler_output)
         vllm_checks.check_request_lists(scheduler_output, len(scheduled))
         cached = scheduler_output.scheduled_cached_reqs
         computed = vllm_checks.cached_computed(cached)
         grammar = self._grammar(scheduler_output, grammar_output, scheduled)
-        requests = _RequestMap(self.rows, self.admitted, self._free)
+        requests = RequestMap(self.rows, self.admitted, self._free)
         finish = self._finished(requests, scheduler_output)
         add = [self._new_request(requests, new) for new in scheduler_output.scheduled_new_reqs]
         running = []  # indices into cached of the requests that keep their rows
@@ -313,7 +304,7 @@ class VllmAdapter:
         return _Plan(updates=updates, requests=requests, lora_slots=lora_slots, verifying=verifying,
                      scheduled=scheduled, total=total, num_tokens_padded=padded, grammar=grammar, scheduled_rows=known)
 
-    def _finished(self, requests: _RequestMap, scheduler_output) -> list[int]:
+    def _finished(self, requests: RequestMap, scheduler_output) -> list[int]:
         """Rows of finished and preempted requests (and of V1-resumed ones still holding a row: vLLM's
         forced preemption by ``reset_prefix_cache`` resumes a request in the step that preempts it)."""
         rows = []
@@ -326,7 +317,7 @@ class VllmAdapter:
         rows += [requests.release(req_id) for req_id in sorted(leaving) if req_id in requests.rows]
         return rows
 
-    def _new_request(self, requests: _RequestMap, new) -> dict:
+    def _new_request(self, requests: RequestMap, new) -> dict:
         req_id = new.req_id
         vllm_checks.hashable_id("NewRequestData.req_id", req_id)
         where = f"NewRequestData {req_id!r}"
@@ -335,14 +326,14 @@ class VllmAdapter:
             fail(f"{where}: prompt embeddings without token ids are not supported")
         prompt = new.prompt_token_ids if new.prompt_token_ids is not None else tokens
         lora = new.lora_request
-        admission = _Admission(prompt_len=len(prompt), lora_id=lora.lora_int_id if lora is not None else NO_LORA_ID,
+        admission = Admission(prompt_len=len(prompt), lora_id=lora.lora_int_id if lora is not None else NO_LORA_ID,
                                sampling=_sampling_params(new.sampling_params) if self._sampling else None,
                                mrope=self._multimodal_positions(where, new, len(prompt)))
         requests.admit(req_id, admission)
         return self._entry(requests, req_id, tokens, vllm_checks.block_groups(where, new.block_ids, self._num_groups),
                            vllm_checks.token_count(f"{where}.num_computed_tokens", new.num_computed_tokens))
 
-    def _resumed_request(self, requests: _RequestMap, cached, i: int, req_id: str, computed: np.ndarray) -> dict:
+    def _resumed_request(self, requests: RequestMap, cached, i: int, req_id: str, computed: np.ndarray) -> dict:
         """V1: a preempted request returns with all its tokens and fresh blocks."""
         if req_id not in requests.admitted:
             fail(f"CachedRequestData.resumed_req_ids: request {req_id!r} was never admitted")
@@ -353,7 +344,7 @@ class VllmAdapter:
         return self._entry(requests, req_id, cached.all_token_ids[req_id],
                            vllm_checks.block_groups(where, cached.new_block_ids[i], self._num_groups), int(computed[i]))
 
-    def _entry(self, requests: _RequestMap, req_id: str, tokens, block_ids, num_computed_tokens: int) -> dict:
+    def _entry(self, requests: RequestMap, req_id: str, tokens, block_ids, num_computed_tokens: int) -> dict:
         row = requests.take_row(req_id, self.config.max_num_reqs)
         admission, features = requests.admitted[req_id], self.config.prep.features
         tokens = tokens if type(tokens) is list else list(tokens)  # a list goes to AddRequests' one conversion
@@ -390,7 +381,7 @@ class VllmAdapter:
                  f" expected integers [3, prompt_len={prompt_len}]")
         return positions.astype(np.int64), vllm_checks.integer_value(f"{where}: mrope_positions(...) delta", delta)
 
-    def _running_requests(self, requests: _RequestMap, cached, running: list[int],
+    def _running_requests(self, requests: RequestMap, cached, running: list[int],
                           computed_all: np.ndarray) -> tuple[list, AppendBlocks | dict, np.ndarray]:
         """Block appends of the running requests, a resume entry for each whose computed count the host
         mirror does not know (pending drafts) or knows differently from vLLM, and the requests' rows."""
@@ -438,7 +429,7 @@ class VllmAdapter:
         # a value that is not an int32 integer: StepUpdates' builder names it
         return fast if fast is not None else dict(zip(rows, lists))
 
-    def _schedule(self, requests: _RequestMap, scheduler_output, scheduled: dict, counts: np.ndarray,
+    def _schedule(self, requests: RequestMap, scheduler_output, scheduled: dict, counts: np.ndarray,
                   grammar, rows: np.ndarray | None = None) -> tuple[dict, dict]:
         """The `Schedule`'s arrays, and the requests verifying drafts (their draft counts). ``rows``: the
         scheduled requests' rows, in ``scheduled``'s order, when the caller has them."""
@@ -491,7 +482,7 @@ class VllmAdapter:
                  "the step carries each logits row's bitmask row (StepInputs.grammar)")
         return vllm_checks.grammar_rows(grammar_output, scheduled, 1 + features.num_speculative_tokens)
 
-    def _lora_update(self, requests: _RequestMap, scheduled: dict) -> np.ndarray | None:
+    def _lora_update(self, requests: RequestMap, scheduled: dict) -> np.ndarray | None:
         """The adapter slots when a scheduled request's adapter has none yet (first free slot, else the
         slot of an adapter no scheduled request uses); ``None`` when unchanged."""
         if self._lora_slots is None:

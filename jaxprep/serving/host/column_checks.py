@@ -1,0 +1,186 @@
+"""The combined check of a step's update as `UpdateColumns` (what the buffer will hold) against the host mirror.
+
+The columns' structure is the caller's own bookkeeping (`jaxprep.serving.host.vllm_columns` builds it from the
+adapter's request map and the mirror): the finished and appended rows hold requests, the added rows are free,
+each appended segment starts at its row's current column, each row appears once per section. What came from
+outside (vLLM's counts, token ids and block ids) is bounded here, each value once, in a few element-wise
+compares and one reduction per section: the added records, every data word against its kind's bounds, the
+appended block counts against their tables' widths, then the schedule (`checks.schedule_fits`, the bounds the
+general path checks). The result is the mirror after the update, or None: the caller then checks the update
+the general way (`checks.check_updates`), which names the first bound it breaks. None is also the answer for
+what this check does not cover (resumed rows, LoRA slots, add records with a feature's fields, a Mamba table):
+the columns of vLLM's common steps have none of them.
+
+The bounds are `checks`' (tests/serving/test_vllm_columns.py holds the two paths to the same verdicts and mirrors):
+
+- add: 1 <= num_tokens <= stop_len <= max_model_len; 0 <= num_computed_tokens < num_tokens, covered by each
+  table's blocks; 0 <= prefill_len <= num_tokens; each table's block count within its width;
+- append: each table's blocks after the append within its width;
+- data: token ids in [0, token_id_bound), block ids in their table's [low, high];
+- schedule: `checks.schedule_fits`; of a `plain_schedule` (the common steps'), the bounds it can break: each
+  count within the budget, every row's sequence within its tokens and blocks (`checks.sequence_faults`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from jaxprep._constants import NO_GRAMMAR
+from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.host.checks import HostRows, group_block_sizes, schedule_fits, sequence_faults
+from jaxprep.serving.state import Schedule, block_bounds, draft_width, num_kv_groups, table_names, table_widths
+from jaxprep.serving.update_packing import TABLE, TOKENS, UpdateColumns, payload_layout
+
+PLAIN_ADD_FIELDS = ("row", "num_tokens", "stop_len", "num_computed_tokens", "prefill_len")
+"""The add record's fields without a feature's: those this check reads (then ``blocks_t`` per table)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounds:
+    """A configuration's bounds as arrays, per table and per data kind."""
+
+    covered: bool  # the configuration's add records are the plain ones and every table is a KV group's
+    widths: np.ndarray  # [T]
+    block_sizes: np.ndarray  # [T, 1]
+    run_kinds: np.ndarray  # [1 + T] the data runs of an added row: TOKENS, then TABLE + t
+    low: np.ndarray  # [TABLE + T] lowest value of each data kind (TOKENS: 0; TABLE + t: the table's lowest id)
+    high: np.ndarray  # [TABLE + T] highest value
+    plain: tuple[np.ndarray, np.ndarray, np.ndarray]  # a `plain_schedule`'s drafts, draft ids, grammar rows
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds(config: ServingConfig) -> _Bounds:
+    lay, tables = payload_layout(config), len(table_names(config))
+    covered = (lay.add_fields == PLAIN_ADD_FIELDS + tuple(f"blocks_{t}" for t in range(tables))
+               and tables == num_kv_groups(config))
+    low, high = np.zeros(TABLE + tables, np.int64), np.full(TABLE + tables, -1, np.int64)
+    low[TOKENS], high[TOKENS] = 0, config.token_id_bound - 1
+    for t in range(tables):
+        low[TABLE + t], high[TABLE + t] = block_bounds(config, t)
+    sizes = np.array(group_block_sizes(config)[:tables], np.int64)[:, None]
+    rows = config.max_num_reqs
+    plain = (np.zeros(rows, np.int64), np.zeros((rows, draft_width(config)), np.int64), np.full(rows, NO_GRAMMAR))
+    for array in plain:
+        array.flags.writeable = False
+    return _Bounds(covered=covered, widths=np.array(table_widths(config), np.int64), block_sizes=sizes,
+                   run_kinds=np.array([TOKENS] + [TABLE + t for t in range(tables)], np.int64), low=low, high=high,
+                   plain=plain)
+
+
+def plain_schedule(config: ServingConfig, num_scheduled_tokens: np.ndarray) -> Schedule:
+    """A schedule of ``num_scheduled_tokens`` (dense, each >= 0) without drafts or grammar rows (their arrays
+    shared and read-only, `plain_arrays`): `check_columns` knows it as such and checks only the bounds it can
+    break."""
+    drafts, draft_ids, grammar = plain_arrays(config)
+    return Schedule(num_scheduled_tokens=num_scheduled_tokens, num_draft_tokens=drafts, draft_token_ids=draft_ids,
+                    grammar_index=grammar)
+
+
+def plain_arrays(config: ServingConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A `plain_schedule`'s draft counts, draft ids and grammar rows (a caller building one per step keeps them)."""
+    return _bounds(config).plain
+
+
+def covers(config: ServingConfig) -> bool:
+    """Whether `check_columns` can check an update of ``config``: its add records hold no feature's values and
+    every table is a KV-cache group's (no Mamba table)."""
+    return _bounds(config).covered
+
+
+def check_columns(rows: HostRows, columns: UpdateColumns, config: ServingConfig) -> HostRows | None:
+    """The mirror after ``columns`` if every bound holds (a new `HostRows`: the arrays the update changes are
+    new, the others shared with ``rows``, which is left as it was); None if one breaks, or if the columns hold
+    what this check does not cover (the caller then checks the update the general way, naming the bound)."""
+    bounds = _bounds(config)
+    if not bounds.covered or columns.resume.shape[1] or columns.lora is not None:
+        return None
+    add, segments, schedule = columns.add, columns.segments, columns.schedule
+    if add.shape[1] and not _records_fit(add, bounds, config):
+        return None
+    if not _data_fits(columns, bounds):
+        return None
+    if len(columns.finish) or add.shape[1]:
+        rows = rows.copy()
+        if len(columns.finish):
+            rows.clear(columns.finish)
+        if add.shape[1]:
+            _write_added(rows, add)
+    else:  # a decode step: only the block counts and the schedule change (the other arrays are shared)
+        rows = HostRows(**{**vars(rows), "table_blocks": rows.table_blocks.copy()})
+    if segments.shape[1]:
+        _, row, col, length = segments
+        table = segments[0] - TABLE
+        end = col + length
+        if (end > bounds.widths[table]).any():
+            return None
+        rows.table_blocks[row, table] = end
+    if schedule is not None:
+        plain = schedule.num_draft_tokens is bounds.plain[0] and schedule.grammar_index is bounds.plain[2]
+        if not (_plain_schedule_fits(rows, schedule.num_scheduled_tokens, config) if plain
+                else schedule_fits(rows, schedule, config)):
+            return None
+        rows.num_scheduled_tokens = schedule.num_scheduled_tokens.copy()
+        rows.num_draft_tokens = schedule.num_draft_tokens.copy()
+    return rows
+
+
+def _plain_schedule_fits(rows: HostRows, scheduled: np.ndarray, config: ServingConfig) -> bool:
+    """`checks.schedule_fits` of a `plain_schedule` (no drafts, no grammar rows, counts >= 0) on rows the
+    caller's bookkeeping made busy and settled (running rows without pending drafts, or rows just added): each
+    count within the budget, then every row's sequence within its tokens and blocks, then the total."""
+    budget, num_tokens = config.prep.max_num_batched_tokens, rows.num_tokens
+    bad = (scheduled > budget) | ((scheduled > 0) & sequence_faults(rows.num_computed_tokens + scheduled, num_tokens,
+                                                                    num_tokens, rows.table_blocks, config))
+    return not bad.any() and int(scheduled.sum()) <= budget
+
+
+def _records_fit(add: np.ndarray, bounds: _Bounds, config: ServingConfig) -> bool:
+    """Added records [fields, A] (``row, num_tokens, stop_len, num_computed_tokens, prefill_len, blocks_t...``)
+    within their bounds.
+
+    ```
+    # block size 4: num_tokens 9, computed 8, blocks [2] -> covered (8 tokens in 2 blocks); blocks [1] -> not
+    ```
+    """
+    _, num_tokens, stop_len, computed, prefill = add[: len(PLAIN_ADD_FIELDS)]
+    blocks = add[len(PLAIN_ADD_FIELDS):]  # [T, A]
+    bad = ((num_tokens < 1) | (num_tokens > stop_len) | (stop_len > config.max_model_len) | (computed < 0)
+           | (computed >= num_tokens) | (prefill < 0) | (prefill > num_tokens))
+    bad = bad | ((blocks > bounds.widths[:, None]) | ((computed + bounds.block_sizes - 1) // bounds.block_sizes
+                                                       > blocks)).any(axis=0)
+    return not bad.any()
+
+
+def _write_added(rows: HostRows, add: np.ndarray) -> None:
+    row, num_tokens, stop_len, computed, _ = add[: len(PLAIN_ADD_FIELDS)]
+    rows.table_blocks[row] = add[len(PLAIN_ADD_FIELDS):].T
+    rows.num_tokens[row], rows.stop_len[row], rows.num_computed_tokens[row] = num_tokens, stop_len, computed
+    rows.num_scheduled_tokens[row] = rows.num_draft_tokens[row] = rows.slack[row] = 0
+    rows.pending_drafts[row] = -1
+
+
+def _data_fits(columns: UpdateColumns, bounds: _Bounds) -> bool:
+    """Every data word within its kind's bounds, in one compare: each added row's tokens and blocks (their
+    lengths in its record), then the appended blocks.
+
+    ```
+    # added row: 3 tokens, 1 block; a segment of 2 -> kinds [TOKENS x 3, TABLE, TABLE x 2]
+    ```
+    """
+    add, segments, appended = columns.add, columns.segments, columns.segment_data
+    if not add.shape[1]:  # a decode step: appended blocks only
+        if not len(appended):
+            return True
+        if len(bounds.widths) == 1:
+            kind = TABLE
+            return bool(bounds.low[kind] <= appended.min() and appended.max() <= bounds.high[kind])
+        kinds, values = np.repeat(segments[0], segments[3]), appended
+    else:
+        lengths = add[[1, *range(len(PLAIN_ADD_FIELDS), len(add))]]  # [1 + T, A]: num_tokens, blocks_t
+        kinds = np.concatenate([np.repeat(np.tile(bounds.run_kinds, add.shape[1]), lengths.T.ravel()),
+                                np.repeat(segments[0], segments[3])])
+        values = np.concatenate([columns.add_data, appended])
+    return len(kinds) == len(values) and bool(((values >= bounds.low[kinds]) & (values <= bounds.high[kinds])).all())

@@ -1,0 +1,224 @@
+"""vLLM's common step read in one pass straight into `UpdateColumns`, the sections of the buffer it becomes.
+
+The common step (issue 37): requests finish or are preempted, new ones join, running ones decode or continue a
+chunked prefill and get new blocks; none resumes (V1's ``resumed_req_ids``), none has drafts or a grammar row,
+every running request's computed count is the one the host mirror holds, and the configuration has no feature
+that adds a value per request (LoRA, sampling parameters, M-RoPE, prompt embeddings, a Mamba table:
+`column_checks.covers`). Such a step is read without a `StepUpdates`: each of vLLM's lists is converted once
+(by NumPy, or by C-level iteration: no Python call per running request), into the add records, the data runs,
+the appended segments and the dense schedule. `jaxprep.serving.host.column_checks` then bounds them at once.
+
+A step of any other shape, or a value that is not what vLLM's scheduler sends (a count of 1.5, an unknown
+request, a flat ``block_ids``), gives None and nothing changed: `VllmAdapter` then reads the step the general
+way (`vllm_checks`, one `StepUpdates`), which serves the other shapes and names what is wrong. What this
+reader checks is only what it must to read the lists (types, lengths, the request map); the bounds of the
+values are `column_checks`'.
+
+```
+# finished {"c"}, new "d" (3 tokens, blocks ([9],)), running "a", "b" (decode, "b" new blocks ([4],)):
+#   finish [row of c]; add [[row d], [3], [max_model_len], [0], [3], [1]] data [t0, t1, t2, 9];
+#   segments [[TABLE], [row b], [b's blocks so far], [1]] data [4]; schedule {row a: 1, row b: 1, row d: 3}
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import chain, compress, repeat
+from operator import is_not
+
+import numpy as np
+
+from jaxprep._constants import NO_LORA_ID
+from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.host.checks import HostRows
+from jaxprep.serving.host.column_checks import PLAIN_ADD_FIELDS, plain_arrays
+from jaxprep.serving.host.vllm_requests import Admission, RequestMap
+from jaxprep.serving.state import Schedule, num_kv_groups
+from jaxprep.serving.update_packing import (
+    NO_ENTRIES,
+    RESUME_FIELDS,
+    SEGMENT_FIELDS,
+    TABLE,
+    UpdateColumns,
+    empty_records,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonStep:
+    """A common step read: its update's columns and the request map it leaves."""
+
+    columns: UpdateColumns
+    requests: RequestMap
+    scheduled_rows: np.ndarray  # [len(num_scheduled_tokens)] the rows of the scheduled requests, in its order
+    total: int  # total_num_scheduled_tokens
+
+
+class ColumnReader:
+    """Reads vLLM's common steps into `UpdateColumns` for one configuration (`read`)."""
+
+    def __init__(self, config: ServingConfig):
+        self.max_num_reqs, self.max_model_len, self.groups = config.max_num_reqs, config.max_model_len, \
+            num_kv_groups(config)
+        self.no_adds = empty_records(len(PLAIN_ADD_FIELDS) + self.groups)
+        self.no_resumes = empty_records(len(RESUME_FIELDS) + self.groups)
+        self.no_segments = empty_records(len(SEGMENT_FIELDS))
+        self.plain = plain_arrays(config)  # a schedule's drafts, draft ids and grammar rows: none (`plain_schedule`)
+        self._running = (None, None, None)  # (request map, req_ids, rows) of the last decode step read
+
+    def read(self, scheduler_output, requests: RequestMap, mirror: HostRows) -> CommonStep | None:
+        """``scheduler_output`` as `UpdateColumns`, on ``requests`` (changed only on its copies); None, with
+        nothing changed, for a step that is not of the common shape or not of vLLM's types."""
+        so = scheduler_output
+        cached, scheduled, spec = so.scheduled_cached_reqs, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
+        if type(scheduled) is not dict or type(spec) is not dict or spec or cached.resumed_req_ids:
+            return None
+        req_ids, total = cached.req_ids, so.total_num_scheduled_tokens
+        counts, computed = _int64(list(scheduled.values())), _int64(cached.num_computed_tokens)
+        if counts is None or computed is None or not len(computed) == len(cached.new_block_ids) == len(req_ids) \
+                or len(so.scheduled_new_reqs) + len(req_ids) != len(scheduled) or type(total) is not int \
+                or total != int(counts.sum()) or (len(counts) and counts.min() < 1):
+            return None
+        finish = _finished(requests, so)
+        add = self._added(requests, so.scheduled_new_reqs)
+        running = None if add is None else self._running_rows(requests.rows, req_ids, computed, mirror)
+        segments = None if running is None else self._appended(cached.new_block_ids, running, mirror.table_blocks)
+        if segments is None:
+            return None
+        rows = running if not add[0].shape[1] and list(scheduled) == req_ids else _rows_of(requests.rows, scheduled)
+        if rows is None:
+            return None
+        records, data, data_len = add
+        changed = len(finish) + records.shape[1] * (len(PLAIN_ADD_FIELDS) - 1) + len(data) + len(segments[1])
+        columns = UpdateColumns(finish=np.array(finish, np.int64) if finish else NO_ENTRIES, add=records,
+                                add_data=data, add_data_len=data_len, resume=self.no_resumes, resume_data=NO_ENTRIES,
+                                resume_data_len=NO_ENTRIES, segments=segments[0], segment_data=segments[1], lora=None,
+                                schedule=self._schedule(rows, counts), decode_steps=1, changed_words=changed)
+        return CommonStep(columns=columns, requests=requests, scheduled_rows=rows, total=total)
+
+    def _added(self, requests: RequestMap, news: list):
+        """New requests admitted in the lowest free rows: their records [fields, A] (`PLAIN_ADD_FIELDS`, the
+        block counts of each group), each one's tokens then blocks as one data array, and each one's data
+        length; None for a request not of vLLM's types, an id that holds a row, or no free row."""
+        if not news:
+            return self.no_adds, NO_ENTRIES, NO_ENTRIES
+        if len(news) > len(requests.free):
+            return None
+        records, runs, groups = [], [], self.groups
+        for new in news:
+            req_id, tokens, prompt = new.req_id, new.prefill_token_ids, new.prompt_token_ids
+            tokens = prompt if tokens is None else tokens
+            computed, block_ids = new.num_computed_tokens, new.block_ids
+            if (type(tokens) is not list or type(computed) is not int or type(block_ids) is not tuple
+                    or len(block_ids) != groups or not all(type(ids) is list for ids in block_ids)
+                    or not _hashable(req_id) or req_id in requests.rows):
+                return None
+            lora = new.lora_request
+            requests.admit(req_id, Admission(len(tokens if prompt is None else prompt),
+                                             NO_LORA_ID if lora is None else lora.lora_int_id, None))
+            row = requests.take_row(req_id, self.max_num_reqs)
+            records.append((row, len(tokens), self.max_model_len, computed, len(tokens), *map(len, block_ids)))
+            runs.append(tokens)
+            runs += block_ids
+        data = np.array(list(chain.from_iterable(runs)))
+        records = np.array(records, np.int64).T
+        if data.dtype != np.int64 or data.ndim != 1:
+            return None
+        return records, data, records[1] + records[len(PLAIN_ADD_FIELDS):].sum(axis=0)
+
+    def _running_rows(self, row_of: dict, req_ids: list, computed: np.ndarray, mirror: HostRows):
+        """The running requests' rows; None if one holds none, or if the mirror's computed count of one differs
+        from vLLM's or waits for its drafts' outcome (the general path restates those rows). The rows of the
+        last decode step are kept: the next one, with the same request map and requests, reuses them."""
+        last_map, last_ids, last_rows = self._running
+        if row_of is last_map and req_ids == last_ids:
+            rows = last_rows
+        else:
+            try:
+                rows = np.fromiter(map(row_of.__getitem__, req_ids), np.int64, len(req_ids))
+            except (KeyError, TypeError):
+                return None
+            rows.flags.writeable = False  # kept for the next step: read only
+            self._running = (row_of, list(req_ids), rows)
+        if ((mirror.pending_drafts[rows] >= 0) | (mirror.num_computed_tokens[rows] != computed)).any():
+            return None
+        return rows
+
+    def _appended(self, new_block_ids: list, rows: np.ndarray, table_blocks: np.ndarray):
+        """``CachedRequestData.new_block_ids`` (None, or one list per group, per running request) as segments
+        [4, S] (kind, row, col, len; empty lists dropped) placed after each row's blocks, and their ids; None
+        for an entry not of vLLM's types.
+
+        ```
+        # rows [3, 5], new_block_ids [None, ([7, 8],)], row 5 holds 2 blocks
+        #   -> segments [[TABLE], [5], [2], [2]], ids [7, 8]
+        ```
+        """
+        if len(new_block_ids) == new_block_ids.count(None):
+            return self.no_segments, NO_ENTRIES
+        groups = self.groups
+        index = list(compress(range(len(new_block_ids)), map(is_not, new_block_ids, repeat(None))))
+        entries = list(map(new_block_ids.__getitem__, index))
+        lists = list(chain.from_iterable(entries))
+        if set(map(type, entries)) != {tuple} or set(map(len, entries)) != {groups} or set(map(type, lists)) != {list}:
+            return None
+        lengths = list(map(len, lists))
+        ids = np.array(list(chain.from_iterable(lists)))
+        if ids.dtype != np.int64 or ids.ndim != 1:
+            return None if len(ids) else (self.no_segments, NO_ENTRIES)
+        seg_rows = rows[index]
+        tables = np.zeros(len(index), np.int64) if groups == 1 else np.tile(np.arange(groups, dtype=np.int64),
+                                                                            len(index))
+        if groups > 1:
+            seg_rows = np.repeat(seg_rows, groups)
+        if 0 in lengths:  # an empty list (a group without new blocks) appends nothing
+            kept = np.array(lengths) > 0
+            seg_rows, tables, lengths = seg_rows[kept], tables[kept], np.array(lengths)[kept]
+        segments = np.empty((len(SEGMENT_FIELDS), len(seg_rows)), np.int64)
+        segments[0], segments[1], segments[2], segments[3] = TABLE + tables, seg_rows, table_blocks[seg_rows, tables], \
+            lengths
+        return segments, ids
+
+    def _schedule(self, rows: np.ndarray, counts: np.ndarray) -> Schedule:
+        """The dense schedule: ``counts`` at ``rows``, no drafts, no grammar rows."""
+        scheduled = np.zeros(self.max_num_reqs, np.int64)
+        scheduled[rows] = counts
+        drafts, draft_ids, grammar = self.plain
+        return Schedule(num_scheduled_tokens=scheduled, num_draft_tokens=drafts, draft_token_ids=draft_ids,
+                        grammar_index=grammar)
+
+
+def _int64(values) -> np.ndarray | None:
+    """``values`` (a list of Python ints) as int64 [n]; None for anything else (1.5, True alone, 2**70)."""
+    array = np.array(values) if len(values) else NO_ENTRIES
+    return array if array.dtype == np.int64 and array.ndim == 1 else None
+
+
+def _finished(requests: RequestMap, so) -> list[int]:
+    """The rows of finished and preempted requests, freed in the map, in `VllmAdapter`'s order (finished as
+    given, then preempted sorted); finished requests forgotten."""
+    rows = []
+    for req_id in so.finished_req_ids:
+        requests.forget(req_id)
+        if req_id in requests.rows:
+            rows.append(requests.release(req_id))
+    preempted = so.preempted_req_ids
+    if preempted:
+        rows += [requests.release(req_id) for req_id in sorted(set(preempted)) if req_id in requests.rows]
+    return rows
+
+
+def _hashable(req_id) -> bool:
+    try:
+        hash(req_id)
+    except TypeError:
+        return False
+    return True
+
+
+def _rows_of(row_of: dict, scheduled: dict) -> np.ndarray | None:
+    try:
+        return np.fromiter(map(row_of.__getitem__, scheduled), np.int64, len(scheduled))
+    except KeyError:
+        return None
