@@ -57,11 +57,12 @@ def count_compiles():
 
 def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = None, *,
            cache_dir: str | os.PathLike | None = None, threads: int | None = None) -> float:
-    """Compiles `prepare_inputs` for every bucket of the ladder; returns the seconds it took.
+    """Compiles `prepare_inputs` for every bucket a step can reach (``buckets``, default
+    `PrepConfig.reachable_buckets`); returns the seconds it took.
 
     Each bucket is lowered from shapes alone (nothing is allocated or run) and compiled on
-    ``threads`` threads (default: the CPU count) while the next one is lowered; XLA compiles
-    outside the GIL, and an ahead-of-time compile fills the cache the jitted calls read.
+    ``threads`` threads (default: the CPU count) while the next one is lowered, the largest first; XLA
+    compiles outside the GIL, and an ahead-of-time compile fills the cache the jitted calls read.
 
     ``state`` supplies the shapes (a `BatchState` or a pytree of ``jax.ShapeDtypeStruct``;
     default: those of `BatchState.empty(config)`); it is only read.
@@ -76,8 +77,8 @@ def warmup(config: PrepConfig, state=None, buckets: tuple[int, ...] | None = Non
     if cache_dir is not None:
         use_compile_cache(cache_dir)
     shapes = _empty_state_shapes(config) if state is None else state
-    compile_all((prepare_padded.trace(shapes, config, bucket).lower() for bucket in buckets or config.token_buckets),
-                threads)
+    buckets = sorted(buckets or config.reachable_buckets, reverse=True)
+    compile_all((prepare_padded.trace(shapes, config, bucket).lower() for bucket in buckets), threads)
     return time.perf_counter() - start
 
 
