@@ -32,8 +32,12 @@ class CompileCount:
 def count_compiles():
     """Counts jaxpr traces and backend compilations (any function, any thread) inside the block.
 
-    Uses `jax.monitoring` listeners only; a compile served from the persistent cache still counts.
+    Uses `jax.monitoring` listeners only; a compile served from the persistent cache still counts, and so
+    does an executable a warm-up loads from jaxprep's store beside it (`jaxprep.executables`), a cache hit
+    with no trace.
     """
+    from jaxprep.executables import STORE_HIT_EVENT
+
     count = CompileCount()
 
     def listener(event: str, duration: float, **kwargs) -> None:
@@ -44,6 +48,9 @@ def count_compiles():
 
     def hit_listener(event: str, **kwargs) -> None:
         if event == _CACHE_HIT_EVENT:
+            count.cache_hits += 1
+        elif event == STORE_HIT_EVENT:
+            count.compiles += 1
             count.cache_hits += 1
 
     jax.monitoring.register_event_duration_secs_listener(listener)
