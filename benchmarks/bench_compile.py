@@ -16,8 +16,10 @@ the end) and measured beside the working tree (``HEAD+``), every measurement a f
   what XLA keeps to reload it) and its temporaries (`Compiled.memory_analysis`). The compile's CPU
   seconds are the process's (XLA compiles on a thread of its own; nothing else runs meanwhile). The
   bucket and payload rung are read from the call that lowered it.
-- ``warmup``: the workload's warm-up as the commit runs it (threads and all), cold, then filling an
-  empty persistent compilation cache, then from that cache: seconds, compiles, cache hits.
+- ``warmup``: the workload's warm-up as the commit runs it (threads and all) in a process of its own,
+  from an empty persistent compilation cache folder (filling it), then from that folder: seconds,
+  compiles, cache hits, peak RSS (default: the ``vllm`` and ``readme`` workloads, which have no command
+  of their own).
 - ``simulate``: ``jaxprep simulate --json`` whole processes, an empty cache folder, then the same
   folder again: the ``warmup_s`` it prints and the process wall time.
 - ``generate``: ``jaxprep generate`` on Qwen3-0.6B's shape cut to 2 layers (random float32 weights,
@@ -26,7 +28,8 @@ the end) and measured beside the working tree (``HEAD+``), every measurement a f
   (`bench_generate.transformers_process`).
 
 Workloads: ``simulate`` (the default ``jaxprep simulate``), ``simulate-8192`` (``--budget 8192``),
-``vllm`` (`ServingBatch.warmup` of simulate's default config, what a `VllmAdapter` warms),
+``vllm`` (`ServingBatch.warmup` of simulate's default config, what a `VllmAdapter` warms), ``readme``
+(the Engine of README.md's serving loop),
 ``generate`` (the Engine of the generate run above). A commit without a workload's entry point (the
 adapter, a generate warm-up) skips it.
 """
@@ -49,7 +52,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "HEAD+"
 """The working tree's name in the tables."""
-WORKLOADS = ("simulate", "simulate-8192", "vllm", "generate")
+WORKLOADS = ("simulate", "simulate-8192", "vllm", "readme", "generate")
 SIMULATE_ARGV = {"simulate": [], "simulate-8192": ["--budget", "8192"], "vllm": []}
 GENERATE = dict(prompt_len=1000, max_tokens=8, layers=2, shape="qwen3-0.6b")
 QWEN3_VOCAB = 151936
@@ -66,6 +69,8 @@ def _engine_for(workload: str, checkpoint: str | None):
 
     if workload == "generate":
         return _generate_engine(checkpoint)
+    if workload == "readme":
+        return _readme_engine()
     from jaxprep.cli import simulate
 
     _, args = parse_args(["simulate", *SIMULATE_ARGV[workload]])
@@ -75,6 +80,16 @@ def _engine_for(workload: str, checkpoint: str | None):
 
         return ServingBatch(config) if hasattr(ServingBatch, "warmup") else None
     return simulate._engine(config, model, args, params)
+
+
+def _readme_engine():
+    """The Engine of README.md's serving loop."""
+    import jaxprep
+    from jaxprep.serving import Engine, ModelConfig, ServingConfig
+
+    prep = jaxprep.PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=8, num_blocks=32)
+    model = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)
+    return Engine(ServingConfig(prep=prep, eos_token_id=1), model, seed=0)
 
 
 def _generate_engine(checkpoint: str):
@@ -91,8 +106,6 @@ def _generate_engine(checkpoint: str):
 
     model, params = load_checkpoint(args)
     config = generate.serving_config(args, [list(map(int, prompt.split()))], -1)
-    if hasattr(generate, "generate_config"):  # a generate that picks its own ladder
-        config = generate.generate_config(config, [list(map(int, prompt.split()))], GENERATE["max_tokens"])
     return Engine(config, model, params=params)
 
 
@@ -200,7 +213,24 @@ def child_executables(workload: str, checkpoint: str | None) -> dict:
     _label_recorders(labels)
     jax.monitoring.register_event_duration_secs_listener(listener)
 
-    def compile_each(lowered, threads=None, on_compiled=None) -> None:
+    def measure(stage, stage_label: dict):
+        traced = dict(trace=0.0, lower=0.0)
+        for event, _, duration in events:
+            key = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower"}.get(event)
+            if key:
+                traced[key] += duration
+        ops = stage.as_text().count("stablehlo.")
+        wall, cpu = time.perf_counter(), time.process_time()
+        compiled = stage.compile()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        memory = compiled.memory_analysis()
+        text = compiled.as_text()
+        rows.append(dict(stage_label, trace_s=traced["trace"], lower_s=traced["lower"], compile_s=wall,
+                         compile_cpu_s=cpu, ops=ops, kernels=_kernels(text), code_bytes=_executable_bytes(compiled),
+                         temp_bytes=getattr(memory, "temp_size_in_bytes", 0)))
+        return compiled
+
+    def compile_each(lowered, threads=None, on_compiled=None) -> None:  # `compilation.compile_all`, one by one
         stages = iter(lowered)
         while True:
             events.clear()
@@ -208,28 +238,26 @@ def child_executables(workload: str, checkpoint: str | None) -> dict:
                 stage = next(stages)
             except StopIteration:
                 return
-            traced = dict(trace=0.0, lower=0.0)
-            for event, _, duration in events:
-                key = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower"}.get(event)
-                if key:
-                    traced[key] += duration
-            ops = stage.as_text().count("stablehlo.")
-            wall, cpu = time.perf_counter(), time.process_time()
-            compiled = stage.compile()
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            memory = compiled.memory_analysis()
-            text = compiled.as_text()
-            rows.append(dict(labels.get(id(stage), {"function": "?"}), trace_s=traced["trace"], lower_s=traced["lower"],
-                             compile_s=wall, compile_cpu_s=cpu, ops=ops, kernels=_kernels(text),
-                             fusions=len(re.findall(r" fusion\(", text)),
-                             code_bytes=_executable_bytes(compiled),
-                             temp_bytes=getattr(memory, "temp_size_in_bytes", 0)))
+            measure(stage, labels.get(id(stage), {"function": "?"}))
             if on_compiled is not None:
                 on_compiled()
 
+    def warm_each(executables, threads=None, on_compiled=None) -> dict:  # `executables.warm`, one by one
+        table = {}
+        for executable in executables:
+            events.clear()
+            stage = executable.lower()
+            table[executable.key] = measure(stage, labels.get(id(stage), {"function": "?"}))
+            if on_compiled is not None:
+                on_compiled()
+        return table
+
+    warm = getattr(sys.modules.get("jaxprep.executables"), "warm", None)
     for module in [m for name, m in sys.modules.items() if name.startswith("jaxprep") and m is not None]:
         if getattr(module, "compile_all", None) is not None:
             module.compile_all = compile_each
+        if warm is not None and getattr(module, "warm", None) is warm:
+            module.warm = warm_each
     target.warmup()
     return {"rows": rows}
 
@@ -355,32 +383,26 @@ def part_warmup(trees: dict, workloads, checkpoint, runs: int) -> None:
     from common import load_line
 
     for workload in workloads:
-        results = {name: {"cold": [], "filling": [], "cached": []} for name in trees}
+        results = {name: {"cold": [], "cached": []} for name in trees}
         loads = []
         for _ in range(runs):
             for name, tree in trees.items():
-                cold = run_child(tree, dict(part="warmup", workload=workload, checkpoint=checkpoint))
                 with tempfile.TemporaryDirectory() as cache:
-                    filling = run_child(tree, dict(part="warmup", workload=workload, checkpoint=checkpoint,
-                                                   cache_dir=cache))
-                    cached = run_child(tree, dict(part="warmup", workload=workload, checkpoint=checkpoint,
-                                                  cache_dir=cache))
-                for key, value in (("cold", cold), ("filling", filling), ("cached", cached)):
-                    results[name][key].append(value)
+                    spec = dict(part="warmup", workload=workload, checkpoint=checkpoint, cache_dir=cache)
+                    results[name]["cold"].append(run_child(tree, spec))
+                    results[name]["cached"].append(run_child(tree, spec))
                 loads.append(os.getloadavg()[0])
-        print(f"\n### {workload}: warm-up as the commit runs it, median of {runs} processes "
-              f"(load {min(loads):.1f}-{max(loads):.1f}; {load_line()} at the end)\n")
-        print("| commit | cold s | filling a cache s | from the cache s | cached / cold | compiles | cache hits | "
-              "peak RSS MiB, cold |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"\n### {workload}: warm-up as the commit runs it, an empty cache folder then the same folder, median of "
+              f"{runs} processes each (load {min(loads):.1f}-{max(loads):.1f}; {load_line()} at the end)\n")
+        print("| commit | cold s | from the cache s | cached / cold | compiles | cache hits | peak RSS MiB, cold |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for name, r in results.items():
-            if any("seconds" not in v for v in r["cold"]):
-                print(f"| {name} | {r['cold'][0].get('error', 'skipped')} |")
+            if any("seconds" not in v for v in r["cold"] + r["cached"]):
+                print(f"| {name} | {(r['cold'] + r['cached'])[0].get('error', 'skipped')} |")
                 continue
-            cold, fill, cached = (median([v.get("seconds") for v in r[k]]) for k in ("cold", "filling", "cached"))
-            print(f"| {name} | {cold:.2f} | {fmt(fill)} | {fmt(cached)} | {fmt(cached and cached / cold, 3)} | "
-                  f"{r['cold'][0]['compiles']} | {r['cached'][0].get('cache_hits')} | "
-                  f"{median([v.get('max_rss_mib') for v in r['cold']]):.0f} |")
+            cold, cached = (median([v["seconds"] for v in r[k]]) for k in ("cold", "cached"))
+            print(f"| {name} | {cold:.2f} | {cached:.2f} | {cached / cold:.3f} | {r['cold'][0]['compiles']} | "
+                  f"{r['cached'][0]['cache_hits']} | {median([v['max_rss_mib'] for v in r['cold']]):.0f} |")
         sys.stdout.flush()
 
 
@@ -454,7 +476,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", nargs="*", default=["a0584b9", "89b68cf"], help="commits measured beside HEAD+")
     parser.add_argument("--parts", default="exe,warmup,simulate,generate")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="of the exe part")
+    parser.add_argument("--warmup-workloads", default="vllm,readme", help="of the warmup part")
     parser.add_argument("--runs", type=int, default=3, help="processes per measurement (warmup, simulate, generate)")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxprep-bench-compile"))
     args = parser.parse_args(argv)
@@ -473,7 +496,7 @@ def main(argv=None) -> int:
     if "exe" in parts:
         part_exe(trees, workloads, checkpoint)
     if "warmup" in parts:
-        part_warmup(trees, workloads, checkpoint, args.runs)
+        part_warmup(trees, args.warmup_workloads.split(","), checkpoint, args.runs)
     if "simulate" in parts:
         part_simulate(trees, workloads, args.runs)
     if "generate" in parts:
