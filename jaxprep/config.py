@@ -161,6 +161,24 @@ class PrepConfig:
         """Largest valid block id (`jaxprep.bounds.max_block_id`)."""
         return max_block_id(self.num_blocks, self.block_size)
 
+    @property
+    def max_tokens_per_step(self) -> int:
+        """The most tokens one step can hold: the budget, or every row's whole sequence when that is less."""
+        return min(self.max_num_batched_tokens, self.max_num_reqs * self.max_model_len)
+
+    @property
+    def reachable_buckets(self) -> tuple[int, ...]:
+        """The rungs of ``token_buckets`` a step can be padded to: up to the first that holds
+        `max_tokens_per_step` (what a warm-up compiles; the ladder itself is unchanged).
+
+        ```
+        # 16 rows of 256 tokens, budget 8192: a step holds at most 4096 tokens -> rungs 8 .. 4096
+        #   (6144 and 8192 can never be used)
+        ```
+        """
+        top = self.bucket_for(self.max_tokens_per_step)
+        return tuple(b for b in self.token_buckets if b <= top)
+
     def bucket_for(self, num_tokens: int) -> int:
         """The smallest bucket holding ``num_tokens`` (1 <= num_tokens <= max_num_batched_tokens)."""
         if not 0 < num_tokens <= self.max_num_batched_tokens:

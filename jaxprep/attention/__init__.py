@@ -1,7 +1,9 @@
 """Attention over jaxprep's paged KV cache, read through a prepared step's metadata.
 
 - `paged_attention` (`paged.py`): plain XLA, a loop over each token's own KV blocks with an online
-  softmax; cost follows the pages the batch holds, not ``max_model_len``. Runs everywhere.
+  softmax; cost follows the pages the batch holds, not ``max_model_len``. Runs everywhere; the layer
+  loop plans its query tiles once per step (`paged_plan`) and reads each layer of the stacked cache in
+  place (`paged_attend`).
 - the ragged kernel (`ragged.py`): jaxprep's own Pallas (Triton) kernel for NVIDIA GPUs, the XLA
   path's twin: query tiles per request, one launch per layer, the stacked cache read where it lies.
   Imported only where a step asks for it (it needs Pallas' Triton backend, which jax 0.11 deprecates).
@@ -31,7 +33,7 @@ from jaxprep.attention.pallas import (
     to_tpu_kv_pages,
     tpu_ragged_paged_attention,
 )
-from jaxprep.attention.paged import paged_attention, token_kv_lens
+from jaxprep.attention.paged import paged_attend, paged_attention, paged_plan, token_kv_lens
 from jaxprep.config import triton_backend_available
 
 ATTENTION_KINDS = ("auto", "xla", "ragged", "pallas_gpu", "pallas_tpu", "gather_all")
@@ -120,7 +122,8 @@ def stacked_attention(kind: str, *, block_size: int, max_model_len: int, num_hea
     only where the step is lowered for CUDA (a ROCm GPU keeps the XLA path)."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention={kind!r}: must be one of {ATTENTION_KINDS}")
-    xla = _per_layer(functools.partial(paged_attention, block_size=block_size))
+    xla = StackedAttention(plan=functools.partial(paged_plan, block_size=block_size),
+                           attend=functools.partial(paged_attend, block_size=block_size))
     if kind == "auto":
         kind = auto_kind(block_size, num_kv_heads, head_dim, backend)
         if kind == "ragged":

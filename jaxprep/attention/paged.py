@@ -15,6 +15,8 @@ chunk), ``block_table`` (where those keys live), ``num_actual_tokens`` (which to
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -122,6 +124,93 @@ def online_softmax_step(carry, scores: jax.Array, values: jax.Array, valid: jax.
     return new_max, running_sum * correction + probs.sum(axis=-1), acc
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedPlan:
+    """What every layer's attention reads of a step, computed once per step, before the layer loop
+    (`paged_plan`): each query tile's batch row, tokens and key counts, and the step's longest context."""
+
+    tile_row: Int32[Array, " num_tiles"]
+    tokens: Int32[Array, "num_tiles tile"]  # num_tokens_padded: no token (past the tile's length)
+    tile_kv_lens: Int32[Array, "num_tiles tile"]  # keys each token sees (0: no token)
+    num_chunks: Int32[Array, ""]  # the batch's longest context, in chunks of block_size * blocks_per_chunk
+    block_table: Int32[Array, "num_reqs_padded max_blocks_per_req"]
+
+
+jax.tree_util.register_dataclass(PagedPlan, data_fields=["tile_row", "tokens", "tile_kv_lens", "num_chunks",
+                                                         "block_table"], meta_fields=[])
+
+
+def paged_plan(inputs: StepInputs, *, block_size: int, blocks_per_chunk: int = 1,
+               query_tile: int | None = None) -> PagedPlan:
+    """The query tiles of ``inputs`` (`query_tiles`, ``query_tile`` tokens each, default
+    `default_query_tile`), each tile token's key count and the number of KV chunks to read.
+
+    A tile token sees ``min(positions[t] + 1, seq_lens[tile_row])`` keys (`token_kv_lens`: a token of a
+    tile is a real token of the tile's row), so the plan needs one token -> row mapping, the tiles'.
+
+    ```
+    # query_start_loc [0, 3, 4], positions [5, 6, 7, 2, 0, 0], seq_lens [8, 3], 4 real tokens, tile 4
+    #   -> tile_row [0, 1, ..], tokens [[0, 1, 2, T], [3, T, T, T], ..], tile_kv_lens [[6, 7, 8, 0], [3, 0, 0, 0], ..]
+    ```
+    """
+    meta = inputs.attn_metadata
+    num_tokens = inputs.num_tokens_padded
+    tile = query_tile or default_query_tile(num_tokens, meta.query_start_loc.shape[0] - 1)
+    if tile == 1:  # every token its own tile (decode-sized buckets)
+        tile_row, kv_lens = token_kv_lens(inputs)
+        tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+        tokens = jnp.where(tokens < meta.num_actual_tokens, tokens, num_tokens)[:, None]
+        tile_kv_lens = kv_lens[:, None]
+    else:
+        tile_row, tile_start, tile_len = query_tiles(inputs, tile)
+        tokens = tile_start[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [N, Q]
+        in_tile = jnp.arange(tile, dtype=jnp.int32)[None, :] < tile_len[:, None]
+        tokens = jnp.where(in_tile, jnp.clip(tokens, 0, num_tokens - 1), num_tokens)  # num_tokens: not a token
+        kv_lens = jnp.minimum(inputs.positions[jnp.minimum(tokens, num_tokens - 1)] + 1,
+                              meta.seq_lens[tile_row][:, None])
+        tile_kv_lens = jnp.where(in_tile, jnp.maximum(kv_lens, 0), 0)
+    chunk_len = block_size * blocks_per_chunk
+    num_chunks = (jnp.max(tile_kv_lens) + chunk_len - 1) // chunk_len
+    return PagedPlan(tile_row=tile_row, tokens=tokens, tile_kv_lens=tile_kv_lens, num_chunks=num_chunks,
+                     block_table=meta.block_table)
+
+
+def paged_attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, plan: PagedPlan, *,
+                 block_size: int, blocks_per_chunk: int = 1) -> jax.Array:
+    """Causal grouped-query attention of every token over its row's paged context, in layer ``layer`` of
+    the stacked caches ``k_cache``, ``v_cache`` [L, num_slots, K, D] (read where they lie: each chunk's
+    slots gathered from the layer, no copy of the layer); q [T, H, D]; the step's `PagedPlan`. Returns
+    [T, H, D] in q's dtype, zeros for padded tokens. See `paged_attention`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    tokens, tile = plan.tokens, plan.tokens.shape[1]
+    chunk_len = block_size * blocks_per_chunk
+    scaled = q.astype(jnp.float32)
+    groups = (scaled[:, None] if tile == 1 else scaled[jnp.minimum(tokens, num_tokens - 1)]) * (head_dim ** -0.5)
+    groups = groups.reshape(tokens.shape + (num_kv_heads, num_heads // num_kv_heads, head_dim))  # [N, Q, K, G, D]
+
+    def chunk_step(chunk, carry):
+        slots = chunk_slots(plan.block_table, plan.tile_row, chunk, block_size=block_size,
+                            blocks_per_chunk=blocks_per_chunk, num_blocks=k_cache.shape[1] // block_size)
+        # one chunk read in the cache's storage dtype, then as values of q's dtype, then float32: only
+        # [N, S, K, D] is ever converted, never the whole cache (bf16 bit patterns: jaxprep/_typing.py)
+        keys, values = (as_compute(cache[layer, slots], q.dtype).astype(jnp.float32) for cache in (k_cache, v_cache))
+        scores = jnp.einsum("nqkgd,nskd->nkgqs", groups, keys, precision=HIGHEST)
+        key_positions = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
+        return online_softmax_step(carry, scores, values, key_positions[None, None, :] < plan.tile_kv_lens[:, :, None])
+
+    acc_shape = (tokens.shape[0], num_kv_heads, num_heads // num_kv_heads, tile, head_dim)
+    init = (jnp.full(acc_shape[:-1], MASKED, jnp.float32), jnp.zeros(acc_shape[:-1], jnp.float32),
+            jnp.zeros(acc_shape, jnp.float32))
+    _, running_sum, acc = jax.lax.fori_loop(0, plan.num_chunks, chunk_step, init)
+    out = acc / jnp.where(running_sum > 0, running_sum, 1.0)[..., None]  # [N, K, G, Q, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(tokens.shape + (num_heads, head_dim)).astype(q.dtype)
+    if tile == 1:  # tile t is token t
+        return jnp.where((tokens < num_tokens)[:, :, None, None], out, 0)[:, 0]
+    # each real token lies in exactly one tile; the rest write to index T, dropped
+    return jnp.zeros(q.shape, q.dtype).at[tokens].set(out, mode="drop")
+
+
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: StepInputs, *,
                     block_size: int, blocks_per_chunk: int = 1, query_tile: int | None = None) -> jax.Array:
     """Causal grouped-query attention of every token of ``inputs`` over its row's paged context.
@@ -130,41 +219,13 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs
     block_size + offset (jaxprep's `KVCache` layout), already holding this step's keys. Query head h
     reads KV head h // (H / K). The queries of a request go in tiles of ``query_tile`` tokens (default
     `default_query_tile`) that share each gathered KV chunk. Returns [T, H, D] in q's dtype; padded
-    tokens give zeros.
+    tokens give zeros. The models' layer loop plans once per step (`paged_plan`) and attends per layer
+    (`paged_attend`); this is both for one layer.
 
     q's dtype is the compute dtype (float32, or bf16); the caches may hold that dtype's storage form
     (bf16 as uint16 bit patterns on XLA:CPU, `jaxprep._typing`): each gathered chunk is bit-cast and
     converted to float32, where the scores, the softmax and the accumulation run (exact for bf16 values).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    tile = query_tile or default_query_tile(num_tokens, inputs.attn_metadata.query_start_loc.shape[0] - 1)
-    chunk_len = block_size * blocks_per_chunk
-    _, kv_lens = token_kv_lens(inputs)
-    tile_row, tile_start, tile_len = query_tiles(inputs, tile)
-    tokens = tile_start[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [N, Q]
-    in_tile = jnp.arange(tile, dtype=jnp.int32)[None, :] < tile_len[:, None]
-    tokens = jnp.where(in_tile, jnp.clip(tokens, 0, num_tokens - 1), num_tokens)  # num_tokens: not a token
-    tile_kv_lens = jnp.where(in_tile, kv_lens[jnp.minimum(tokens, num_tokens - 1)], 0)  # [N, Q]
-    groups = q.astype(jnp.float32)[jnp.minimum(tokens, num_tokens - 1)] * (head_dim ** -0.5)  # [N, Q, H, D]
-    groups = groups.reshape(tokens.shape + (num_kv_heads, num_heads // num_kv_heads, head_dim))
-    num_chunks = (jnp.max(kv_lens) + chunk_len - 1) // chunk_len  # the batch's longest context, in chunks
-
-    def chunk_step(chunk, carry):
-        slots = chunk_slots(inputs.attn_metadata.block_table, tile_row, chunk, block_size=block_size,
-                            blocks_per_chunk=blocks_per_chunk, num_blocks=k_cache.shape[0] // block_size)
-        # one chunk read in the cache's storage dtype, then as values of q's dtype, then float32: only
-        # [N, S, K, D] is ever converted, never the whole cache (bf16 bit patterns: jaxprep/_typing.py)
-        keys, values = (as_compute(cache[slots], q.dtype).astype(jnp.float32) for cache in (k_cache, v_cache))
-        scores = jnp.einsum("nqkgd,nskd->nkgqs", groups, keys, precision=HIGHEST)
-        key_positions = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
-        return online_softmax_step(carry, scores, values, key_positions[None, None, :] < tile_kv_lens[:, :, None])
-
-    acc_shape = (tokens.shape[0], num_kv_heads, num_heads // num_kv_heads, tile, head_dim)
-    init = (jnp.full(acc_shape[:-1], MASKED, jnp.float32), jnp.zeros(acc_shape[:-1], jnp.float32),
-            jnp.zeros(acc_shape, jnp.float32))
-    _, running_sum, acc = jax.lax.fori_loop(0, num_chunks, chunk_step, init)
-    out = acc / jnp.where(running_sum > 0, running_sum, 1.0)[..., None]  # [N, K, G, Q, D]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(tokens.shape + (num_heads, head_dim))
-    # each real token lies in exactly one tile; the rest write to index T, dropped
-    return jnp.zeros(q.shape, q.dtype).at[tokens].set(out.astype(q.dtype), mode="drop")
+    plan = paged_plan(inputs, block_size=block_size, blocks_per_chunk=blocks_per_chunk, query_tile=query_tile)
+    return paged_attend(q, k_cache[None], v_cache[None], jnp.int32(0), plan, block_size=block_size,
+                        blocks_per_chunk=blocks_per_chunk)

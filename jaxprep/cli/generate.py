@@ -5,7 +5,9 @@
 DIR holds config.json and *.safetensors (a Llama, Qwen2 or Qwen3 model). With a tokenizer.json in DIR
 and the ``tokenizers`` package, ``--prompt "text"`` is accepted too and outputs are decoded. The
 prompts go through the same scheduler and jitted serving step as ``jaxprep simulate`` (chunked
-prefill, preemption, mixed batches) and are printed in the order given.
+prefill, preemption, mixed batches) and are printed in the order given. Its step is compiled for the token
+buckets its decodes use and for the budget (`generate_buckets`): a prompt's last, shorter chunk pads to the
+budget instead of compiling a rung of its own.
 
 Progress on stderr (``--progress``: bars on a terminal, a line per phase and per quarter of it
 otherwise) follows the loading, the compiles, the prefill and the decode. The run ends with the
@@ -27,7 +29,7 @@ from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
 from jaxprep.cli._phases import PhaseClock, rates_line
 from jaxprep.cli._progress import add_progress_argument, progress_bar
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
-from jaxprep.config import cdiv
+from jaxprep.config import cdiv, default_token_buckets
 
 SUMMARY = "generate from a local Hugging Face checkpoint"
 DESCRIPTION = """\
@@ -159,16 +161,32 @@ def serving_config(args, prompts: list[list[int]], eos_token_id: int):
     from jaxprep.config import PrepConfig
     from jaxprep.serving import ServingConfig
 
-    block = args.block_size
+    block, rows = args.block_size, args.max_num_reqs or len(prompts)
     lengths = [min(len(p) + args.max_tokens, args.max_model_len or len(p) + args.max_tokens) for p in prompts]
     try:
-        prep = PrepConfig(max_num_reqs=args.max_num_reqs or len(prompts),
-                          max_model_len=args.max_model_len or cdiv(max(lengths), block) * block,
+        prep = PrepConfig(max_num_reqs=rows, max_model_len=args.max_model_len or cdiv(max(lengths), block) * block,
                           max_num_batched_tokens=args.budget, block_size=block,
+                          token_buckets=generate_buckets(rows, args.budget),
                           num_blocks=args.num_blocks or 1 + sum(cdiv(length, block) for length in lengths))
         return ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
     except ValueError as error:  # the message names the field and its bound
         args.error(str(error))
+
+
+def generate_buckets(max_num_reqs: int, budget: int) -> tuple[int, ...]:
+    """The token ladder of a generate run: the default rungs a decode step can use (up to the first that holds
+    a token for every row) and the budget. Every rung is an executable compiled before the first step, and a
+    run of known prompts is mostly full prefill chunks and decodes: a shorter chunk (a prompt's last) pads to
+    the budget instead, one padded step per prompt at most, where each rung left out saves a compile
+    (BENCHMARKS.md, "Compile time").
+
+    ```
+    # 1 prompt, budget 256 -> (8, 256); 16 prompts -> (8, 16, 256); 300 prompts -> the whole default ladder
+    ```
+    """
+    ladder = default_token_buckets(budget)
+    decodes = next(b for b in ladder if b >= min(max_num_reqs, budget))
+    return tuple(b for b in ladder if b <= decodes) + ((budget,) if decodes < budget else ())
 
 
 def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:

@@ -708,6 +708,43 @@ def _schedule_rows(head: dict, table: dict, valid: jax.Array, lay: Layout, rows:
     return out, entries
 
 
+REFUSED_FLAG = 2
+"""What `widen_packed` writes into ``has_schedule`` of a buffer its own length refuses: a flag outside {0, 1}
+(`update_bounds.flag_faults`), refused at any length, and read by nothing else while unpacking."""
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def widen_packed(buffer: jax.Array, *, config: ServingConfig) -> jax.Array:
+    """``buffer`` [words] (or one per DP rank, [ranks, words]) zero-padded on the device to the top rung of
+    `payload_buckets`, so that ONE `transitions.apply_packed` executable applies a buffer of any rung: the host
+    still sends the rung's words (the bytes grow with the change), and a rung below the top costs only this copy.
+
+    The padded buffer is read as the original is at its own length: every word past the original reads 0 as
+    `_read` fills it there, and the header is unchanged, so the sections, the data and every value verdict are
+    the same. What the top rung's larger sizes would let through, counts the original's length cannot hold
+    (`_bad_counts` at that length), is refused all the same: ``has_schedule`` becomes `REFUSED_FLAG`, which
+    sets the same ``packed_counts`` bit, and nothing else reads it while unpacking.
+
+    ```
+    # rungs (64, 96, 144), buffer [64] -> [144]: words 0..63 as sent, 64..143 zero
+    ```
+    """
+    words = payload_buckets(config)[-1]
+    if buffer.ndim == 2:
+        return jax.vmap(lambda blob: _widened(blob, config, words))(buffer)
+    return _widened(buffer, config, words)
+
+
+def _widened(blob: jax.Array, config: ServingConfig, words: int) -> jax.Array:
+    blob = _checked_blob(blob)
+    length = blob.shape[0]
+    head = dict(zip(HEADER, blob[:HEADER_WORDS]))
+    bad = _bad_counts(head, config, section_sizes(config, length), length)
+    flag = HEADER.index("has_schedule")
+    wide = jnp.pad(blob, (0, max(words - length, 0)))
+    return wide.at[flag].set(jnp.where(bad, REFUSED_FLAG, blob[flag]))
+
+
 def _checked_blob(blob) -> jax.Array:
     """The buffer as given, if it can be one: 1-D int32 of at least `HEADER_WORDS` words (static facts,
     checked while tracing); an empty or float buffer is refused by name, never indexed or truncated."""

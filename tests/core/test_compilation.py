@@ -49,10 +49,33 @@ def test_warmup_compiles_each_bucket_once():
     config = PrepConfig(max_num_reqs=3, max_model_len=20, max_num_batched_tokens=72, block_size=2)
     with count_compiles() as count:
         warmup(config)
-    assert count.traces >= len(config.token_buckets)
+    assert count.traces >= len(config.reachable_buckets)
     with count_compiles() as again:
         warmup(config)
     assert again.traces == 0 and again.compiles == 0
+
+
+def test_warmup_compiles_only_the_buckets_a_step_can_reach():
+    """3 rows of at most 20 tokens schedule at most 60 tokens: the budget's rung 72 can never be used, so the
+    warm-up leaves it out (the ladder keeps it), and batches filling every row compile nothing after it.
+    Negative control: asked for the rung, `prepare_padded` compiles it."""
+    config = PrepConfig(max_num_reqs=3, max_model_len=20, max_num_batched_tokens=72, block_size=2)
+    assert config.token_buckets == (8, 16, 32, 64, 72)
+    assert config.max_tokens_per_step == 60 and config.reachable_buckets == (8, 16, 32, 64)
+    warmup(config)
+    stream = numpy_batches(config, seed=11)
+    states = [BatchState.from_numpy(**next(stream)) for _ in range(40)]
+    full = next(stream)
+    full.update(num_computed_tokens=np.zeros(3, np.int32), num_scheduled_tokens=np.full(3, 20, np.int32))
+    states.append(BatchState.from_numpy(**full))
+    with count_compiles() as count:
+        buckets = {prepare_inputs(s, config).num_tokens_padded for s in states}
+    assert count.compiles == 0 and 64 in buckets
+    with count_compiles() as control:
+        jax.block_until_ready(prepare_padded(states[-1], config, 72))
+    assert control.compiles == 1
+    wide = PrepConfig(max_num_reqs=16, max_model_len=256, max_num_batched_tokens=8192, block_size=16)
+    assert wide.reachable_buckets == wide.token_buckets[:-2] and wide.reachable_buckets[-1] == 4096
 
 
 def test_step_with_known_bucket_makes_no_transfers():

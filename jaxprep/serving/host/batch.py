@@ -9,8 +9,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxprep.compilation import compile_all
-from jaxprep.compilation import warmup as jaxprep_warmup
+from jaxprep.executables import Executable, run, warm
 from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving import transitions
@@ -36,6 +35,7 @@ from jaxprep.serving.update_packing import (
     pack_step,
     payload_buckets,
     step_payload_buckets,
+    widen_packed,
 )
 from jaxprep.step_buffer import StepBuffer
 
@@ -82,6 +82,7 @@ class ServingBatch:
         self.rows = checks.HostRows.for_config(config)
         self.h2d_bytes = 0  # bytes of the update buffers sent, all calls together
         self.changed_words = 0  # state entries those updates wrote
+        self.executables: dict = {}  # what a warm-up compiled or loaded, by key (`jaxprep.executables.run`)
 
     # --- updates ---------------------------------------------------------------------------
 
@@ -90,7 +91,7 @@ class ServingBatch:
         rows, updates = self._checked(updates)
         packed = self.pack(updates)
         for buffer in packed.buffers:
-            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
+            self._apply(buffer)
         self.rows = rows
 
     def finish_requests(self, payload: FinishRequests) -> None:
@@ -142,7 +143,7 @@ class ServingBatch:
     def apply_checked(self, update: CheckedUpdate) -> None:
         """`apply_updates` of an update `check_columns` checked: one dispatch per buffer, then its mirror."""
         for buffer in self._counted(update.packed).buffers:
-            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
+            self._apply(buffer)
         self.rows = update.rows
 
     def update_and_prepare_checked(self, update: CheckedUpdate, num_tokens_padded: int) -> StepBuffer:
@@ -155,22 +156,39 @@ class ServingBatch:
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
     def warmup(self, threads: int | None = None) -> float:
-        """Compiles `transitions.apply_packed` for every rung of `payload_buckets`, the door's step
-        (`update_and_prepare`) for every rung of `step_payload_buckets` and token bucket, and `prepare` for
-        every token bucket (`jaxprep.warmup`), so no update or step compiles later; returns seconds."""
+        """Compiles what a step driven from outside can use, so no update or step compiles later; returns
+        seconds. Per step payload rung (`step_payload_buckets`) and token bucket a step can reach
+        (`PrepConfig.reachable_buckets`) the door's step (`update_and_prepare`); the updates sent alone or
+        first (`transitions.apply_packed` at the top payload rung, `widen_packed` for each smaller rung);
+        `prepare` per bucket. One pool of ``threads`` threads (default: the CPU count) compiles them all, the
+        largest first, while the next is lowered (`jaxprep.executables.warm`: from disk without tracing,
+        where the persistent compilation cache is on and holds them)."""
         start = time.perf_counter()
-        lowered = [transitions.apply_packed.lower(self.state, np.zeros(words, np.int32), config=self.config)
-                   for words in payload_buckets(self.config)]
-        lowered += [update_and_prepare_buffer.lower(self.state, np.zeros(words, np.int32), config=self.config,
-                                                    num_tokens_padded=bucket)
-                    for words in step_payload_buckets(self.config) for bucket in self.config.prep.token_buckets]
-        compile_all(lowered, threads)
-        jaxprep_warmup(self.config.prep, self.state.batch, threads=threads)
+        self.executables.update(warm(self._warmup_executables(), threads))
         return time.perf_counter() - start
+
+    def _warmup_executables(self):
+        config, buckets = self.config, self.config.prep.reachable_buckets[::-1]
+        for words in step_payload_buckets(config):
+            for bucket in buckets:
+                yield Executable(("door", bucket, words), update_and_prepare_buffer, (self.state, _empty(words)),
+                                 dict(config=config, num_tokens_padded=bucket))
+        yield from self.update_executables(_empty)
+        for bucket in buckets:
+            yield Executable(("prepare", bucket), prepare_padded, (self.state.batch,),
+                             dict(config=config.prep, num_tokens_padded=bucket))
+
+    def update_executables(self, empty):
+        """What `apply_buffer` runs; ``empty(words)``: a buffer of that length."""
+        return update_executables(self.state, self.config, empty)
+
+    def _apply(self, buffer) -> None:
+        self.state = apply_buffer(self.executables, self.state, buffer, self.config)
 
     def prepare(self, num_tokens_padded: int):
         """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""
-        return prepare_padded(self.state.batch, self.config.prep, num_tokens_padded)
+        return run(self.executables, ("prepare", num_tokens_padded), prepare_padded, self.state.batch,
+                   config=self.config.prep, num_tokens_padded=num_tokens_padded)
 
     def update_and_prepare(self, updates: StepUpdates | ColumnsUpdate, num_tokens_padded: int) -> StepBuffer:
         """Checks ``updates``, then applies them and prepares the step in ONE jitted call (the state donated,
@@ -189,9 +207,10 @@ class ServingBatch:
         """`update_and_prepare`'s device part for a checked update already packed (``batch.pack(updates)``):
         the leading buffers (if any), then the one call; the caller keeps the checked mirror."""
         for buffer in packed.before:
-            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
-        self.state, step = update_and_prepare_buffer(self.state, packed.step, config=self.config,
-                                                     num_tokens_padded=num_tokens_padded)
+            self._apply(buffer)
+        self.state, step = run(self.executables, ("door", num_tokens_padded, packed.step.shape[-1]),
+                               update_and_prepare_buffer, self.state, packed.step, config=self.config,
+                               num_tokens_padded=num_tokens_padded)
         return step
 
     def record_sampled(self, idx_mapping, sampled_token_ids, num_sampled) -> None:
@@ -286,10 +305,39 @@ class ServingBatch:
         checks.check_step(rows, int(np.asarray(checked.decode_steps)[0]), num_tokens_padded, self.config)
         packed = self.pack(checked) if packed is None or checked is not updates else packed  # what was checked
         for buffer in packed.before:
-            self.state = transitions.apply_packed(self.state, buffer, config=self.config)
-        self.state, kv_cache, tokens = serve_step(self.state, kv_cache, params, packed.step, config=self.config,
-                                                  model=model, num_tokens_padded=num_tokens_padded)
+            self._apply(buffer)
+        self.state, kv_cache, tokens = run(self.executables, ("serve_step", model, num_tokens_padded,
+                                                              packed.step.shape[-1]),
+                                           serve_step, self.state, kv_cache, params, packed.step, config=self.config,
+                                           model=model, num_tokens_padded=num_tokens_padded)
         return rows, kv_cache, tokens
+
+
+def apply_buffer(executables: dict, state: ServingState, buffer, config: ServingConfig, apply=None,
+                 **static) -> ServingState:
+    """One packed buffer of any rung applied by ONE executable, ``apply`` (default `transitions.apply_packed`;
+    ``static``: its other static arguments) at the top rung of `payload_buckets`: a shorter buffer is sent as it
+    is and widened on the device first (`widen_packed`, a copy per rung). ``executables``: the owner's warm-up
+    table (`update_executables`)."""
+    words = buffer.shape[-1]
+    if words < payload_buckets(config)[-1]:
+        buffer = run(executables, ("widen", words), widen_packed, buffer, config=config)
+    return run(executables, ("apply",), apply or transitions.apply_packed, state, buffer, config=config, **static)
+
+
+def update_executables(state: ServingState, config: ServingConfig, empty, apply=None, **static):
+    """The executables `apply_buffer` runs, for a warm-up: ``apply`` at the top payload rung, then `widen_packed`
+    for each smaller rung; ``empty(words)``: a buffer of that length (sharded as the live ones are)."""
+    rungs = payload_buckets(config)
+    yield Executable(("apply",), apply or transitions.apply_packed, (state, empty(rungs[-1])),
+                     dict(config=config, **static))
+    for words in rungs[:-1]:
+        yield Executable(("widen", words), widen_packed, (empty(words),), dict(config=config))
+
+
+def _empty(words: int) -> np.ndarray:
+    """An empty update buffer of ``words`` words (what a warm-up lowers each rung with)."""
+    return np.zeros(words, np.int32)
 
 
 def _only(config: ServingConfig, **parts) -> StepUpdates:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxprep.executables import Executable
 from jaxprep.models.tiny import ServingModel, init_params
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host.engine import Engine, scheduler_updates, with_vocab_size
 from jaxprep.serving.host.sharded import (
     ShardedServingBatch,
-    apply_updates_sharded,
     replicated,
     serve_step_sharded,
     sharded_kv_cache,
@@ -54,19 +54,17 @@ class DataParallelEngine(Engine):
                                                  num_tokens_padded=bucket, packed=packed)
         return self.batch.rank_tokens(tokens)
 
-    def _prepare_twin(self, state, packed, bucket: int):
-        return update_and_prepare_sharded_donated(state, packed.step, config=self.config, num_tokens_padded=bucket,
-                                                  mesh=self.mesh)
+    def _twin_executable(self, packed, bucket: int) -> Executable:
+        return Executable(("twin", bucket, packed.step.shape[-1]), update_and_prepare_sharded_donated,
+                          (self.batch.state, packed.step),
+                          dict(config=self.config, num_tokens_padded=bucket, mesh=self.mesh))
 
     def _empty_buffers(self, words: int):
         """An empty update of ``words`` words per rank, sharded as the live buffers are."""
         return self.batch._stacked([np.zeros(words, np.int32)] * self.num_ranks)
 
-    def _lowered_updates(self, buffer):
+    def _step_executable(self, packed, bucket: int) -> Executable:
         """Lowered from the live arrays, so with their shardings."""
-        return apply_updates_sharded.lower(self.batch.state, buffer, config=self.config, mesh=self.mesh)
-
-    def _lowered(self, packed, bucket: int) -> list:
-        state, config, mesh = self.batch.state, self.config, self.mesh
-        return [serve_step_sharded.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
-                                         num_tokens_padded=bucket, mesh=mesh)]
+        return Executable(("serve_step", self.model, bucket, packed.shape[-1]), serve_step_sharded,
+                          (self.batch.state, self.kv_cache, self.params, packed),
+                          dict(config=self.config, model=self.model, num_tokens_padded=bucket, mesh=self.mesh))

@@ -10,9 +10,8 @@ import time
 
 import numpy as np
 
-from jaxprep.compilation import compile_all
+from jaxprep.executables import Executable, warm
 from jaxprep.models.tiny import KVCache, ServingModel, init_params
-from jaxprep.serving import transitions
 from jaxprep.serving._values import integer
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import column_checks, dp_policy
@@ -91,7 +90,7 @@ class Engine:
 
     The loop itself (arrivals, scheduling, the fused dispatch, counting) is written for any number
     of DP ranks, each with its own scheduler; `DataParallelEngine` overrides only the device hooks
-    (``_pack``, ``_apply_updates``, ``_serve``, ``_prepare_twin``, ``_lowered``) to run all ranks in
+    (``_pack``, ``_apply_updates``, ``_serve``, ``_twin_executable``, ``_step_executable``) to run all ranks in
     one sharded dispatch.
     """
 
@@ -127,31 +126,36 @@ class Engine:
         return len(self.schedulers)
 
     def warmup(self, threads: int | None = None, on_compiled=None) -> float:
-        """Compiles every executable the loop can use; returns the seconds taken.
+        """Compiles every executable the loop can use (`num_executables`); returns the seconds taken.
 
         Lowers each one (ahead of time, nothing runs, nothing is donated) and compiles it on one of
-        ``threads`` threads (default: the CPU count) while the next is lowered; XLA compiles outside
-        the GIL, and an ahead-of-time compile fills the same cache the jitted calls read.
-        ``on_compiled(done, total)`` is called after each compile (a progress display).
+        ``threads`` threads (default: the CPU count) while the next is lowered, the largest first; the loop
+        then runs them directly (`jaxprep.executables`). Where the persistent compilation cache is on and
+        holds them, they are loaded from disk without tracing. ``on_compiled(done, total)`` is called after
+        each one (a progress display).
         """
         start = time.perf_counter()
-        compile_all(self._all_lowered(), threads, _counter(self.num_executables, on_compiled))
+        self.batch.executables.update(warm(self._warmup_executables(), threads,
+                                           _counter(self.num_executables, on_compiled)))
         return time.perf_counter() - start
 
     @property
     def num_executables(self) -> int:
-        """What `warmup` compiles: the updates alone per payload rung (`payload_buckets`), and per
-        token bucket and step payload rung the step (`prep_timing` compiles its twin apart)."""
-        steps = len(self.config.prep.token_buckets) * len(step_payload_buckets(self.config))
+        """What `warmup` compiles: per step payload rung (`step_payload_buckets`) and token bucket a step can
+        reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step sends first, one
+        executable at the top payload rung and a widening of each smaller rung (`batch.apply_buffer`).
+        (`prep_timing` compiles its twin apart.)"""
+        steps = len(self.config.prep.reachable_buckets) * len(step_payload_buckets(self.config))
         return len(payload_buckets(self.config)) + steps
 
-    def _all_lowered(self):
-        for words in payload_buckets(self.config):
-            yield self._lowered_updates(self._empty_buffers(words))
+    def _warmup_executables(self):
+        """The executables of `warmup`, the largest first: the steps (the largest buckets first), the
+        updates at the top rung, then the widening of each smaller rung."""
         for words in step_payload_buckets(self.config):
             packed = self._empty_buffers(words)
-            for bucket in self.config.prep.token_buckets:
-                yield from self._lowered(packed, bucket)
+            for bucket in reversed(self.config.prep.reachable_buckets):
+                yield self._step_executable(packed, bucket)
+        yield from self.batch.update_executables(self._empty_buffers)
 
     def add_request(self, request: Request) -> None:
         """Routes ``request`` to the rank with the fewest tokens still to compute (`dp_policy.route`)."""
@@ -313,15 +317,21 @@ class Engine:
     def _prepare_twin(self, state, packed, bucket: int):
         """The prepare part of the step on ``state`` (donated): ``(state, step)``; the step's own buffer
         only (the extra buffers applied before it in a crowded step are left out)."""
-        return update_and_prepare_donated(state, packed.step, config=self.config, num_tokens_padded=bucket)
+        compiled = self.batch.executables.get(("twin", bucket, packed.step.shape[-1]))  # `prep_timing` warmed it
+        if compiled is not None:
+            return compiled(state, packed.step)
+        twin = self._twin_executable(packed, bucket)
+        return twin.function(state, packed.step, **twin.kwargs)
 
-    def _lowered_updates(self, buffer):
-        return transitions.apply_packed.lower(self.batch.state, buffer, config=self.config)
+    def _twin_executable(self, packed, bucket: int) -> Executable:
+        """`_prepare_twin`'s executable (`prep_timing` warms every bucket's at once)."""
+        return Executable(("twin", bucket, packed.step.shape[-1]), update_and_prepare_donated,
+                          (self.batch.state, packed.step), dict(config=self.config, num_tokens_padded=bucket))
 
-    def _lowered(self, packed, bucket: int) -> list:
-        state, config = self.batch.state, self.config
-        return [serve_step.lower(state, self.kv_cache, self.params, packed, config=config, model=self.model,
-                                 num_tokens_padded=bucket)]
+    def _step_executable(self, packed, bucket: int) -> Executable:
+        return Executable(("serve_step", self.model, bucket, packed.shape[-1]), serve_step,
+                          (self.batch.state, self.kv_cache, self.params, packed),
+                          dict(config=self.config, model=self.model, num_tokens_padded=bucket))
 
 
 def with_vocab_size(config: ServingConfig, model: ServingModel) -> ServingConfig:
@@ -343,7 +353,7 @@ def scheduler_updates(config: ServingConfig, out: SchedulerOutput) -> StepUpdate
 
 
 def _counter(total: int, on_compiled):
-    """``on_compiled(done, total)`` wrapped as the no-argument, thread-safe callback of `compile_all`."""
+    """``on_compiled(done, total)`` wrapped as the no-argument, thread-safe callback of `warm`."""
     if on_compiled is None:
         return None
     lock, done = threading.Lock(), [0]

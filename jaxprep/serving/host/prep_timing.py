@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprep.executables import warm
+
 MIN_CALLS = 200
 """`time_prepare` replays the dispatches at least 3 times, and until it has made this many calls."""
 
@@ -28,13 +30,16 @@ MIN_CALLS = 200
 def time_prepare(engine) -> np.ndarray:
     """Times the prepare part of every dispatch ``engine`` recorded; returns µs per dispatch, the
     best of several replays of the whole sequence (also stored in ``engine.stats.prep_us``). Each
-    bucket's twin executable compiles first, untimed."""
+    bucket's twin executable compiles first, untimed, all buckets at once (`jaxprep.executables.warm`)."""
     replay = engine.prep_replay
     if not replay:
         return np.zeros(0)
+    shapes = {(packed.step.shape[-1], bucket): packed for packed, bucket in replay}  # one per executable
+    engine.batch.executables.update(warm(engine._twin_executable(packed, bucket)
+                                         for (_, bucket), packed in sorted(shapes.items(), reverse=True)))
     state = jax.block_until_ready(jax.tree.map(jnp.copy, engine.batch.state))
-    for bucket in sorted({bucket for _, bucket in replay}):  # compile (and touch) every bucket first
-        state = jax.block_until_ready(engine._prepare_twin(state, replay[0][0], bucket))[0]
+    for (_, bucket), packed in shapes.items():  # touch every executable first
+        state = jax.block_until_ready(engine._prepare_twin(state, packed, bucket))[0]
     passes = max(3, -(-MIN_CALLS // len(replay)))
     times = np.empty((passes, len(replay)))
     for i in range(passes):

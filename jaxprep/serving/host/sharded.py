@@ -23,11 +23,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxprep.executables import run
 from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import checks
-from jaxprep.serving.host.batch import advance_rows
+from jaxprep.serving.host.batch import advance_rows, apply_buffer, update_executables
 from jaxprep.serving.state import ServingState, StepUpdates
 from jaxprep.serving.step import serve_body, update_and_prepare_body
 from jaxprep.serving.transitions import apply_updates_body
@@ -120,6 +121,7 @@ class ShardedServingBatch:
         self.state = put_global(ServingState.empty(_global(config, self.num_ranks)), NamedSharding(mesh, ROWS))
         self.rows = [checks.HostRows.for_config(config) for _ in range(self.num_ranks)]
         self.h2d_bytes = self.changed_words = 0
+        self.executables: dict = {}  # what a warm-up compiled or loaded, by key (`jaxprep.executables.run`)
 
     def packed(self, updates: list[StepUpdates]) -> ShardedPacked:
         """Every rank's packed updates: the buffers applied before the step (as many as the rank
@@ -142,7 +144,7 @@ class ShardedServingBatch:
         rows = self._checked(updates)
         packed = self.packed(updates)
         for buffer in packed.buffers:
-            self.state = apply_updates_sharded(self.state, buffer, config=self.config, mesh=self.mesh)
+            self.state = self._apply(buffer)
         self.rows = rows
 
     def serve(self, kv_cache: KVCache, params, updates: list[StepUpdates], *, model: ServingModel,
@@ -157,14 +159,22 @@ class ShardedServingBatch:
                 raise checks.InvalidUpdateError(f"rank {rank}: {error}") from None
         packed = self.packed(updates) if packed is None else packed
         for buffer in packed.before:
-            self.state = apply_updates_sharded(self.state, buffer, config=self.config, mesh=self.mesh)
-        self.state, kv_cache, tokens = serve_step_sharded(self.state, kv_cache, params, packed.step, config=self.config,
-                                                          model=model, num_tokens_padded=num_tokens_padded,
-                                                          mesh=self.mesh)
+            self.state = self._apply(buffer)
+        key = ("serve_step", model, num_tokens_padded, packed.step.shape[-1])
+        self.state, kv_cache, tokens = run(self.executables, key, serve_step_sharded, self.state, kv_cache, params,
+                                           packed.step, config=self.config, model=model,
+                                           num_tokens_padded=num_tokens_padded, mesh=self.mesh)
         tokens = to_host(tokens)
         k = self.config.num_speculative_tokens
         self.rows = [advance_rows(r, part, k) for r, part in zip(rows, self.rank_tokens(tokens))]
         return kv_cache, tokens
+
+    def _apply(self, buffer: jax.Array) -> ServingState:
+        """Every rank's buffer of one rung applied by the one top-rung executable (`batch.apply_buffer`)."""
+        return apply_buffer(self.executables, self.state, buffer, self.config, apply_updates_sharded, mesh=self.mesh)
+
+    def update_executables(self, empty):
+        return update_executables(self.state, self.config, empty, apply_updates_sharded, mesh=self.mesh)
 
     def rank_tokens(self, tokens: np.ndarray) -> list[np.ndarray]:
         """[iterations, num_ranks * R] -> one [iterations, R] block per rank."""
