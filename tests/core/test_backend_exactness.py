@@ -53,7 +53,7 @@ from jaxprep.serving import (
 )
 from jaxprep.serving.host import sharded, workload
 from jaxprep.serving.spec_decode.ngram import NgramConfig, propose_ngram_jit
-from jaxprep.serving.update_packing import packed_size
+from jaxprep.serving.update_packing import packed_size, widen_packed
 from jaxprep.sharding import DATA_AXIS, prepare_sharded
 
 ACCELERATORS = ("cuda", "tpu")
@@ -128,6 +128,7 @@ def _cases():
         ("step_buffer._unpack", step_buffer._unpack,
          (step_buffer.prepare_buffer(BatchState.empty(SMALL), SMALL, 8),), {}),
         ("serving.apply_packed", transitions.apply_packed, (state, packed), dict(config=serving)),
+        ("serving.widen_packed", widen_packed, (packed[:64],), dict(config=serving)),
         ("serving.record_sampled", transitions.record_sampled,
          (state, np.zeros(5, np.int32), np.zeros((5, 1), np.int32), np.zeros(5, np.int32)), {}),
         _record_prev_tokens_case(),
@@ -228,7 +229,7 @@ OPTIONAL_MODULES = {"torch_bridge.vllm"}
 COVERED = {
     "jaxprep.prepare.prepare_padded", "jaxprep.prepare.prepare_packed", "jaxprep.serving.step.serve_step",
     "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.step.update_and_prepare_donated",
-    "jaxprep.serving.transitions.apply_packed",
+    "jaxprep.serving.transitions.apply_packed", "jaxprep.serving.update_packing.widen_packed",
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.transitions.record_prev_tokens",
     "jaxprep.serving.host.workload.dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.host.sharded.serve_step_sharded",
