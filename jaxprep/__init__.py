@@ -29,6 +29,11 @@ from jaxprep.features.sampling import SamplingMetadata
 from jaxprep.features.sampling_params import SamplingConfig, SamplingParams
 from jaxprep.features.spec_decode import SpecDecodeMetadata
 
+__version__ = "0.1.0"
+"""The package's version (pyproject.toml reads it from here)."""
+VLLM_VERSION = "0.33.0"
+"""The vLLM release whose values jaxprep reproduces and whose code the tests compare against."""
+
 __all__ = [
     "AttentionMetadata", "BatchState", "CompileCount", "InvalidBatchError", "NULL_BLOCK_ID", "PAD_INPUT_ID",
     "PAD_LOGITS_INDEX", "PAD_POSITION", "PAD_SEQ_LEN", "PAD_SLOT_ID", "PAD_STATE_ROW", "PrepConfig",

@@ -5,6 +5,9 @@ pipe, CI) writes plain lines: one when a phase starts, one at each quarter of it
 ends, with the count and the seconds, so a long run shows where it is without a bar's redraws.
 ``always`` forces the bars (the tests use it), ``never`` writes nothing.
 
+With ``--json`` a command's stdout is the JSON object alone, so that ``jaxprep simulate --json | jq``
+works: the human summary goes to stderr with the progress (`report_file`).
+
     compiling: 0/9 executable
     compiling: 3/9 executable, 4.1 s
     ...
@@ -22,6 +25,12 @@ from tqdm import tqdm
 DISABLE = {"auto": None, "always": False, "never": True}
 """``--progress`` -> tqdm's ``disable``: ``None`` turns the bar off when stderr is not a terminal
 (`progress_bar` writes `LineProgress` lines then instead)."""
+
+
+def report_file(as_json: bool):
+    """Where a command prints its human summary: stdout, or stderr under ``--json`` (stdout then holds
+    only the JSON object)."""
+    return sys.stderr if as_json else sys.stdout
 
 
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:

@@ -23,9 +23,9 @@ import os
 
 from jaxprep.cli._args import INT32_MAX, UsageError, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
-from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
+from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
 from jaxprep.cli._phases import PhaseClock, rates_line
-from jaxprep.cli._progress import add_progress_argument, progress_bar
+from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
@@ -84,12 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser)
     parser.add_argument("--json", action="store_true",
                         help='print {"outputs": [[ids...], ...], "rates": {...}, "warmup": {...}, "compiles": {...}} '
-                             "as one JSON object on the last line")
+                             "as one JSON object, the only output on stdout (the text goes to stderr)")
     parser.set_defaults(error=parser.error)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """What the flags alone decide: a checkpoint folder, at least one prompt, a tokenizer for text."""
+    """Everything that can be refused before the first progress line: the flags, the checkpoint folder
+    (configs, file headers, tensor shapes; no weight read), the prompts against its vocabulary and the
+    sizes. Sets ``args.tokenizer``, ``args.decoder`` (the checkpoint's config), ``args.prompt_token_ids``
+    and ``args.serving`` (the `ServingConfig`)."""
     require(os.path.isdir(args.model), f"--model {args.model}: is not a folder")
     require(bool(args.prompts), "--prompt-ids: give at least one prompt (--prompt-ids or --prompt)")
     if args.num_blocks is not None:
@@ -98,26 +101,28 @@ def check_arguments(args: argparse.Namespace) -> None:
     sampling_params(args, len(args.prompts) - 1)  # a bad value ends here, naming its flag (the last seed too)
     check_cache_arguments(args)
     args.tokenizer = _tokenizer(args)
+    args.decoder = check_model_folder(args)  # the flags first: the checkpoint is read only once they pass
+    prompts = [args.tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
+    _check_token_ids(args, prompts, args.decoder.vocab_size)
+    eos_ids = () if args.ignore_eos else args.decoder.eos_token_ids
+    config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
+    _check_fit(args, prompts, config)
+    if sampling_params(args) is not None:
+        config = with_sampling(config, args.decoder.vocab_size)
+    args.prompt_token_ids, args.eos_ids, args.serving = prompts, eos_ids, config
 
 
 def run(args: argparse.Namespace) -> int:
     from jaxprep.compilation import count_compiles
 
-    tokenizer = args.tokenizer
+    prompts = args.prompt_token_ids
     with count_compiles() as compiles:  # the whole run: loading, warm-up, serving
         model, params = load_checkpoint(args)
-        prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
-        _check_token_ids(args, prompts, model.vocab_size)
-        eos_ids = () if args.ignore_eos else model.eos_token_ids
-        config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
-        _check_fit(args, prompts, config)
         sampling = [sampling_params(args, i) for i in range(len(prompts))]
-        if sampling[0] is not None:
-            config = with_sampling(config, model.vocab_size)
-        outputs, stats, rates, warmup = generate(model, params, prompts, config, args.max_tokens, eos_ids, sampling,
-                                                 progress=args.progress)
+        outputs, stats, rates, warmup = generate(model, params, prompts, args.serving, args.max_tokens, args.eos_ids,
+                                                 sampling, progress=args.progress)
     warmup["compile_cache"] = args.compile_cache_dir
-    _print(args, model, prompts, outputs, stats, tokenizer, rates,
+    _print(args, model, prompts, outputs, stats, args.tokenizer, rates,
            dict(warmup=warmup, compiles={"total": compiles.compiles, "cache_hits": compiles.cache_hits}))
     return 0
 
@@ -168,7 +173,7 @@ def serving_config(args, prompts: list[list[int]], eos_token_id: int):
                           num_blocks=args.num_blocks or 1 + sum(cdiv(length, block) for length in lengths))
         return ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
     except ValueError as error:  # the message names the field and its bound
-        args.error(str(error))
+        raise UsageError(str(error)) from None
 
 
 def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
@@ -187,11 +192,9 @@ def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
 
 def _check_token_ids(args, prompts: list[list[int]], vocab_size: int) -> None:
     for i, prompt in enumerate(prompts):
-        if not prompt:
-            args.error(f"--prompt {args.prompts[i]!r}: encodes to no tokens")
-        if max(prompt) >= vocab_size:
-            args.error(f"--prompt-ids {' '.join(map(str, prompt))}: token id {max(prompt)} is outside the model's "
-                       f"vocabulary [0, vocab_size={vocab_size})")
+        require(bool(prompt), f"--prompt {args.prompts[i]!r}: encodes to no tokens")
+        require(max(prompt) < vocab_size, f"--prompt-ids {' '.join(map(str, prompt))}: token id {max(prompt)} is "
+                f"outside the model's vocabulary [0, vocab_size={vocab_size})")
 
 
 def _check_fit(args, prompts: list[list[int]], config) -> None:
@@ -199,14 +202,12 @@ def _check_fit(args, prompts: list[list[int]], config) -> None:
     (the scheduler's admission bounds, as flag errors)."""
     prep = config.prep
     for i, prompt in enumerate(prompts):
-        if len(prompt) >= prep.max_model_len:
-            args.error(f"--max-model-len {prep.max_model_len}: must exceed every prompt's length "
-                       f"(prompt {i} has {len(prompt)} tokens)")
+        require(len(prompt) < prep.max_model_len, f"--max-model-len {prep.max_model_len}: must exceed every "
+                f"prompt's length (prompt {i} has {len(prompt)} tokens)")
         needed = cdiv(min(len(prompt) + args.max_tokens, prep.max_model_len), prep.block_size)
-        if needed > prep.num_blocks - 1:
-            args.error(f"--num-blocks {prep.num_blocks}: must be >= {needed + 1}: blocks of {prep.block_size} "
-                       f"(one is the null block) for prompt {i}: {len(prompt)} tokens + up to {args.max_tokens} "
-                       f"generated need {needed}")
+        require(needed <= prep.num_blocks - 1, f"--num-blocks {prep.num_blocks}: must be >= {needed + 1}: blocks of "
+                f"{prep.block_size} (one is the null block) for prompt {i}: {len(prompt)} tokens + up to "
+                f"{args.max_tokens} generated need {needed}")
 
 
 def _tokenizer(args):
@@ -230,18 +231,19 @@ def _tokenizer(args):
 
 
 def _print(args, model, prompts, outputs, stats, tokenizer, rates: dict, compiling: dict) -> None:
+    out = report_file(args.json)  # stderr under --json: stdout then holds the JSON object alone
     print(f"== jaxprep generate: {model.model_type} ({model.num_layers} layers, vocab {model.vocab_size}, "
           f"{model.dtype}) from {args.model}: {len(prompts)} prompts served together in {stats.dispatches} "
-          f"dispatches, {stats.preemptions} preemptions")
+          f"dispatches, {stats.preemptions} preemptions", file=out)
     texts = []
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        print(f"[{i}] prompt ({len(prompt)} ids): {' '.join(map(str, prompt))}")
-        print(f"    output ({len(output)} ids): {' '.join(map(str, output))}")
+        print(f"[{i}] prompt ({len(prompt)} ids): {' '.join(map(str, prompt))}", file=out)
+        print(f"    output ({len(output)} ids): {' '.join(map(str, output))}", file=out)
         if tokenizer is not None:
             texts.append(tokenizer.decode(output, skip_special_tokens=True))
-            print(f"    text: {texts[-1]!r}")
-    print(f"== {warmup_line(**compiling)}")
-    print(f"== {rates_line(rates)}")
+            print(f"    text: {texts[-1]!r}", file=out)
+    print(f"== {warmup_line(**compiling)}", file=out)
+    print(f"== {rates_line(rates)}", file=out)
     if args.json:
         print(json.dumps({"outputs": outputs, **({"texts": texts} if tokenizer is not None else {}), "rates": rates,
                           **compiling}))
