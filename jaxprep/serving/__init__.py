@@ -14,7 +14,8 @@ from jaxprep.serving.host.checks import HostRows
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host.engine import Engine, LoopStats
 from jaxprep.models.tiny import KVCache, ModelConfig, ServingModel, dense_forward, init_params, paged_forward
-from jaxprep.serving.host.vllm import VllmAdapter
+from jaxprep.serving.host.vllm import AdapterStep, VllmAdapter
+from jaxprep.serving.host.vllm_config import AdapterUsageError, serving_config_from_vllm
 from jaxprep.serving.host.vllm_checks import InvalidSchedulerOutputError
 from jaxprep.serving.host.scheduler import BlockAllocator, Request, Scheduler, SchedulerOutput
 from jaxprep.serving.update_packing import PackedStep, pack_step, payload_buckets, step_payload_buckets
@@ -29,6 +30,7 @@ __all__ = [
     "Scheduler", "SchedulerOutput", "ServingBatch", "ServingConfig", "ServingModel", "ServingState", "StepUpdates",
     "Workload", "check_against_dense", "dense_forward", "init_params", "paged_forward", "update_and_prepare",
     "random_workload", "serve_step",
-    "ERROR_BITS", "InvalidSchedulerOutputError", "PackedStep", "VllmAdapter",
+    "ERROR_BITS", "InvalidSchedulerOutputError", "PackedStep", "VllmAdapter", "AdapterStep", "AdapterUsageError",
+    "serving_config_from_vllm",
     "ResumeRequests", "pack_step", "payload_buckets", "step_payload_buckets", "table_names",
 ]
