@@ -1,9 +1,11 @@
 """jaxprep: jit-compiled input preparation for paged-attention LLM serving.
 
-    config = jaxprep.PrepConfig(max_num_reqs=8, max_model_len=4096, max_num_batched_tokens=512, block_size=16)
-    state = jaxprep.BatchState.from_numpy(token_ids=..., block_table=..., num_computed_tokens=...,
-                                          num_scheduled_tokens=...)
-    step = jaxprep.prepare_inputs(state, config)
+```python
+config = jaxprep.PrepConfig(max_num_reqs=8, max_model_len=4096, max_num_batched_tokens=512, block_size=16)
+state = jaxprep.BatchState.from_numpy(token_ids=..., block_table=..., num_computed_tokens=...,
+                                      num_scheduled_tokens=...)
+step = jaxprep.prepare_inputs(state, config)
+```
 """
 
 from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_SEQ_LEN,

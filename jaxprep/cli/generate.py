@@ -1,6 +1,8 @@
 """Generate greedily from a local Hugging Face checkpoint: all prompts served together by the serving loop.
 
-    jaxprep generate --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8 --json
+```bash
+jaxprep generate --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8 --json
+```
 
 DIR holds config.json and *.safetensors (a Llama, Qwen2 or Qwen3 model). With a tokenizer.json in DIR
 and the ``tokenizers`` package, ``--prompt "text"`` is accepted too and outputs are decoded. The

@@ -1,12 +1,15 @@
 """Device-resident serving: checked, donated state transitions, a vLLM-style host scheduler, a
-tiny paged-KV transformer and the jitted serving step that ties them together.
+tiny paged-KV transformer and the jitted serving step that ties them together; `VllmAdapter`, the door
+from vLLM's scheduler.
 
-    config = ServingConfig(prep=PrepConfig(max_num_reqs=8, max_model_len=256, max_num_batched_tokens=64,
-                                           block_size=16, num_blocks=64))
-    engine = Engine(config, ModelConfig(), seed=0)
-    engine.warmup()
-    engine.submit(workload.requests, workload.arrival_steps)
-    finished = engine.run()
+```python
+config = ServingConfig(prep=PrepConfig(max_num_reqs=8, max_model_len=256, max_num_batched_tokens=64,
+                                       block_size=16, num_blocks=64))
+engine = Engine(config, ModelConfig(), seed=0)
+engine.warmup()
+engine.submit(workload.requests, workload.arrival_steps)
+finished = engine.run()
+```
 """
 
 from jaxprep.serving.host.batch import ServingBatch
