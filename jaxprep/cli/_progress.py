@@ -33,6 +33,23 @@ def report_file(as_json: bool):
     return sys.stderr if as_json else sys.stdout
 
 
+def warm_up(engine, when: str, description: str, unit: str, cache_dir: str | None) -> float:
+    """``engine.warmup()`` with a progress bar (the last executable compiled as its postfix), after one line
+    on stderr saying what it compiles, why, and where the compilation cache keeps it; returns its seconds."""
+    if when != "never":
+        cache = f"the cache in {cache_dir} keeps them for the next run" if cache_dir else \
+            "no compilation cache (--no-compile-cache): the next run compiles them again"
+        sys.stderr.write(f"warm-up: {engine.num_executables} executables to compile before the first step, so that "
+                         f"no step compiles: {engine.warmup_plan()}; {cache}\n")
+        sys.stderr.flush()
+    with progress_bar(when, description, unit, total=engine.num_executables) as bar:
+        def show(done: int, total: int, what: str) -> None:
+            bar.set_postfix_str(what, refresh=False)
+            bar.update(1)
+
+        return engine.warmup(on_compiled=show)
+
+
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress", choices=tuple(DISABLE), default="auto",
                         help="progress on stderr: auto (bars on a terminal, otherwise a line per phase and per "
@@ -85,6 +102,9 @@ class LineProgress:
 
     def set_postfix(self, *args, **kwargs) -> None:
         """tqdm's extra fields: not written (the lines stay short)."""
+
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        """tqdm's extra text: not written (the lines stay short)."""
 
     def close(self) -> None:
         if not self._closed:

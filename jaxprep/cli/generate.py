@@ -27,7 +27,7 @@ from jaxprep.cli._args import INT32_MAX, UsageError, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
 from jaxprep.cli._phases import PhaseClock, rates_line
-from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file
+from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         model, params = load_checkpoint(args)
         sampling = [sampling_params(args, i) for i in range(len(prompts))]
         outputs, stats, rates, warmup = generate(model, params, prompts, args.serving, args.max_tokens, args.eos_ids,
-                                                 sampling, progress=args.progress)
+                                                 sampling, progress=args.progress, cache_dir=args.compile_cache_dir)
     warmup["compile_cache"] = args.compile_cache_dir
     _print(args, model, prompts, outputs, stats, args.tokenizer, rates,
            dict(warmup=warmup, compiles={"total": compiles.compiles, "cache_hits": compiles.cache_hits}))
@@ -130,20 +130,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def generate(model, params, prompts: list[list[int]], config, max_tokens: int, eos_ids: tuple[int, ...],
-             sampling=None, progress: str = "never") -> tuple[list[list[int]], object, dict, dict]:
+             sampling=None, progress: str = "never", cache_dir: str | None = None
+             ) -> tuple[list[list[int]], object, dict, dict]:
     """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
     first of ``eos_ids``), the loop stats, the prefill and decode rates (`PhaseClock.rates`,
     compiles excluded: every executable is compiled first) and that warm-up: ``warmup_s``,
     ``warmup_compiles`` (executables) and ``warmup_cache_hits`` (of them, loaded from the persistent
     compilation cache). ``sampling``: each prompt's `SamplingParams` (None: greedy). ``progress``: a
-    ``--progress`` value."""
+    ``--progress`` value; ``cache_dir``: the compilation cache in force (named in the warm-up's line)."""
     from jaxprep.compilation import count_compiles
     from jaxprep.serving import Engine, Request
 
     engine = Engine(config, model, params=params, keep_history=True)
-    with progress_bar(progress, "compiling", "executable", total=engine.num_executables) as bar, \
-            count_compiles() as compiles:
-        warmup_s = engine.warmup(on_compiled=lambda done, total: bar.update(1))
+    with count_compiles() as compiles:
+        warmup_s = warm_up(engine, progress, "compiling", "executable", cache_dir)
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=compiles.compiles, warmup_cache_hits=compiles.cache_hits)
     sampling = sampling or [None] * len(prompts)
     engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens, sampling_params=s)

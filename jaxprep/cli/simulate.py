@@ -18,7 +18,7 @@ from jaxprep.cli._args import INT32_MAX, check_plot_path, flag, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
 from jaxprep.cli._phases import PhaseClock
-from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file
+from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     config, model, params, workload = _setup(args)
     engine = _engine(config, model, args, params)
     with count_compiles() as warmup_compiles:
-        warmup_s = _warmup(engine, args.progress)
+        warmup_s = _warmup(engine, args)
     with count_compiles() as compiles:
         start = time.perf_counter()
         finished, clock = _serve(engine, workload, args.progress)
@@ -268,10 +268,9 @@ def _engine(config, model, args, params=None):
                               params=params, keep_history=True)
 
 
-def _warmup(engine, when: str) -> float:
+def _warmup(engine, args) -> float:
     buckets = len(engine.config.prep.token_buckets)
-    with progress_bar(when, f"warm-up: {buckets} buckets", "compile", total=engine.num_executables) as bar:
-        return engine.warmup(on_compiled=lambda done, total: bar.update(1))
+    return warm_up(engine, args.progress, f"warm-up: {buckets} buckets", "compile", args.compile_cache_dir)
 
 
 def _serve(engine, workload, when: str):

@@ -79,6 +79,9 @@ def test_simulate_check_json_summary(checked_run):
     # stderr is a pipe, not a terminal: a line per phase and per quarter of it, no bar redraws
     assert "\r" not in result.stderr and "warm-up: 2 buckets: 4/4 compile in " in result.stderr, result.stderr
     assert "serving: 10/10 req in " in result.stderr and "check: dense recompute: 10/10 req in " in result.stderr
+    # before the warm-up, one line says what it compiles and why (--budget 16: buckets 8 and 16)
+    assert ("warm-up: 4 executables to compile before the first step, so that no step compiles: the serving step "
+            "at the 2 token buckets 8, 16 x ") in result.stderr, result.stderr
 
 
 def test_each_printed_rate_is_its_printed_tokens_over_its_printed_seconds(checked_run):

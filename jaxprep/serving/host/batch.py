@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
+import os
 
 import jax
 import numpy as np
 
-from jaxprep.compilation import compile_all
-from jaxprep.compilation import warmup as jaxprep_warmup
+from jaxprep.compilation import compile_all, counted, describe_buckets, prepare_lowerings
 from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving import transitions
@@ -83,19 +82,36 @@ class ServingBatch:
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
-    def warmup(self, threads: int | None = None) -> float:
+    def warmup(self, threads: int | None = None, on_compiled=None, *,
+               cache_dir: str | os.PathLike | None = None) -> float:
         """Compiles `transitions.apply_packed` for every rung of `payload_buckets`, the door's step
         (`update_and_prepare`) for every rung of `step_payload_buckets` and token bucket, and `prepare` for
-        every token bucket (`jaxprep.warmup`), so no update or step compiles later; returns seconds."""
-        start = time.perf_counter()
-        lowered = [transitions.apply_packed.lower(self.state, np.zeros(words, np.int32), config=self.config)
-                   for words in payload_buckets(self.config)]
-        lowered += [update_and_prepare_buffer.lower(self.state, np.zeros(words, np.int32), config=self.config,
-                                                    num_tokens_padded=bucket)
-                    for words in step_payload_buckets(self.config) for bucket in self.config.prep.token_buckets]
-        compile_all(lowered, threads)
-        jaxprep_warmup(self.config.prep, self.state.batch, threads=threads)
-        return time.perf_counter() - start
+        every token bucket, so no update or step compiles later; returns seconds. What it compiles is
+        logged on ``jaxprep.warmup`` (INFO; `jaxprep.compilation`).
+
+        Args:
+          threads: compile threads (default: the CPU count).
+          on_compiled: ``on_compiled(done, total, what)`` after each compile.
+          cache_dir: turn on JAX's persistent compilation cache there first (`jaxprep.use_compile_cache`).
+        """
+        buckets, steps, updates = self.config.prep.token_buckets, step_payload_buckets(self.config), \
+            payload_buckets(self.config)
+
+        def lowered():
+            for words in updates:
+                yield f"state updates of {words} words", transitions.apply_packed.lower(
+                    self.state, np.zeros(words, np.int32), config=self.config)
+            for words in steps:
+                for bucket in buckets:
+                    yield f"update and prepare at {bucket} tokens, updates of {words} words", \
+                        update_and_prepare_buffer.lower(self.state, np.zeros(words, np.int32), config=self.config,
+                                                        num_tokens_padded=bucket)
+            yield from prepare_lowerings(self.config.prep, self.state.batch, buckets)
+
+        why = (f"the update and the step at {describe_buckets(buckets)} x {counted(len(steps), 'update size')}, the "
+               f"updates alone at {counted(len(updates), 'size')} and prepare_padded at each bucket")
+        return compile_all(lowered(), threads, on_compiled, total=len(updates) + (len(steps) + 1) * len(buckets),
+                           why=why, cache_dir=cache_dir)
 
     def prepare(self, num_tokens_padded: int):
         """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""

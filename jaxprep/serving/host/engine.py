@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
+import os
 import time
 
 import numpy as np
 
-from jaxprep.compilation import compile_all
+from jaxprep.compilation import compile_all, counted, describe_buckets
 from jaxprep.models.tiny import KVCache, ServingModel, init_params
 from jaxprep.serving import transitions
 from jaxprep.serving._values import integer
@@ -122,17 +122,31 @@ class Engine:
     def num_ranks(self) -> int:
         return len(self.schedulers)
 
-    def warmup(self, threads: int | None = None, on_compiled=None) -> float:
-        """Compiles every executable the loop can use; returns the seconds taken.
+    def warmup(self, threads: int | None = None, on_compiled=None, *,
+               cache_dir: str | os.PathLike | None = None) -> float:
+        """Compiles every executable the loop can use (`num_executables`: `warmup_plan` says which);
+        returns the seconds taken.
 
         Lowers each one (ahead of time, nothing runs, nothing is donated) and compiles it on one of
         ``threads`` threads (default: the CPU count) while the next is lowered; XLA compiles outside
-        the GIL, and an ahead-of-time compile fills the same cache the jitted calls read.
-        ``on_compiled(done, total)`` is called after each compile (a progress display).
+        the GIL, and an ahead-of-time compile fills the same cache the jitted calls read. What it
+        compiles is logged on ``jaxprep.warmup`` (INFO; `jaxprep.compilation`).
+
+        Args:
+          threads: compile threads (default: the CPU count).
+          on_compiled: ``on_compiled(done, total, what)`` after each compile (a progress display).
+          cache_dir: turn on JAX's persistent compilation cache there first (`jaxprep.use_compile_cache`):
+            a second process loads the executables instead of compiling them.
         """
-        start = time.perf_counter()
-        compile_all(self._all_lowered(), threads, _counter(self.num_executables, on_compiled))
-        return time.perf_counter() - start
+        return compile_all(self._all_lowered(), threads, on_compiled, total=self.num_executables,
+                           why=self.warmup_plan(), cache_dir=cache_dir)
+
+    def warmup_plan(self) -> str:
+        """What `warmup` compiles, in words: the serving step at each token bucket and step payload size, and
+        the state updates alone at each payload size."""
+        steps, updates = step_payload_buckets(self.config), payload_buckets(self.config)
+        return (f"the serving step at {describe_buckets(self.config.prep.token_buckets)} x "
+                f"{counted(len(steps), 'update size')}, and the state updates alone at {counted(len(updates), 'size')}")
 
     @property
     def num_executables(self) -> int:
@@ -142,12 +156,14 @@ class Engine:
         return len(payload_buckets(self.config)) + steps
 
     def _all_lowered(self):
+        """``(what, lowered)`` of every executable `warmup` compiles."""
         for words in payload_buckets(self.config):
-            yield self._lowered_updates(self._empty_buffers(words))
+            yield f"state updates of {words} words", self._lowered_updates(self._empty_buffers(words))
         for words in step_payload_buckets(self.config):
             packed = self._empty_buffers(words)
             for bucket in self.config.prep.token_buckets:
-                yield from self._lowered(packed, bucket)
+                for lowered in self._lowered(packed, bucket):
+                    yield f"serving step at {bucket} tokens, updates of {words} words", lowered
 
     def add_request(self, request: Request) -> None:
         """Routes ``request`` to the rank with the fewest tokens still to compute (`dp_policy.route`)."""
@@ -318,17 +334,3 @@ def scheduler_updates(config: ServingConfig, out: SchedulerOutput) -> StepUpdate
     return StepUpdates.build(config, finish=out.finished_rows, add=out.new_requests, append=out.new_block_ids,
                              num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps,
                              num_draft_tokens=out.num_draft_tokens, draft_token_ids=out.draft_token_ids)
-
-
-def _counter(total: int, on_compiled):
-    """``on_compiled(done, total)`` wrapped as the no-argument, thread-safe callback of `compile_all`."""
-    if on_compiled is None:
-        return None
-    lock, done = threading.Lock(), [0]
-
-    def count() -> None:
-        with lock:
-            done[0] += 1
-            on_compiled(done[0], total)
-
-    return count
