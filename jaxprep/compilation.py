@@ -171,11 +171,10 @@ def use_compile_cache(cache_dir: str | os.PathLike) -> None:
     """Turns on JAX's persistent compilation cache in ``cache_dir`` (``~`` expanded) for this process.
 
     Process-wide (it sets JAX's ``jax_compilation_cache_dir``), so jaxprep never calls it on its
-    own: only `warmup(..., cache_dir=...)` and the CLI's ``--compile-cache`` do. Every executable
-    is cached, however fast it compiled (``jax_persistent_cache_min_compile_time_secs = 0``: many
-    prepare buckets compile in less than JAX's default 1 s threshold; docs/benchmarks-history.md, "Warm-up of the bucket ladder").
-    The cache is trusted code:
-    keep it in a directory only you can write.
+    own: only a warm-up's ``cache_dir=...`` and the CLI's ``--compile-cache`` do. Every executable is
+    cached, however fast it compiled (``jax_persistent_cache_min_compile_time_secs = 0``: many prepare
+    buckets compile in less than JAX's default 1 s threshold; docs/benchmarks-history.md, "Warm-up of
+    the bucket ladder"). The cache is trusted code: keep it in a directory only you can write.
     """
     from jax.experimental.compilation_cache import compilation_cache
 
