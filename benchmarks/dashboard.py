@@ -209,21 +209,25 @@ def run_children(measures: list[Measure], dry: bool) -> dict:
     """{key: the ``RESULT`` of each measure's code}, each in a fresh process (the benchmarks set process-wide
     runtime flags, and a row's garbage stays out of the next one's times); a dry run runs them all in one."""
     if dry:
-        return run_child(measures)
+        return run_child(measures, dry=True)
     results = {}
     for measure in measures:
         print(f"dashboard: measuring {measure.key} ...", file=sys.stderr, flush=True)
-        results.update(run_child([measure]))
+        results.update(run_child([measure], dry=False))
     return results
 
 
-def run_child(measures: list[Measure], dry: bool = True) -> dict:
+def child_code(measures: list[Measure], dry: bool) -> str:
+    """The program that runs ``measures`` one after the other and prints each one's ``RESULT``."""
+    code = textwrap.dedent(PREAMBLE).format(dry=dry)
+    return code + "".join(f"\nkey = {m.key!r}\n" + textwrap.dedent(m.code).format() for m in measures)
+
+
+def run_child(measures: list[Measure], *, dry: bool) -> dict:
     """{key: result} of ``measures`` run one after the other in one new process."""
-    code = textwrap.dedent(PREAMBLE).format(dry=dry or len(measures) > 1)
-    code += "".join(f"\nkey = {m.key!r}\n" + textwrap.dedent(m.code).format() for m in measures)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
-                            timeout=CHILD_TIMEOUT_S)
+    result = subprocess.run([sys.executable, "-c", child_code(measures, dry)], capture_output=True, text=True,
+                            cwd=ROOT, env=env, timeout=CHILD_TIMEOUT_S)
     found = dict(json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT "))
     if result.returncode or set(found) != {m.key for m in measures}:
         raise RuntimeError(f"dashboard rows {[m.key for m in measures]} failed (exit {result.returncode}):\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,24 @@ def test_the_dry_run_measures_every_row_and_writes_nothing(dry_run):
     assert "(dry run: tiny shapes, one round)" in dry_run.stdout
     with open(os.path.join(ROOT, "BENCHMARKS.md"), encoding="utf-8") as page:
         assert "(dry run" not in page.read()  # a dry run never writes the page
+
+
+def test_the_full_run_measures_the_benchmarks_shapes(monkeypatch):
+    """Without --dry-run every row runs at its benchmark's own shapes, each in a process of its own (a dry
+    run's flag once reached the full run: its table showed the tiny shapes)."""
+    programs = []
+
+    def fake_run(argv, **kwargs):
+        programs.append(argv[2])
+        keys = re.findall(r"^key = '(\w+)'$", argv[2], re.M)
+        return subprocess.CompletedProcess(argv, 0, stdout="".join(f'RESULT ["{k}", {{}}]\n' for k in keys), stderr="")
+
+    monkeypatch.setattr(dashboard.subprocess, "run", fake_run)
+    assert set(dashboard.run_children(list(dashboard.MEASURES), dry=False)) == {m.key for m in dashboard.MEASURES}
+    assert len(programs) == len(dashboard.MEASURES) and all("dry = False" in p for p in programs)
+    programs.clear()
+    dashboard.run_children(list(dashboard.MEASURES), dry=True)
+    assert len(programs) == 1 and "dry = True" in programs[0]
 
 
 def test_the_table_is_rewritten_between_its_markers_only(tmp_path):
