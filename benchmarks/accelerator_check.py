@@ -35,6 +35,7 @@ prints the table (the test suite runs it so).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -59,6 +60,9 @@ MIN_STEP_S = 30
 """A step is not started with less than this left of ``--budget-s``."""
 TABLE_FILE = "runbook.md"
 FAILURE_LOG = "failures.md"
+RECORD_FILE = "gpu_record.json"
+"""The loan's rows as JSON, for BENCHMARKS.md's table: ``python benchmarks/dashboard.py --gpu-record
+LOG_DIR/gpu_record.json`` takes its headline GPU rows from it (`dashboard.gpu_cells`)."""
 
 
 def default_workers() -> int:
@@ -375,6 +379,13 @@ def format_table(rows, header: str) -> str:
     return "\n".join(lines)
 
 
+def gpu_record(rows, commit: str, machine: str, command: str, dry_run: bool) -> dict:
+    """The run as BENCHMARKS.md's GPU record (`RECORD_FILE`): date, commit, device, machine, command, rows."""
+    device = re.search(r"device (.+?) torch", machine)
+    return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "device": device[1] if device else "unknown",
+            "machine": machine, "command": command, "dry_run": dry_run, "rows": [list(row) for row in rows]}
+
+
 STEP_FUNCTIONS = {"kernel": run_kernel_tests, "equality": lambda runner, args: run_generate(runner, args, "equality"),
                   "generate": lambda runner, args: run_generate(runner, args, "speed"), "fused": run_fused_benchmark,
                   "door": run_door_benchmark,
@@ -388,13 +399,17 @@ def main(argv=None) -> int:
     runner = Runner(base_env(args), args.log_dir, args.budget_s)
     commit = os.environ.get("JAXPREP_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    header = (f"runbook {'dry run ' if args.dry_run else ''}{time.strftime('%Y-%m-%d')}, commit "
-              f"{commit or 'unknown'}: {versions(runner)}")
+    commit, machine = commit or "unknown", versions(runner)
+    header = f"runbook {'dry run ' if args.dry_run else ''}{time.strftime('%Y-%m-%d')}, commit {commit}: {machine}"
+    command = " ".join(["bash benchmarks/accelerator_check.sh", *(sys.argv[1:] if argv is None else argv)])
 
     def save_table() -> None:  # after every step: a run cut short keeps the rows it has
         if args.log_dir:
             with open(os.path.join(args.log_dir, TABLE_FILE), "w") as table:
                 table.write(format_table(runner.rows, header) + "\n")
+            with open(os.path.join(args.log_dir, RECORD_FILE), "w") as record:
+                json.dump(gpu_record(runner.rows, commit, machine, command, args.dry_run), record, indent=1,
+                          ensure_ascii=False)
 
     if install(runner, args):
         save_table()

@@ -2,12 +2,13 @@
 
     python examples/vllm_torch_loop.py --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8 --json
 
-Each step: vLLM 0.33.0's ``Scheduler.schedule()`` -> `jaxprep.serving.host.vllm.VllmAdapter.step` (one
-checked update of jaxprep's device state, one prepared step) -> `torch_bridge.to_torch` ->
-`torch_bridge.model.TorchDecoder.forward` over the paged KV cache -> greedy tokens ->
-``adapter.record_sampled`` (jaxprep's token table) -> ``scheduler.update_from_output`` with the
-adapter's ``ModelRunnerOutput``. Chunked prefill and preemption are vLLM's own decisions: a small
-``--num-blocks`` makes the scheduler preempt, ``--budget`` chunks long prompts.
+The adapter is built from vLLM's own config objects (`VllmAdapter.from_vllm`). Each step: vLLM 0.33.0's
+``Scheduler.schedule()`` -> `jaxprep.serving.host.vllm.VllmAdapter.step` (one checked update of jaxprep's
+device state, one prepared step) -> `torch_bridge.to_torch` -> `torch_bridge.model.TorchDecoder.forward`
+over the paged KV cache -> greedy tokens -> ``adapter.take_sampled`` (recorded in jaxprep's token table,
+returned as vLLM's ``ModelRunnerOutput``) -> ``scheduler.update_from_output``. Chunked prefill and
+preemption are vLLM's own decisions: a small ``--num-blocks`` makes the scheduler preempt, ``--budget``
+chunks long prompts.
 
 Needs vLLM (the ``vllm`` extra, installed ``--no-deps``) and transformers (vLLM reads the checkpoint's
 config.json with it). ``VLLM_USE_V2_MODEL_RUNNER=0/1`` picks how the scheduler resumes a preempted
@@ -18,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-import numpy as np
-
-import jaxprep
 import torch_bridge
-from jaxprep.serving import ServingConfig, VllmAdapter
+from jaxprep.serving import VllmAdapter
 from torch_bridge.model import TorchDecoder, greedy_sample
 
 
@@ -66,9 +65,7 @@ def serve(directory: str, prompts: list[list[int]], max_tokens: int, *, block_si
     num_blocks = num_blocks or 1 + sum(-(-(len(p) + max_tokens) // block_size) for p in prompts)
     scheduler = vllm_scheduler(directory, model, max_model_len=max_model_len, block_size=block_size,
                                num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs)
-    prep = jaxprep.PrepConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
-                              block_size=block_size, num_blocks=num_blocks)
-    adapter = VllmAdapter(ServingConfig(prep=prep, vocab_size=model.config.vocab_size))
+    adapter = VllmAdapter.from_vllm(scheduler.vllm_config, scheduler.kv_cache_config)  # every size read from vLLM
     kv_caches = model.new_kv_caches(num_blocks, block_size)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -79,28 +76,19 @@ def serve(directory: str, prompts: list[list[int]], max_tokens: int, *, block_si
         scheduler_output = scheduler.schedule()
         counts["preempted"] += len(scheduler_output.preempted_req_ids or ())
         step = adapter.step(scheduler_output)
-        inputs = torch_bridge.to_torch(step.inputs, device=model.device)  # where the weights are
-        next_ids = greedy_sample(model.forward(inputs, kv_caches), inputs).tolist()
-        # a prefill chunk that stops short of the request's tokens samples nothing (vLLM discards it)
-        sampled = [[] if scheduler.requests[req_id].is_prefill_chunk else [token]
-                   for req_id, token in zip(step.req_ids, next_ids, strict=True)]
-        counts["partial_prefills"] += sum(not tokens for tokens in sampled)
-        _record(adapter, step, sampled)
-        for req_id, tokens in zip(step.req_ids, sampled, strict=True):
+        next_ids = None
+        if step.inputs is not None:  # None: the step only reports finished requests
+            inputs = torch_bridge.to_torch(step.inputs, device=model.device)  # where the weights are
+            next_ids = torch_bridge.from_torch(greedy_sample(model.forward(inputs, kv_caches), inputs),
+                                               name="sampled_token_ids")
+        # recorded on the device; a prefill chunk that stops short of its request's tokens samples nothing
+        runner_output = adapter.take_sampled(step, next_ids)
+        counts["partial_prefills"] += sum(not tokens for tokens in runner_output.sampled_token_ids)
+        for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
             outputs[req_id] += tokens
-        scheduler.update_from_output(scheduler_output, adapter.runner_output(step, sampled))
+        scheduler.update_from_output(scheduler_output, runner_output)
         counts["steps"] += 1
     return [outputs[f"req-{i}"] for i in range(len(prompts))], counts
-
-
-def _record(adapter: VllmAdapter, step, sampled: list[list[int]]) -> None:
-    """The sampled tokens into jaxprep's token table (the next step's ``input_ids`` read them), in batch order."""
-    rows = step.inputs.idx_mapping.shape[0]
-    tokens, num_sampled = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
-    for b, ids in enumerate(sampled):
-        tokens[b, : len(ids)] = ids
-        num_sampled[b] = len(ids)
-    adapter.record_sampled(tokens, num_sampled)
 
 
 def main() -> None:
@@ -110,13 +98,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--budget", type=int, default=8, help="tokens per step (chunked prefill beyond it)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (fewer: preemptions)")
-    parser.add_argument("--json", action="store_true", help='print {"outputs": ..., "counts": ...} on the last line')
+    parser.add_argument("--json", action="store_true",
+                        help='print {"outputs": ..., "counts": ...}, the only output on stdout (the text to stderr)')
     args = parser.parse_args()
     prompts = [[int(t) for t in text.split()] for text in args.prompt_ids]
     outputs, counts = serve(args.model, prompts, args.max_tokens, budget=args.budget, num_blocks=args.num_blocks)
+    text = sys.stderr if args.json else sys.stdout
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        print(f"[{i}] {prompt} -> {output}")
-    print(f"{counts['steps']} steps, {counts['preempted']} preemptions, {counts['partial_prefills']} partial prefills")
+        print(f"[{i}] {prompt} -> {output}", file=text)
+    print(f"{counts['steps']} steps, {counts['preempted']} preemptions, {counts['partial_prefills']} partial prefills",
+          file=text)
     if args.json:
         print(json.dumps({"outputs": outputs, "counts": counts}))
 

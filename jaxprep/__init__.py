@@ -1,9 +1,11 @@
 """jaxprep: jit-compiled input preparation for paged-attention LLM serving.
 
-    config = jaxprep.PrepConfig(max_num_reqs=8, max_model_len=4096, max_num_batched_tokens=512, block_size=16)
-    state = jaxprep.BatchState.from_numpy(token_ids=..., block_table=..., num_computed_tokens=...,
-                                          num_scheduled_tokens=...)
-    step = jaxprep.prepare_inputs(state, config)
+```python
+config = jaxprep.PrepConfig(max_num_reqs=8, max_model_len=4096, max_num_batched_tokens=512, block_size=16)
+state = jaxprep.BatchState.from_numpy(token_ids=..., block_table=..., num_computed_tokens=...,
+                                      num_scheduled_tokens=...)
+step = jaxprep.prepare_inputs(state, config)
+```
 """
 
 from jaxprep._constants import (NULL_BLOCK_ID, PAD_INPUT_ID, PAD_LOGITS_INDEX, PAD_POSITION, PAD_SEQ_LEN,
@@ -28,6 +30,11 @@ from jaxprep.features.prompt_embeds import PromptEmbedsMetadata
 from jaxprep.features.sampling import SamplingMetadata
 from jaxprep.features.sampling_params import SamplingConfig, SamplingParams
 from jaxprep.features.spec_decode import SpecDecodeMetadata
+
+__version__ = "0.1.0"
+"""The package's version (pyproject.toml reads it from here)."""
+VLLM_VERSION = "0.33.0"
+"""The vLLM release whose values jaxprep reproduces and whose code the tests compare against."""
 
 __all__ = [
     "AttentionMetadata", "BatchState", "CompileCount", "InvalidBatchError", "NULL_BLOCK_ID", "PAD_INPUT_ID",

@@ -101,7 +101,7 @@ def on_cpu_else(cpu, other, *args):
     Resolved when lowering (`jax.lax.platform_dependent`): an executable for one platform holds
     one branch only, and an export for several holds both behind a platform switch. The float
     scans are kept for CPU alone, where they are exact and faster than XLA:CPU's serial cumsum
-    (measured in BENCHMARKS.md, "What limits the missed goals"); GPUs and TPUs get the integer
+    (measured in docs/benchmarks-history.md, "What limits the missed goals"); GPUs and TPUs get the integer
     scan, exact by construction.
     """
     return jax.lax.platform_dependent(*args, cpu=cpu, default=other)

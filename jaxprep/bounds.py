@@ -265,7 +265,7 @@ def max_of_blocks(column_block: Callable[[int, int], UInt32[Array, "rows n"]], w
     ``jnp.maximum`` (a loop that reads the array once, row by row, as a vectorized loop), then the
     row blocks of that result, and only the small remainder is reduced: XLA:CPU emits a reduction
     over a large array as a tree of serial loops (reduce-windows) several times slower than the
-    array's read (BENCHMARKS.md, "The XLA step recovered"). Exact on every backend (integer maxima).
+    array's read (docs/benchmarks-history.md, "The XLA step recovered"). Exact on every backend (integer maxima).
 
     ```
     # columns [[1, 5, 2], [7, 2, 0]] in blocks of 2 (starts 0, 1) -> [[5, 5], [7, 2]] -> rows -> 7

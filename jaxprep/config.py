@@ -15,7 +15,7 @@ SPLIT_OCTAVES_FROM = 64
 STEPS_PER_OCTAVE = 2
 """From 64 tokens every power of two is split into 2 rungs (x1, x1.5): a step is padded by at most
 50% (100% below 64 tokens, where a step costs little either way), with 18 rungs for an 8192-token
-budget. The measured waste of this ladder and its alternatives is in BENCHMARKS.md, "Padding waste"."""
+budget. The measured waste of this ladder and its alternatives is in docs/benchmarks-history.md, "Padding waste"."""
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:

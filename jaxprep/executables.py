@@ -25,6 +25,7 @@ import os
 import pickle
 import platform
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import jax
@@ -45,9 +46,14 @@ class Executable:
     function: Callable
     args: tuple
     kwargs: dict = dataclasses.field(default_factory=dict)
+    what: str = ""
+    """In words, for the warm-up's log and progress (default: the function's name and the key)."""
 
     def lower(self) -> jax.stages.Lowered:
         return self.function.lower(*self.args, **self.kwargs)
+
+    def describe(self) -> str:
+        return self.what or f"{getattr(self.function, '__name__', 'executable')} {self.key}"
 
 
 def run(table: dict, key: tuple, jitted: Callable, *args, **static):
@@ -57,20 +63,23 @@ def run(table: dict, key: tuple, jitted: Callable, *args, **static):
     return jitted(*args, **static) if compiled is None else compiled(*args)
 
 
-def warm(executables: Iterable[Executable], threads: int | None = None, on_compiled=None) -> dict:
-    """``{key: jax.stages.Compiled}`` of every one of ``executables`` (consumed once, in order: put the
-    largest first). Each is loaded from the `ExecutableStore` if the persistent cache is on and holds it,
-    else lowered (in this thread, under the GIL) and compiled on one of ``threads`` threads (default: the CPU
-    count) while the next is lowered, then stored. ``on_compiled()`` is called (from a worker thread) as each
-    one is ready."""
+def warm(executables: Iterable[Executable], threads: int | None = None, on_compiled=None, *, why: str,
+         cache_dir: str | os.PathLike | None = None) -> dict:
+    """``{key: jax.stages.Compiled}`` of every one of ``executables`` (in order: put the largest first). Each
+    is loaded from the `ExecutableStore` if the persistent cache is on and holds it, else lowered (in this
+    thread, under the GIL) and compiled on one of ``threads`` threads (default: the CPU count) while the next
+    is lowered, then stored. What is compiled and ``why`` is logged on ``jaxprep.warmup``, and
+    ``on_compiled(done, total, what)`` is called (from a worker thread, one call at a time) as each one is
+    ready (`jaxprep.compilation.WarmupProgress`). ``cache_dir``: `jaxprep.use_compile_cache` there first."""
+    from jaxprep.compilation import WarmupProgress, count_compiles, use_compile_cache
+
+    start = time.perf_counter()
+    if cache_dir is not None:
+        use_compile_cache(cache_dir)
+    executables = list(executables)
     store = ExecutableStore.current()
     table, lock = {}, threading.Lock()
-
-    def ready(executable: Executable, compiled) -> None:
-        with lock:
-            table[executable.key] = compiled
-        if on_compiled is not None:
-            on_compiled()
+    progress = WarmupProgress(len(executables), why, on_compiled)
 
     def load_or_compile(executable: Executable, lowered) -> None:
         compiled = None if lowered is not None else store.load(executable)
@@ -78,9 +87,11 @@ def warm(executables: Iterable[Executable], threads: int | None = None, on_compi
             compiled = (lowered or executable.lower()).compile()
             if store is not None:
                 store.save(executable, compiled)
-        ready(executable, compiled)
+        with lock:
+            table[executable.key] = compiled
+        progress.compiled(executable.describe())
 
-    with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+    with count_compiles() as count, concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
         futures = []
         for executable in executables:
             # a stored one is read on a worker; any other is lowered here, as the workers compile
@@ -88,6 +99,7 @@ def warm(executables: Iterable[Executable], threads: int | None = None, on_compi
             futures.append(pool.submit(load_or_compile, executable, lowered))
         for future in futures:
             future.result()
+    progress.finish(time.perf_counter() - start, count.cache_hits)
     return table
 
 

@@ -32,17 +32,32 @@ if TYPE_CHECKING:  # feature pytrees, defined next to the code that builds them
 @typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """vLLM's ``CommonAttentionMetadata`` fields, padded to static shapes."""
+    """vLLM's ``CommonAttentionMetadata`` fields, padded to static shapes.
 
-    query_start_loc: Int32[StepArray, " num_reqs_padded_plus_1"]  # pad: repeats num_actual_tokens
-    seq_lens: Int32[StepArray, " num_reqs_padded"]  # num_computed + num_scheduled; pad: 0
-    slot_mapping: Int32[StepArray, " num_tokens_padded"]  # block * block_size + offset; pad: -1
-    block_table: Int32[StepArray, "num_reqs_padded max_blocks_per_req"]  # rows in batch order; pad: 0
-    num_actual_tokens: Int32[StepArray, ""]  # scheduled tokens, unpadded
-    num_reqs: Int32[StepArray, ""]  # requests in the batch, unpadded
-    max_query_len: Int32[StepArray, ""]  # max num_scheduled over the batch
-    max_seq_len: Int32[StepArray, ""]  # max seq_lens over the batch
-    # DCP (docs/semantics.md#dcp) only: this rank's share of seq_lens; pad: 0
+    Attributes:
+      query_start_loc: ``[num_reqs_padded + 1]``, where each request's tokens start in the batch; padded
+        entries repeat ``num_actual_tokens``.
+      seq_lens: ``[num_reqs_padded]``, ``num_computed + num_scheduled`` of each request; pad 0.
+      slot_mapping: ``[num_tokens_padded]``, each token's KV-cache slot, ``block * block_size + offset``;
+        pad -1 (``PAD_SLOT_ID``).
+      block_table: ``[num_reqs_padded, max_blocks_per_req]``, each request's block ids, rows in batch
+        order; pad 0 (the null block).
+      num_actual_tokens: 0-d, the scheduled tokens, unpadded.
+      num_reqs: 0-d, the requests in the batch, unpadded.
+      max_query_len: 0-d, the most tokens one request schedules.
+      max_seq_len: 0-d, the largest of ``seq_lens``.
+      dcp_local_seq_lens: ``[num_reqs_padded]``, this rank's share of ``seq_lens`` under decode context
+        parallelism (docs/semantics.md#dcp); pad 0. ``None`` without DCP.
+    """
+
+    query_start_loc: Int32[StepArray, " num_reqs_padded_plus_1"]
+    seq_lens: Int32[StepArray, " num_reqs_padded"]
+    slot_mapping: Int32[StepArray, " num_tokens_padded"]
+    block_table: Int32[StepArray, "num_reqs_padded max_blocks_per_req"]
+    num_actual_tokens: Int32[StepArray, ""]
+    num_reqs: Int32[StepArray, ""]
+    max_query_len: Int32[StepArray, ""]
+    max_seq_len: Int32[StepArray, ""]
     dcp_local_seq_lens: Int32[StepArray, " num_reqs_padded"] | None = None
 
 
@@ -50,35 +65,72 @@ class AttentionMetadata:
 @typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """Model inputs of one step."""
+    """Model inputs of one step, padded to the step's token bucket (``num_tokens_padded``) and
+    ``num_reqs_padded = min(num_tokens_padded, max_num_reqs)`` batch rows.
 
-    input_ids: Int32[StepArray, " num_tokens_padded"]  # pad: 0
-    positions: Int32[StepArray, " num_tokens_padded"]  # pad: 0
-    logits_indices: Int32[StepArray, " num_reqs_padded"]  # last scheduled token of each request; pad: 0
-    idx_mapping: Int32[StepArray, " num_reqs_padded"]  # state row of each batch row; pad: -1
+    The first six fields are every step's; each optional feature's field (`jaxprep.FeatureConfig`) is
+    ``None`` (an empty pytree node) when the feature is off.
+
+    Attributes:
+      input_ids: ``[num_tokens_padded]``, each scheduled token's id; pad 0.
+      positions: ``[num_tokens_padded]``, each token's position in its request; pad 0.
+      logits_indices: ``[num_reqs_padded]``, the last scheduled token of each request (the row the
+        sampler reads); pad 0.
+      idx_mapping: ``[num_reqs_padded]``, the `BatchState` row of each batch row (vLLM V2's name); pad -1.
+      attn_metadata: `AttentionMetadata`, what the attention backend reads.
+      errors: 0-d, bit flags of the bounds the input broke, 0 if none (`jaxprep.validate` names them).
+      num_tokens_padded: the step's token bucket (static: part of the compile key).
+      spec_decode: `SpecDecodeMetadata`: draft counts, draft ids, target and bonus logits rows
+        (docs/semantics.md#spec-decode).
+      discard_request_mask: ``[num_reqs_padded]`` bool, True for a request whose sample is discarded (a
+        prefill chunk that stops short of its tokens; docs/semantics.md#logits-indices); pad True.
+      kv_groups: one `KVGroupMetadata` per KV-cache group: its block table and slot mapping
+        (docs/semantics.md#kv-groups).
+      mrope_positions: ``[3, num_tokens_padded]``, M-RoPE's temporal, height and width positions
+        (docs/semantics.md#m-rope); pad 0.
+      prompt_embeds: `PromptEmbedsMetadata`: which tokens read a prompt embedding instead of an id
+        (docs/semantics.md#prompt-embeddings).
+      attn_state: 0-d, a `jaxprep.AttnState` value, vllm-ascend's state ladder
+        (docs/semantics.md#ascend-state).
+      attn_mask: vllm-ascend's attention mask, compressed or one row per token
+        (docs/semantics.md#ascend-masks; `jaxprep.features.masks`).
+      request_distribution: ``[3]``, ``[decode_end, prefill_end, mixed_end]`` of a decode-first batch.
+      drafter: the target side of an EAGLE / MTP drafter (`jaxprep.features.drafter`).
+      hybrid: Mamba / linear-attention metadata (`jaxprep.features.hybrid`).
+      grammar: structured outputs: the bitmask row of each logits row (`jaxprep.features.grammar`).
+      ubatches: `MicroBatches`, the step split for dual-batch overlap.
+      lora: vLLM's LoRA mappings, slot indices and kernel metadata (`jaxprep.features.lora`).
+      logits_indirection: model runner V2's logits rows (``cu_num_logits``, ``expanded_idx_mapping``, ...).
+      sampling: every logits row's sampling parameters (`jaxprep.features.sampling`).
+    """
+
+    input_ids: Int32[StepArray, " num_tokens_padded"]
+    positions: Int32[StepArray, " num_tokens_padded"]
+    logits_indices: Int32[StepArray, " num_reqs_padded"]
+    idx_mapping: Int32[StepArray, " num_reqs_padded"]
     attn_metadata: AttentionMetadata
-    errors: Int32[StepArray, ""]  # bit flags of the bounds the input broke, 0 if none (jaxprep.validate)
+    errors: Int32[StepArray, ""]
     num_tokens_padded: int = dataclasses.field(metadata=dict(static=True))
-    # Optional features (jaxprep.FeatureConfig): None (an empty pytree node) when off.
-    spec_decode: SpecDecodeMetadata | None = None  # docs/semantics.md#spec-decode
-    # docs/semantics.md#logits-indices, True: not sampled; pad: True
+    # optional features (jaxprep.FeatureConfig): None (an empty pytree node) when off
+    spec_decode: SpecDecodeMetadata | None = None
     discard_request_mask: Bool[StepArray, " num_reqs_padded"] | None = None
-    kv_groups: tuple[KVGroupMetadata, ...] | None = None  # docs/semantics.md#kv-groups, one per KV-cache group
-    mrope_positions: Int32[StepArray, "3 num_tokens_padded"] | None = None  # docs/semantics.md#m-rope; pad: 0
-    prompt_embeds: PromptEmbedsMetadata | None = None  # docs/semantics.md#prompt-embeddings
-    attn_state: Int32[StepArray, ""] | None = None  # jaxprep.AttnState value (docs/semantics.md#ascend-state)
-    attn_mask: StepArray | None = None  # docs/semantics.md#ascend-masks, see jaxprep.features.masks
-    request_distribution: Int32[StepArray, " 3"] | None = None  # [decode_end, prefill_end, mixed_end]
-    drafter: DrafterTargetInputs | None = None  # the target side of an EAGLE / MTP drafter
-    hybrid: HybridMetadata | None = None  # Mamba / linear-attention layers
-    grammar: GrammarMetadata | None = None  # structured outputs: bitmask row of each logits row
-    ubatches: MicroBatches | None = None  # dual-batch overlap: the step split into micro-batches
-    lora: LoRAMetadata | None = None  # vLLM's LoRA mappings, slot indices, kernel metadata (jaxprep.features.lora)
-    logits_indirection: LogitsIndirection | None = None  # V2's cu_num_logits, expanded_idx_mapping, ...
-    sampling: SamplingMetadata | None = None  # every logits row's sampling parameters (jaxprep.features.sampling)
+    kv_groups: tuple[KVGroupMetadata, ...] | None = None
+    mrope_positions: Int32[StepArray, "3 num_tokens_padded"] | None = None
+    prompt_embeds: PromptEmbedsMetadata | None = None
+    attn_state: Int32[StepArray, ""] | None = None
+    attn_mask: StepArray | None = None
+    request_distribution: Int32[StepArray, " 3"] | None = None
+    drafter: DrafterTargetInputs | None = None
+    hybrid: HybridMetadata | None = None
+    grammar: GrammarMetadata | None = None
+    ubatches: MicroBatches | None = None
+    lora: LoRAMetadata | None = None
+    logits_indirection: LogitsIndirection | None = None
+    sampling: SamplingMetadata | None = None
 
     @property
     def num_reqs_padded(self) -> int:
+        """Batch rows of the step: ``min(num_tokens_padded, max_num_reqs)``."""
         return self.idx_mapping.shape[0]
 
 
@@ -86,11 +138,17 @@ class StepInputs:
 @typing.no_type_check  # JAX rebuilds pytrees with non-array leaves (ShapeDtypeStruct, ArgInfo)
 @dataclasses.dataclass(frozen=True)
 class MicroBatches:
-    """`StepInputs.ubatches`: the step's micro-batches, in token order."""
+    """`StepInputs.ubatches`: the step's micro-batches, in token order.
+
+    Attributes:
+      batches: each micro-batch as a `StepInputs` of its own.
+      first_rows: ``[n]`` int32, the step's batch row of each micro-batch's row 0 (0 when empty).
+      should_ubatch: 0-d bool, vLLM's ``should_ubatch``: the last micro-batch holds real tokens (else
+        vLLM runs the step whole).
+    """
 
     batches: tuple[StepInputs, ...]
-    first_rows: StepArray  # [n] int32: the step's batch row of each micro-batch's row 0 (0 when empty)
-    # vLLM's should_ubatch: the last micro-batch holds real tokens (else vLLM runs the step whole)
+    first_rows: StepArray
     should_ubatch: Bool[StepArray, ""]
 
     @property

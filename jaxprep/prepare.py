@@ -198,7 +198,7 @@ def _maxima(scheduled: Int32[Array, " max_num_reqs"],
     Equal to the maxima over the batch rows (every row with work is in the batch), but ready as
     soon as the step starts: on XLA:CPU fewer kernels then wait on the batch gather together, and
     more than 8 ready at once would hand work to the thread pool (a costly hand-off on a small host:
-    BENCHMARKS.md, "thread-pool hand-offs").
+    docs/benchmarks-history.md, "Thread-pool hand-offs").
     """
     return jnp.max(stack([scheduled, row_seq_lens]), axis=1)  # one reduction for both
 
@@ -215,7 +215,7 @@ def prepare_padded(state: BatchState, config: PrepConfig, num_tokens_padded: int
 
 # --- the step on the host, in one transfer ------------------------------------------------------
 # prepare_padded returns a dozen device arrays; fetching them one by one costs more than the
-# preparation itself at small batches on the CPU backend (BENCHMARKS.md, "Prepare alone").
+# preparation itself at small batches on the CPU backend (docs/benchmarks-history.md, "Prepare alone").
 
 HOST_PACKED = tuple((name, INT32) for name in STEP_FIELDS if name != "block_table")
 """The fields `prepare_packed` packs (all but the block table, which comes back as it is)."""

@@ -86,6 +86,9 @@ assert step1.sampled == {0: 104, 1: 203}  # request 2's sample is discarded: C +
 # keys of its own request up to its own position: a lower-triangular block per request.
 
 # %%
+plotting.say_where_figures_go()  # as a script: one line saying the figures are not shown here
+
+# %%
 plotting.plot_step(step1)
 
 # %% [markdown]

@@ -70,6 +70,9 @@ assert record.num_tokens_padded == 200  # the budget is the top bucket: no paddi
 # is a small triangle. The KV cache picture shows the partly filled last block of every request.
 
 # %%
+plotting.say_where_figures_go()  # as a script: one line saying the figures are not shown here
+
+# %%
 view = kv_cache_view(record)
 assert view.num_used == 55 + 146 + 93 + 75 + 30 and int(view.new.sum()) == 200
 plotting.plot_step(record)

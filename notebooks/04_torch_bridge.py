@@ -136,6 +136,9 @@ for record in records:
 # by step 2):
 
 # %%
+plotting.say_where_figures_go()  # as a script: one line saying the figures are not shown here
+
+# %%
 plotting.plot_kv_cache(records[1])
 
 # %% [markdown]

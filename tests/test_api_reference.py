@@ -9,7 +9,13 @@ from the sources with griffe, the library mkdocstrings reads them with, without 
   ``@jax.jit`` (or ``functools.partial(jax.jit, ...)``) that calls its ``_body``; ``f = jax.jit(body)``
   is an attribute to griffe, shown with no signature, and without a docstring not at all;
 - every name a reference page lists (a module's ``__all__``, a ``members:`` option) has a docstring:
-  mkdocstrings leaves out an undocumented member without a word.
+  mkdocstrings leaves out an undocumented member without a word;
+- every docstring parses in the style mkdocs.yml gives mkdocstrings (Google's): an ``Args:``,
+  ``Attributes:``, ``Returns:`` or ``Raises:`` section that does not parse stays one paragraph of text
+  on the page, and griffe's warnings (an entry it cannot read) fail the check too;
+- an example in a docstring is fenced: an indented one is dedented with the docstring and renders as
+  prose;
+- every field of the step and of the configurations is described in its class's ``Attributes:``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jaxprep", "torch_bridge")
+SECTION_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters|Attributes|Returns|Raises|Yields|Examples?|Notes?|"
+                            r"Warnings?|Warns|Receives|Other Parameters|Methods|Functions|Classes|Modules):\s*$", re.M)
+"""A line Google's style reads as a section header: left in a text section, it was not parsed."""
+FENCED = re.compile(r"^\s*(```|~~~).*?^\s*\1", re.S | re.M)
+CODE_LINE = re.compile(r"^\s*(?:[\w.\[\], ]+ = [\w.]+\(|[\w.]+\(.*\)\s*$|>>> |\$ |jaxprep \w+ --)", re.M)
+"""A line of code outside a fence: an assignment from a call, a bare call, a prompt, a command line."""
+DESCRIBED = ("jaxprep.StepInputs", "jaxprep.AttentionMetadata", "jaxprep.PrepConfig", "jaxprep.FeatureConfig",
+             "jaxprep.serving.ServingConfig", "jaxprep.serving.AdapterStep")
+"""The classes whose every field the reference describes (their ``Attributes:`` sections)."""
 DIRECTIVE = re.compile(r"^::: ([\w.]+)\n((?:[ \t]+.*\n?)*)", re.M)
 HEADING = re.compile(r"<h[1-6][^>]*>(.*?)</h[1-6]>", re.S)
 
@@ -213,3 +228,122 @@ def test_the_member_checks_catch_a_bound_jit(tmp_path):
     assert without_signature(shown, str(tmp_path)) == ["boundjit.bound", "boundjit.bound_with_doc"]
     shown = page_members(collection, [("boundjit", None), ("boundjit.check.check", None)])
     assert unrendered(shown) == ["boundjit.bound", "boundjit.bound_with_doc"]
+
+
+def docstring_style(path: str = os.path.join(ROOT, "mkdocs.yml")) -> tuple[str | None, dict]:
+    """mkdocstrings' ``docstring_style`` and ``docstring_options`` as mkdocs.yml sets them."""
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    style = re.search(r"^\s+docstring_style:\s*(\w+)", text, re.M)[1]
+    options = dict(re.findall(r"^\s+(warn_\w+):\s*(true|false)", text, re.M))
+    return (None if style == "null" else style), {name: value == "true" for name, value in options.items()}
+
+
+def section_problems(objects, style: str | None, options: dict) -> dict[str, list[str]]:
+    """{object path: what renders wrong}: a section header left in a text section (not parsed), or a
+    warning griffe gave while parsing (an entry it could not read, and left out)."""
+    import logging
+
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("griffe").addHandler(handler)
+    found = {}
+    try:
+        for obj in objects:
+            if obj.docstring is None:
+                continue
+            seen = len(warnings)
+            sections = obj.docstring.parse(style, **options) if style else obj.docstring.parse(None)
+            problems = [f"unparsed section {match[1]!r}" for section in sections
+                        if section.kind is griffe.DocstringSectionKind.text
+                        for match in SECTION_HEADER.finditer(section.value)]
+            problems += warnings[seen:]
+            if problems:
+                found[obj.path] = problems
+    finally:
+        logging.getLogger("griffe").removeHandler(handler)
+    return found
+
+
+def unfenced_code(objects) -> dict[str, list[str]]:
+    """{object path: its lines of code outside a fence}."""
+    found = {}
+    for obj in objects:
+        if obj.docstring is not None:
+            lines = [match[0].strip() for match in CODE_LINE.finditer(FENCED.sub("", obj.docstring.value))]
+            if lines:
+                found[obj.path] = lines
+    return found
+
+
+def described_fields(cls) -> tuple[list[str], list[str]]:
+    """(the dataclass fields of griffe's ``cls``, read from the class itself; the names its ``Attributes:``
+    section describes, as mkdocstrings parses it)."""
+    import dataclasses
+
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    fields = [field.name for field in dataclasses.fields(getattr(importlib.import_module(cls.parent.path), cls.name))]
+    style, options = docstring_style()
+    sections = cls.docstring.parse(style, **options)
+    described = [attribute.name for section in sections if section.kind is griffe.DocstringSectionKind.attributes
+                 for attribute in section.value]
+    return fields, described
+
+
+def test_mkdocs_renders_google_sections():
+    assert docstring_style()[0] == "google"
+
+
+def test_every_docstring_parses_in_the_sites_style(collection):
+    objects = [obj for package in PACKAGES for obj in walk(collection[package])]
+    style, options = docstring_style()
+    found = section_problems(objects, style, options)
+    assert not found, f"docstring sections the API reference shows as plain text, or entries it drops: {found}"
+
+
+def test_the_section_check_catches_an_unparsed_section():
+    """Negative controls: PrepConfig's docstring read as mkdocs.yml once read it (``docstring_style: null``:
+    its ``Attributes:`` one paragraph), and an entry Google's style cannot read (a continuation line not
+    indented: griffe warns and drops it); the same docstring indented right passes."""
+    collection = load(("jaxprep",))
+    prep = collection["jaxprep.config.PrepConfig"]
+    assert section_problems([prep], None, {}) == {"jaxprep.config.PrepConfig": ["unparsed section 'Attributes'"]}
+    good = griffe.Docstring("A switch.\n\nAttributes:\n  mrope: M-RoPE positions\n    (docs/semantics.md).\n")
+    bad = griffe.Docstring("A switch.\n\nAttributes:\n  mrope: M-RoPE positions\n  (docs/semantics.md).\n")
+    for docstring in (good, bad):
+        docstring.parent = prep
+    objects = [type("Obj", (), dict(docstring=d, path=p))() for d, p in ((good, "good"), (bad, "bad"))]
+    found = section_problems(objects, "google", {"warn_missing_types": False})
+    assert list(found) == ["bad"] and "name: description" in found["bad"][0]
+
+
+def test_examples_in_docstrings_are_fenced(collection):
+    objects = [obj for package in PACKAGES for obj in walk(collection[package])]
+    found = unfenced_code(objects)
+    assert not found, f"code in a docstring outside a ``` fence (it renders as prose): {found}"
+
+
+def test_the_fence_check_catches_the_packages_example_as_it_was():
+    """Negative control: the ``jaxprep`` package's example as it was, indented (cleandoc dedents it into a
+    paragraph); fenced it passes."""
+    before = griffe.Docstring("jaxprep: input preparation.\n\n    config = jaxprep.PrepConfig(max_num_reqs=8)\n"
+                              "    step = jaxprep.prepare_inputs(state, config)\n")
+    after = griffe.Docstring("jaxprep: input preparation.\n\n```python\nconfig = jaxprep.PrepConfig(max_num_reqs=8)\n"
+                             "```\n")
+    objects = [type("Obj", (), dict(docstring=d, path=p))() for d, p in ((before, "before"), (after, "after"))]
+    assert unfenced_code(objects) == {"before": ["config = jaxprep.PrepConfig(", "step = jaxprep.prepare_inputs("]}
+
+
+@pytest.mark.parametrize("path", DESCRIBED)
+def test_every_field_of_the_step_and_the_configs_is_described(collection, path):
+    cls = target(collection[path])
+    fields, described = described_fields(cls)
+    assert len(fields) >= 6 and sorted(fields) == sorted(described), (
+        f"{path}: fields without a description {sorted(set(fields) - set(described))}, described but no field "
+        f"{sorted(set(described) - set(fields))}")

@@ -5,7 +5,11 @@
   (the account itself lives in docs/semantics/*.md, one page per topic);
 - every page in mkdocs.yml's navigation exists, and every guide, semantics page and placeholder
   page under docs/ is in the navigation;
-- links to repository files lead to the site's pages of those files (docs/_hooks/repo_links.py).
+- links to repository files lead to the site's pages of those files (docs/_hooks/repo_links.py);
+- each navigation entry's label is how its page's title begins, and the guides come in groups;
+- the site's extra stylesheet widens the page so that a 120-character code line fits;
+- a reader's link to a section of the semantics (README, the root files, the guides) goes to the page that
+  holds the section, not to the index (where an anchor only leads to a row of its table).
 """
 
 from __future__ import annotations
@@ -56,6 +60,19 @@ def test_an_index_anchor_leads_to_the_page_with_that_section(anchor):
     headings = re.findall(r"^#+ (.+)$", read(f"docs/{link.group(1)}"), flags=re.M)
     slugs = {re.sub(r"[^\w\- ]", "", heading.lower()).strip().replace(" ", "-") for heading in headings}
     assert anchor in slugs
+
+
+INDEX_LINK = re.compile(r"\]\(((?:\.\./)*(?:docs/)?semantics\.md#[\w-]+)\)")
+"""A Markdown link into the semantics index with an anchor (a citation in code stays plain text)."""
+
+
+def test_readers_links_to_a_semantics_section_go_to_its_page():
+    pages = [*ROOT_FILES, *(os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names in
+                            os.walk(os.path.join(ROOT, "docs")) for name in names if name.endswith(".md"))]
+    found = {page: INDEX_LINK.findall(read(page)) for page in pages if page != os.path.join("docs", "semantics.md")}
+    assert not {page: links for page, links in found.items() if links}, "link the section's page, not the index"
+    assert INDEX_LINK.findall("[example A](docs/semantics.md#example-a-step-1)")  # negative control
+    assert "semantics/examples.md#example-a-step-1" in read("README.md")
 
 
 def nav_pages() -> list[str]:
@@ -117,3 +134,42 @@ def test_a_source_page_holds_the_whole_file_in_one_code_block():
     assert "\n```python\n" in page and page.endswith("\n```\n")
     nested = hook.source_page("guide.md", "Intro\n```python\nx = 1\n```\n")
     assert "\n````markdown\n" in nested and nested.endswith("\n````\n")
+
+
+INCLUDE = re.compile(r'\{% include-markdown "\.\./([\w.]+)" %\}')
+
+
+def page_title(page: str) -> str:
+    """The first ``# `` heading of ``docs/page``, or of the root file it includes, without backticks."""
+    text = read(f"docs/{page}")
+    if included := INCLUDE.search(text):
+        text = read(included[1])
+    return re.search(r"^# (.+)$", text, re.M)[1].replace("`", "")
+
+
+def nav_entries() -> list[tuple[str, str]]:
+    return re.findall(r"^\s+- ([^:\n]+): ([\w/.-]+\.md)\s*$", read("mkdocs.yml"), flags=re.M)
+
+
+def test_each_navigation_label_begins_its_pages_title():
+    entries = [(label, page) for label, page in nav_entries() if label != "Home"]
+    assert len(entries) > 30
+    differ = {label: page_title(page) for label, page in entries if not page_title(page).startswith(label)}
+    assert not differ, f"navigation labels that are not how their page's title begins: {differ}"
+    labels = {page: label for label, page in entries}
+    gpu, runbook = labels["guides/gpu.md"], labels["guides/gpu-runbook.md"]
+    assert not gpu.startswith(runbook) and not runbook.startswith(gpu)  # the two GPU pages told apart
+
+
+def test_the_guides_come_in_groups_of_a_few():
+    nav = read("mkdocs.yml")
+    guides = nav[nav.index("  - Guides:"):nav.index("  - Semantics:")]
+    groups = re.split(r"^      - [^:\n]+:\s*$", guides, flags=re.M)[1:]
+    assert len(groups) >= 3 and sum(len(re.findall(r"\.md\s*$", g, re.M)) for g in groups) == 18
+    assert all(len(re.findall(r"\.md\s*$", group, re.M)) <= 7 for group in groups)
+
+
+def test_the_extra_stylesheet_widens_code_blocks():
+    assert "stylesheets/extra.css" in read("mkdocs.yml")
+    css = read("docs/stylesheets/extra.css")
+    assert re.search(r"\.md-grid\s*\{\s*max-width:\s*100rem", css) and "pre > code" in css

@@ -85,7 +85,9 @@ def test_every_block_is_run_or_says_why_not():
 def cpu_runs(tmp_path_factory):
     """Starts every plain python block at once, each in a fresh interpreter; {where: (status, output)}."""
     folder = tmp_path_factory.mktemp("readme")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # HOME: a block's "~/.cache/jaxprep" (the README's warm-up cache) lands in the test's folder
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               HOME=str(folder))
     env.pop("XLA_FLAGS", None)
     running = {}
     for block in (b for b in PYTHON if not missing_packages(b.code)):

@@ -1,11 +1,13 @@
 """torch_bridge: hands jaxprep's prepared steps to PyTorch (CPU, CUDA, Ascend NPU) and back.
 
-    import torch_bridge
-    step = jaxprep.prepare_inputs(state, config)
-    inputs = torch_bridge.to_torch(step)               # zero-copy on the arrays' own device
-    meta = inputs.attn_metadata                        # vLLM CommonAttentionMetadata names and dtypes
-    inputs_npu = torch_bridge.to_npu(step)             # host-staged, FIA-padded (needs jaxprep[npu])
-    sampled = torch_bridge.from_torch(sampled_ids, name="sampled_token_ids")   # back to an int32 jax.Array
+```python
+import torch_bridge
+step = jaxprep.prepare_inputs(state, config)
+inputs = torch_bridge.to_torch(step)               # zero-copy on the arrays' own device
+meta = inputs.attn_metadata                        # vLLM CommonAttentionMetadata names and dtypes
+inputs_npu = torch_bridge.to_npu(step)             # host-staged, FIA-padded (needs jaxprep[npu])
+sampled = torch_bridge.from_torch(sampled_ids, name="sampled_token_ids")   # back to an int32 jax.Array
+```
 
 Needs the ``torch`` extra (``pip install jaxprep[torch]``); the NPU path needs ``jaxprep[npu]``.
 """

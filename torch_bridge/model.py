@@ -4,11 +4,13 @@ The other half of a torch-side serving loop: jaxprep prepares the step (position
 block tables, logits indices), `torch_bridge.to_torch` hands it over, and this model runs it over
 a paged KV cache in plain torch, float32:
 
-    model = TorchDecoder.from_pretrained("path/to/checkpoint")        # config.json + *.safetensors
-    kv_caches = model.new_kv_caches(num_blocks, block_size)
-    inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, config))
-    logits = model.forward(inputs, kv_caches)                        # [num_reqs_padded, vocab_size]
-    next_ids = greedy_sample(logits, inputs)                          # [num_reqs] int64
+```python
+model = TorchDecoder.from_pretrained("path/to/checkpoint")        # config.json + *.safetensors
+kv_caches = model.new_kv_caches(num_blocks, block_size)
+inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, config))
+logits = model.forward(inputs, kv_caches)                        # [num_reqs_padded, vocab_size]
+next_ids = greedy_sample(logits, inputs)                          # [num_reqs] int64
+```
 
 Each layer follows transformers' ``LlamaDecoderLayer`` (and Qwen2's q/k/v biases, Qwen3's per-head
 q/k RMSNorm): RMSNorm, q/k/v projections, RoPE at ``positions`` with the checkpoint's RoPE type

@@ -1,9 +1,11 @@
 """vLLM's own ``CommonAttentionMetadata`` (vLLM 0.33.0) from a bridged step, for vLLM's attention backends.
 
-    inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, config))
-    cam = torch_bridge.vllm.common_attention_metadata(inputs, prefill_len=prompt_lens_by_row)
-    attn_metadata = TritonAttentionMetadataBuilder(spec, layer_names, vllm_config, device).build(0, cam)
-    cams = torch_bridge.vllm.group_common_attention_metadata(inputs)   # one per KV-cache group
+```python
+inputs = torch_bridge.to_torch(jaxprep.prepare_inputs(state, config))
+cam = torch_bridge.vllm.common_attention_metadata(inputs, prefill_len=prompt_lens_by_row)
+attn_metadata = TritonAttentionMetadataBuilder(spec, layer_names, vllm_config, device).build(0, cam)
+cams = torch_bridge.vllm.group_common_attention_metadata(inputs)   # one per KV-cache group
+```
 
 Needs vllm itself (``pip install --no-deps vllm==0.33.0``) and its import-time dependencies
 (``pip install jaxprep[vllm]``); this module is imported on its own, never by ``import torch_bridge``.
@@ -12,26 +14,22 @@ The fields follow how vLLM's runners fill them (``vllm/v1/worker/gpu/attn_utils.
 and ``vllm/v1/worker/gpu/model_states/default.py::prepare_attn`` in model runner V2,
 ``vllm/v1/worker/gpu_model_runner.py::_build_attention_metadata`` in V1):
 
-============================== ============================================================================
-field                          filled from
-============================== ============================================================================
-query_start_loc (+ ``_cpu``)   the step's, and the bridge's host mirror
-seq_lens                       the step's
-seq_lens_cpu_upper_bound       the bridge's host mirror of ``seq_lens``: exact, so a valid upper bound
-num_reqs, num_actual_tokens    the step's real counts; with ``padded=True`` the padded sizes (V2's FULL
-                               CUDA-graph mode, and V1)
-max_query_len, max_seq_len     the step's
-block_table_tensor             the step's (or the KV-cache group's, in kernel blocks); pad rows null
-slot_mapping                   the step's (or the group's), ``num_tokens_padded`` long; pad ``-1``
-positions                      the step's, int64, ``num_tokens_padded`` long
-causal                         the ``causal`` argument (default True)
-is_prefilling                  host bool ``num_computed < prefill_len``, given ``prefill_len``
-req_idx                        host copy of ``idx_mapping`` (state row of each real batch row), as V2
-dcp_local_seq_lens (+ bound)   the step's (DCP on), and a host copy as the upper bound (V1 does the same)
-logits_indices_padded,         with ``kv_sharing_fast_prefill=True``: the sampled token rows (pads repeat
-num_logits_indices,            the last one), their count, and the most per request (1, or 1 + the
-max_logits_per_req             longest draft with spec decode)
-============================== ============================================================================
+| field | filled from |
+|---|---|
+| query_start_loc (+ ``_cpu``) | the step's, and the bridge's host mirror |
+| seq_lens | the step's |
+| seq_lens_cpu_upper_bound | the bridge's host mirror of ``seq_lens``: exact, so a valid upper bound |
+| num_reqs, num_actual_tokens | the step's real counts; with ``padded=True`` the padded sizes (V2's FULL mode, V1) |
+| max_query_len, max_seq_len | the step's |
+| block_table_tensor | the step's (or the KV-cache group's, in kernel blocks); pad rows null |
+| slot_mapping | the step's (or the group's), ``num_tokens_padded`` long; pad ``-1`` |
+| positions | the step's, int64, ``num_tokens_padded`` long |
+| causal | the ``causal`` argument (default True) |
+| is_prefilling | host bool ``num_computed < prefill_len``, given ``prefill_len`` |
+| req_idx | host copy of ``idx_mapping`` (state row of each real batch row), as V2 |
+| dcp_local_seq_lens (+ bound) | the step's (DCP on), and a host copy as the upper bound (V1 does the same) |
+| logits_indices_padded, num_logits_indices, max_logits_per_req | with ``kv_sharing_fast_prefill=True``: the \
+sampled token rows (pads repeat the last one), their count, the most per request (1 + the longest draft) |
 
 Left at vLLM's default (None), and what each would need:
 

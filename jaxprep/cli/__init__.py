@@ -88,6 +88,13 @@ def commands_help(modules: dict) -> str:
     return "\n".join(["commands:", *lines])
 
 
+def version_line() -> str:
+    """``jaxprep --version``: ``jaxprep 0.1.0 (values of vLLM 0.33.0)``."""
+    from jaxprep import VLLM_VERSION, __version__
+
+    return f"jaxprep {__version__} (values of vLLM {VLLM_VERSION})"
+
+
 def parse_args(argv: list[str] | None = None):
     """(subcommand module, checked arguments); a bad flag exits 2 with one line naming it, before
     anything is compiled (`jaxprep.cli._args`)."""
@@ -104,9 +111,12 @@ def parse_args(argv: list[str] | None = None):
         parsers[name] = subparsers.add_parser(name, help=module.SUMMARY, description=module.DESCRIPTION,
                                               formatter_class=text)
         module.add_arguments(parsers[name])
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print jaxprep's version and the vLLM version its values follow, and exit")
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
-        parser.error(f"{argv[0]}: not a command (one of {', '.join(COMMANDS)}; none runs {DEFAULT_COMMAND})")
-    if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        parser.error(f"{argv[0]}: not a command (one of {', '.join(COMMANDS)}; with no command, jaxprep runs "
+                     f"{DEFAULT_COMMAND})")
+    if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version"):
         argv.insert(0, DEFAULT_COMMAND)
     args = parser.parse_args(argv)
     from jaxprep.cli._checkpoint import single_thread_cpu

@@ -11,14 +11,18 @@ A broken checkpoint is one line and exit 2:
     jaxprep generate: error: --model ckpt: config.json: rms_norm_eps='abc' must be a positive number
 
 The loader names the file and the field (`jaxprep.models.config`, `jaxprep.models.load`); errors the
-safetensors reader raises itself are caught here too, never a traceback.
+safetensors reader raises itself are caught here too, never a traceback. The commands check the folder
+(`check_model_folder`: the configs, every file header, every tensor's name and shape) with their other
+flags, before any progress line is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
-from jaxprep.cli._args import int_in
+from jaxprep.cli._args import UsageError, int_in, require
 from jaxprep.cli._progress import progress_bar
 
 DTYPES = ("float32", "bfloat16")
@@ -38,18 +42,40 @@ def single_thread_cpu(args: argparse.Namespace) -> bool:
     return getattr(args, "model", None) is None and getattr(args, "threads", None) is None
 
 
+def check_model_folder(args: argparse.Namespace):
+    """The `DecoderConfig` of ``--model`` once its folder has passed every check that reads no weight
+    (`jaxprep.models.load.check_checkpoint`); a broken folder raises `UsageError` naming the file and the
+    field. Called from ``check_arguments``, so the error is the command's only output."""
+    from jaxprep.models.load import check_checkpoint
+
+    require(os.path.isdir(args.model), f"--model {args.model}: is not a folder")
+    with _checkpoint_errors(args, _raise_usage_error):
+        return check_checkpoint(args.model)
+
+
 def load_checkpoint(args: argparse.Namespace):
     """``(config, params)`` of ``--model`` in ``--dtype``, with a progress bar of the bytes read; on a
     broken checkpoint calls ``args.error`` (one line, exit 2)."""
+    with _checkpoint_errors(args, args.error):
+        return _load(args)
+
+
+def _raise_usage_error(message: str):
+    raise UsageError(message)
+
+
+@contextlib.contextmanager
+def _checkpoint_errors(args: argparse.Namespace, report):
+    """A broken checkpoint's error as one line, ``--model DIR: ...``, handed to ``report``."""
     from jaxprep.models import CheckpointError, UnsupportedConfigError
 
     try:
-        return _load(args)
+        yield
     except (UnsupportedConfigError, CheckpointError, OSError) as error:
-        args.error(f"--model {args.model}: {_one_line(error)}")
+        report(f"--model {args.model}: {_one_line(error)}")
     except _safetensors_errors() as error:
-        args.error(f"--model {args.model}: a *.safetensors file cannot be read (corrupt or truncated?): "
-                   f"{_one_line(error)}")
+        report(f"--model {args.model}: a *.safetensors file cannot be read (corrupt or truncated?): "
+               f"{_one_line(error)}")
 
 
 def _load(args: argparse.Namespace):

@@ -5,6 +5,9 @@ pipe, CI) writes plain lines: one when a phase starts, one at each quarter of it
 ends, with the count and the seconds, so a long run shows where it is without a bar's redraws.
 ``always`` forces the bars (the tests use it), ``never`` writes nothing.
 
+With ``--json`` a command's stdout is the JSON object alone, so that ``jaxprep simulate --json | jq``
+works: the human summary goes to stderr with the progress (`report_file`).
+
     compiling: 0/9 executable
     compiling: 3/9 executable, 4.1 s
     ...
@@ -22,6 +25,29 @@ from tqdm import tqdm
 DISABLE = {"auto": None, "always": False, "never": True}
 """``--progress`` -> tqdm's ``disable``: ``None`` turns the bar off when stderr is not a terminal
 (`progress_bar` writes `LineProgress` lines then instead)."""
+
+
+def report_file(as_json: bool):
+    """Where a command prints its human summary: stdout, or stderr under ``--json`` (stdout then holds
+    only the JSON object)."""
+    return sys.stderr if as_json else sys.stdout
+
+
+def warm_up(engine, when: str, description: str, unit: str, cache_dir: str | None) -> float:
+    """``engine.warmup()`` with a progress bar (the last executable compiled as its postfix), after one line
+    on stderr saying what it compiles, why, and where the compilation cache keeps it; returns its seconds."""
+    if when != "never":
+        cache = f"the cache in {cache_dir} keeps them for the next run" if cache_dir else \
+            "no compilation cache (--no-compile-cache): the next run compiles them again"
+        sys.stderr.write(f"warm-up: {engine.num_executables} executables to compile before the first step, so that "
+                         f"no step compiles: {engine.warmup_plan()}; {cache}\n")
+        sys.stderr.flush()
+    with progress_bar(when, description, unit, total=engine.num_executables) as bar:
+        def show(done: int, total: int, what: str) -> None:
+            bar.set_postfix_str(what, refresh=False)
+            bar.update(1)
+
+        return engine.warmup(on_compiled=show)
 
 
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +102,9 @@ class LineProgress:
 
     def set_postfix(self, *args, **kwargs) -> None:
         """tqdm's extra fields: not written (the lines stay short)."""
+
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        """tqdm's extra text: not written (the lines stay short)."""
 
     def close(self) -> None:
         if not self._closed:

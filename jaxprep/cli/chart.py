@@ -60,7 +60,29 @@ def _plot_prep(ax, dispatch_steps: np.ndarray, prep_us: np.ndarray) -> None:
         return
     ax.plot(dispatch_steps, prep_us, ".", color=PREP, markersize=3)
     ax.axhline(np.median(prep_us), color=PREP, linewidth=1, label=f"median {np.median(prep_us):.0f} us")
-    ax.set_yscale("log")
+    _prep_axis(ax, prep_us)
     ax.set(ylabel="us", title="input preparation per dispatch (unpack + state updates + prepare_padded, "
                               "replayed with the state donated)")
     ax.legend(loc="upper right", fontsize=8)
+
+
+LOG_SPREAD = 20
+"""A prep-time axis is logarithmic only when its times spread over more than this factor (a first
+dispatch far above the rest); a narrower spread on a log axis shows one or two ticks."""
+
+
+def _prep_axis(ax, prep_us: np.ndarray) -> None:
+    """A linear axis from 0 with at least four labelled ticks, or, when the times spread over more than
+    `LOG_SPREAD`x, a log axis labelled at 1, 2 and 5 of every decade (plain numbers, not 10^k)."""
+    from matplotlib.ticker import LogLocator, MaxNLocator, ScalarFormatter
+
+    low, high = float(np.min(prep_us)), float(np.max(prep_us))
+    if low > 0 and high / low > LOG_SPREAD:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        ax.yaxis.get_minor_formatter().set_scientific(False)
+        return
+    ax.set_ylim(0, high * 1.1 if high > 0 else 1)
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=5, min_n_ticks=4))

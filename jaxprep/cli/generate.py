@@ -1,6 +1,8 @@
 """Generate greedily from a local Hugging Face checkpoint: all prompts served together by the serving loop.
 
-    jaxprep generate --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8 --json
+```bash
+jaxprep generate --model DIR --prompt-ids "1 2 3" --prompt-ids "4 5" --max-tokens 8 --json
+```
 
 DIR holds config.json and *.safetensors (a Llama, Qwen2 or Qwen3 model). With a tokenizer.json in DIR
 and the ``tokenizers`` package, ``--prompt "text"`` is accepted too and outputs are decoded. The
@@ -25,9 +27,9 @@ import os
 
 from jaxprep.cli._args import INT32_MAX, UsageError, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
-from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
+from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
 from jaxprep.cli._phases import PhaseClock, rates_line
-from jaxprep.cli._progress import add_progress_argument, progress_bar
+from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv, default_token_buckets
 
@@ -86,12 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser)
     parser.add_argument("--json", action="store_true",
                         help='print {"outputs": [[ids...], ...], "rates": {...}, "warmup": {...}, "compiles": {...}} '
-                             "as one JSON object on the last line")
+                             "as one JSON object, the only output on stdout (the text goes to stderr)")
     parser.set_defaults(error=parser.error)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """What the flags alone decide: a checkpoint folder, at least one prompt, a tokenizer for text."""
+    """Everything that can be refused before the first progress line: the flags, the checkpoint folder
+    (configs, file headers, tensor shapes; no weight read), the prompts against its vocabulary and the
+    sizes. Sets ``args.tokenizer``, ``args.decoder`` (the checkpoint's config), ``args.prompt_token_ids``
+    and ``args.serving`` (the `ServingConfig`)."""
     require(os.path.isdir(args.model), f"--model {args.model}: is not a folder")
     require(bool(args.prompts), "--prompt-ids: give at least one prompt (--prompt-ids or --prompt)")
     if args.num_blocks is not None:
@@ -100,45 +105,47 @@ def check_arguments(args: argparse.Namespace) -> None:
     sampling_params(args, len(args.prompts) - 1)  # a bad value ends here, naming its flag (the last seed too)
     check_cache_arguments(args)
     args.tokenizer = _tokenizer(args)
+    args.decoder = check_model_folder(args)  # the flags first: the checkpoint is read only once they pass
+    prompts = [args.tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
+    _check_token_ids(args, prompts, args.decoder.vocab_size)
+    eos_ids = () if args.ignore_eos else args.decoder.eos_token_ids
+    config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
+    _check_fit(args, prompts, config)
+    if sampling_params(args) is not None:
+        config = with_sampling(config, args.decoder.vocab_size)
+    args.prompt_token_ids, args.eos_ids, args.serving = prompts, eos_ids, config
 
 
 def run(args: argparse.Namespace) -> int:
     from jaxprep.compilation import count_compiles
 
-    tokenizer = args.tokenizer
+    prompts = args.prompt_token_ids
     with count_compiles() as compiles:  # the whole run: loading, warm-up, serving
         model, params = load_checkpoint(args)
-        prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in args.prompts]
-        _check_token_ids(args, prompts, model.vocab_size)
-        eos_ids = () if args.ignore_eos else model.eos_token_ids
-        config = serving_config(args, prompts, eos_ids[0] if eos_ids else -1)
-        _check_fit(args, prompts, config)
         sampling = [sampling_params(args, i) for i in range(len(prompts))]
-        if sampling[0] is not None:
-            config = with_sampling(config, model.vocab_size)
-        outputs, stats, rates, warmup = generate(model, params, prompts, config, args.max_tokens, eos_ids, sampling,
-                                                 progress=args.progress)
+        outputs, stats, rates, warmup = generate(model, params, prompts, args.serving, args.max_tokens, args.eos_ids,
+                                                 sampling, progress=args.progress, cache_dir=args.compile_cache_dir)
     warmup["compile_cache"] = args.compile_cache_dir
-    _print(args, model, prompts, outputs, stats, tokenizer, rates,
+    _print(args, model, prompts, outputs, stats, args.tokenizer, rates,
            dict(warmup=warmup, compiles={"total": compiles.compiles, "cache_hits": compiles.cache_hits}))
     return 0
 
 
 def generate(model, params, prompts: list[list[int]], config, max_tokens: int, eos_ids: tuple[int, ...],
-             sampling=None, progress: str = "never") -> tuple[list[list[int]], object, dict, dict]:
+             sampling=None, progress: str = "never", cache_dir: str | None = None
+             ) -> tuple[list[list[int]], object, dict, dict]:
     """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
     first of ``eos_ids``), the loop stats, the prefill and decode rates (`PhaseClock.rates`,
     compiles excluded: every executable is compiled first) and that warm-up: ``warmup_s``,
     ``warmup_compiles`` (executables) and ``warmup_cache_hits`` (of them, loaded from the persistent
     compilation cache). ``sampling``: each prompt's `SamplingParams` (None: greedy). ``progress``: a
-    ``--progress`` value."""
+    ``--progress`` value; ``cache_dir``: the compilation cache in force (named in the warm-up's line)."""
     from jaxprep.compilation import count_compiles
     from jaxprep.serving import Engine, Request
 
     engine = Engine(config, model, params=params, keep_history=True)
-    with progress_bar(progress, "compiling", "executable", total=engine.num_executables) as bar, \
-            count_compiles() as compiles:
-        warmup_s = engine.warmup(on_compiled=lambda done, total: bar.update(1))
+    with count_compiles() as compiles:
+        warmup_s = warm_up(engine, progress, "compiling", "executable", cache_dir)
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=compiles.compiles, warmup_cache_hits=compiles.cache_hits)
     sampling = sampling or [None] * len(prompts)
     engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens, sampling_params=s)
@@ -170,7 +177,7 @@ def serving_config(args, prompts: list[list[int]], eos_token_id: int):
                           num_blocks=args.num_blocks or 1 + sum(cdiv(length, block) for length in lengths))
         return ServingConfig(prep=prep, eos_token_id=eos_token_id, decode_steps=args.decode_steps)
     except ValueError as error:  # the message names the field and its bound
-        args.error(str(error))
+        raise UsageError(str(error)) from None
 
 
 def generate_buckets(max_num_reqs: int, budget: int) -> tuple[int, ...]:
@@ -205,11 +212,9 @@ def _stop_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
 
 def _check_token_ids(args, prompts: list[list[int]], vocab_size: int) -> None:
     for i, prompt in enumerate(prompts):
-        if not prompt:
-            args.error(f"--prompt {args.prompts[i]!r}: encodes to no tokens")
-        if max(prompt) >= vocab_size:
-            args.error(f"--prompt-ids {' '.join(map(str, prompt))}: token id {max(prompt)} is outside the model's "
-                       f"vocabulary [0, vocab_size={vocab_size})")
+        require(bool(prompt), f"--prompt {args.prompts[i]!r}: encodes to no tokens")
+        require(max(prompt) < vocab_size, f"--prompt-ids {' '.join(map(str, prompt))}: token id {max(prompt)} is "
+                f"outside the model's vocabulary [0, vocab_size={vocab_size})")
 
 
 def _check_fit(args, prompts: list[list[int]], config) -> None:
@@ -217,14 +222,12 @@ def _check_fit(args, prompts: list[list[int]], config) -> None:
     (the scheduler's admission bounds, as flag errors)."""
     prep = config.prep
     for i, prompt in enumerate(prompts):
-        if len(prompt) >= prep.max_model_len:
-            args.error(f"--max-model-len {prep.max_model_len}: must exceed every prompt's length "
-                       f"(prompt {i} has {len(prompt)} tokens)")
+        require(len(prompt) < prep.max_model_len, f"--max-model-len {prep.max_model_len}: must exceed every "
+                f"prompt's length (prompt {i} has {len(prompt)} tokens)")
         needed = cdiv(min(len(prompt) + args.max_tokens, prep.max_model_len), prep.block_size)
-        if needed > prep.num_blocks - 1:
-            args.error(f"--num-blocks {prep.num_blocks}: must be >= {needed + 1}: blocks of {prep.block_size} "
-                       f"(one is the null block) for prompt {i}: {len(prompt)} tokens + up to {args.max_tokens} "
-                       f"generated need {needed}")
+        require(needed <= prep.num_blocks - 1, f"--num-blocks {prep.num_blocks}: must be >= {needed + 1}: blocks of "
+                f"{prep.block_size} (one is the null block) for prompt {i}: {len(prompt)} tokens + up to "
+                f"{args.max_tokens} generated need {needed}")
 
 
 def _tokenizer(args):
@@ -248,18 +251,19 @@ def _tokenizer(args):
 
 
 def _print(args, model, prompts, outputs, stats, tokenizer, rates: dict, compiling: dict) -> None:
+    out = report_file(args.json)  # stderr under --json: stdout then holds the JSON object alone
     print(f"== jaxprep generate: {model.model_type} ({model.num_layers} layers, vocab {model.vocab_size}, "
           f"{model.dtype}) from {args.model}: {len(prompts)} prompts served together in {stats.dispatches} "
-          f"dispatches, {stats.preemptions} preemptions")
+          f"dispatches, {stats.preemptions} preemptions", file=out)
     texts = []
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        print(f"[{i}] prompt ({len(prompt)} ids): {' '.join(map(str, prompt))}")
-        print(f"    output ({len(output)} ids): {' '.join(map(str, output))}")
+        print(f"[{i}] prompt ({len(prompt)} ids): {' '.join(map(str, prompt))}", file=out)
+        print(f"    output ({len(output)} ids): {' '.join(map(str, output))}", file=out)
         if tokenizer is not None:
             texts.append(tokenizer.decode(output, skip_special_tokens=True))
-            print(f"    text: {texts[-1]!r}")
-    print(f"== {warmup_line(**compiling)}")
-    print(f"== {rates_line(rates)}")
+            print(f"    text: {texts[-1]!r}", file=out)
+    print(f"== {warmup_line(**compiling)}", file=out)
+    print(f"== {rates_line(rates)}", file=out)
     if args.json:
         print(json.dumps({"outputs": outputs, **({"texts": texts} if tokenizer is not None else {}), "rates": rates,
                           **compiling}))

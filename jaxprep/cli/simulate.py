@@ -16,9 +16,9 @@ import numpy as np
 
 from jaxprep.cli._args import INT32_MAX, check_plot_path, flag, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
-from jaxprep.cli._checkpoint import add_checkpoint_arguments, load_checkpoint
+from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
 from jaxprep.cli._phases import PhaseClock
-from jaxprep.cli._progress import add_progress_argument, progress_bar
+from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
 from jaxprep.config import cdiv
 
@@ -87,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="check the greedy tokens against a dense recomputation; exit 1 if they differ "
                              "or anything compiled after warm-up")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    parser.add_argument("--json", action="store_true",
+                        help="print the summary as one JSON object, the only output on stdout (the text summary "
+                             "goes to stderr)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="save a chart of every forward pass: tokens run vs the bucket (the padding), "
                              "prefill and decode tokens, and the prep time (needs matplotlib)")
@@ -167,6 +169,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_cache_arguments(args)
     if args.plot:
         check_plot_path("--plot", args.plot)
+    if args.model is not None:  # the flags first: a folder is read only once they pass
+        check_model_folder(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     config, model, params, workload = _setup(args)
     engine = _engine(config, model, args, params)
     with count_compiles() as warmup_compiles:
-        warmup_s = _warmup(engine, args.progress)
+        warmup_s = _warmup(engine, args)
     with count_compiles() as compiles:
         start = time.perf_counter()
         finished, clock = _serve(engine, workload, args.progress)
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                        check_tokens=check.num_tokens, check_mismatches=check.mismatches,
                        check_near_ties=check.near_ties)
     if args.plot:
-        _plot(engine, args.plot)
+        _plot(engine, args.plot, report_file(args.json))
     _print(summary, args.json)
     failed = args.check and (not summary["check_passed"] or summary["compiles_after_warmup"] > 0)
     return 1 if failed else 0
@@ -264,10 +268,9 @@ def _engine(config, model, args, params=None):
                               params=params, keep_history=True)
 
 
-def _warmup(engine, when: str) -> float:
+def _warmup(engine, args) -> float:
     buckets = len(engine.config.prep.token_buckets)
-    with progress_bar(when, f"warm-up: {buckets} buckets", "compile", total=engine.num_executables) as bar:
-        return engine.warmup(on_compiled=lambda done, total: bar.update(1))
+    return warm_up(engine, args.progress, f"warm-up: {buckets} buckets", "compile", args.compile_cache_dir)
 
 
 def _serve(engine, workload, when: str):
@@ -281,11 +284,11 @@ def _serve(engine, workload, when: str):
         return engine.run(on_step=clock), clock
 
 
-def _plot(engine, path: str) -> None:
+def _plot(engine, path: str, out) -> None:
     from jaxprep.cli.chart import plot_dispatches
 
     plot_dispatches(engine.stats).savefig(path, dpi=80)
-    print(f"jaxprep simulate: wrote {path}")
+    print(f"jaxprep simulate: wrote {path}", file=out)
 
 
 FIGURES = {
@@ -385,12 +388,14 @@ def _spec_decode_summary(stats, args) -> dict:
 
 
 def _print(summary: dict, as_json: bool) -> None:
-    print(f"== jaxprep simulate: {summary['model']}, device-resident serving loop")
+    """The summary as text (on stderr under ``--json``: stdout then holds the JSON object alone)."""
+    out = report_file(as_json)
+    print(f"== jaxprep simulate: {summary['model']}, device-resident serving loop", file=out)
     for key, value in summary.items():
-        print(f"  {key:26s} {value}{_formula(summary, key)}")
-    print("what the figures include:")
+        print(f"  {key:26s} {value}{_formula(summary, key)}", file=out)
+    print("what the figures include:", file=out)
     for name, line in FIGURES.items():
-        print(f"  {name}: {line}")
+        print(f"  {name}: {line}", file=out)
     if as_json:
         print(json.dumps(dict(summary, figures=FIGURES, rates=RATES)))
 

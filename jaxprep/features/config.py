@@ -163,14 +163,14 @@ class FeatureConfig:
       speculative_method: vLLM ``speculative_config.method`` ("mtp", "eagle", "ngram", ...);
         only the attention state reads it.
       discard_request_mask: `StepInputs.discard_request_mask` from `BatchState.prefill_len`
-      (docs/semantics.md#logits-indices).
+        (docs/semantics.md#logits-indices).
       kv_groups: one spec per KV-cache group (docs/semantics.md#kv-groups); group 0 is `BatchState.block_table` with
         ``PrepConfig.block_size``, groups 1.. are `BatchState.extra_block_tables`. ``()``: off.
       dcp: decode context parallelism (docs/semantics.md#dcp); ``None``: off.
       mrope: `StepInputs.mrope_positions` ``[3, T_pad]`` (docs/semantics.md#m-rope).
       prompt_embeds: `StepInputs.prompt_embeds` (docs/semantics.md#prompt-embeddings).
       async_tokens: write last step's sampled (and draft) token ids into ``input_ids``
-      (docs/semantics.md#async-scheduling).
+        (docs/semantics.md#async-scheduling).
       attn_state: `StepInputs.attn_state`, vllm-ascend's state ladder (docs/semantics.md#ascend-state).
       enable_chunked_prefill: the ladder's rung 4 (vLLM ``scheduler_config.enable_chunked_prefill``).
       attn_mask: None, "compressed" (constant 2048x2048 int8), "rows_bool" or "rows_additive"
@@ -178,7 +178,7 @@ class FeatureConfig:
       attn_mask_dtype: dtype of the additive row mask.
       mask_kv_len: columns of a row mask (a bound on ``seq_lens``); ``None``: ``max_model_len``.
       reorder: None (state-row order), "decode_first" (tpu-inference) or "v2" (vLLM V2 sort),
-      docs/semantics.md#batch-order.
+        docs/semantics.md#batch-order.
       request_distribution: `StepInputs.request_distribution` ``[decode_end, prefill_end, mixed_end]``.
       runner: "v1" (default) or "v2": every output follows that vLLM model runner where the two
         differ (docs/semantics.md, V1 and V2). "v2" implies V2's batch order (`batch_order`) and

@@ -84,12 +84,12 @@ class Sizes:
 
     @property
     def num_logits_padded(self) -> int:
-        """L_pad = min(T, Rp * (K + 1)) (`jaxprep.features.spec_decode.padded_sizes`)."""
+        """``L_pad = min(T, Rp * (K + 1))`` (`jaxprep.features.spec_decode.padded_sizes`)."""
         return min(self.num_tokens_padded, self.num_reqs_padded * (self.num_speculative_tokens + 1))
 
     @property
     def num_drafts_padded(self) -> int:
-        """D_pad = min(T, Rp * K)."""
+        """``D_pad = min(T, Rp * K)``."""
         return min(self.num_tokens_padded, self.num_reqs_padded * self.num_speculative_tokens)
 
     @property

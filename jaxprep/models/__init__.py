@@ -1,7 +1,9 @@
 """Real decoder architectures from local Hugging Face checkpoints, for the serving loop.
 
-    config, params = load_model("path/to/checkpoint", dtype="bfloat16")  # config.json + *.safetensors
-    engine = Engine(serving_config, config, params=params)
+```python
+config, params = load_model("path/to/checkpoint", dtype="bfloat16")  # config.json + *.safetensors
+engine = Engine(serving_config, config, params=params)
+```
 
 The Llama family (``model_type`` llama, qwen2, qwen3) with RMSNorm, RoPE (default, linear and llama3
 scaling), grouped-query attention, SwiGLU and tied or untied embeddings; computed in float32 (the

@@ -44,6 +44,16 @@ def load_model(directory: str, dtype: str = "float32", on_progress=None) -> tupl
     return config, place_params(config, open_checkpoint(directory), on_progress)
 
 
+def check_checkpoint(directory: str) -> DecoderConfig:
+    """The config of the checkpoint in ``directory``, once everything `load_model` checks before it reads a
+    weight has passed: config.json (and generation_config.json), every safetensors header, every tensor's
+    name and shape. No tensor data is read and nothing is allocated, so a command can refuse a broken
+    folder before it shows any progress."""
+    config = read_config(directory)
+    _check_tensors(config, open_checkpoint(directory))
+    return config
+
+
 def _with_dtype(config: DecoderConfig, dtype: str) -> DecoderConfig:
     if dtype not in DTYPES:
         raise ValueError(f"load_model: dtype={dtype!r} must be one of {', '.join(DTYPES)}")

@@ -1,9 +1,10 @@
 """Chunked prefill step by step: the driving, the records and the tables of `jaxprep walkthrough`
 and the notebooks.
 
-    for record in jaxprep.walkthrough.walk(WalkthroughOptions()):   # example A (docs/semantics.md#example-a-step-1), to
-    the end
-        print(jaxprep.walkthrough.format_step(record))
+```python
+for record in jaxprep.walkthrough.walk(WalkthroughOptions()):  # example A (docs/semantics.md), to the end
+    print(jaxprep.walkthrough.format_step(record))
+```
 """
 
 from jaxprep.walkthrough.drive import WalkthroughOptions, run_walkthrough, walk

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import io
+import sys
 
 import numpy as np
 
@@ -20,11 +21,30 @@ from jaxprep.config import cdiv
 from jaxprep.walkthrough import StepRecord, attention_pattern, kv_cache_view, token_table_states
 from jaxprep.walkthrough.views import CACHED, CACHED_KEY, HIDDEN, SCHEDULED, WAITING
 
+SCRIPT_NOTE = ("figures: run as a script, this notebook builds each figure and checks its values but shows none; "
+               "open it in Jupyter to see them (jupyter notebook, with jupytext), or save one: "
+               "plotting.plot_step(record).savefig('step.png')")
+"""What a notebook run as a plain script says about its figures (`say_where_figures_go`)."""
 LIGHT = 0.35
 """Alpha of the light shade (K/V cached before this step)."""
 WAITING_RGBA = (0.82, 0.82, 0.82, 1.0)
 NULL_RGBA = (0.55, 0.55, 0.55, 1.0)
 EMPTY_RGBA = (1.0, 1.0, 1.0, 1.0)
+
+
+def say_where_figures_go(out=None) -> None:
+    """Prints `SCRIPT_NOTE` unless this runs in a Jupyter kernel, where each figure a cell ends with is shown:
+    a notebook run as a script (``python notebooks/01_chunked_prefill.py``, the test suite) draws nothing and
+    says so, once, before its first figure."""
+    if not in_jupyter_kernel():
+        print(SCRIPT_NOTE, file=out or sys.stdout)
+
+
+def in_jupyter_kernel() -> bool:
+    """Whether this code runs in a Jupyter kernel (IPython with a kernel attached)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return getattr(shell, "kernel", None) is not None
 
 
 def _matplotlib():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +57,16 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
     assert details["generate vs transformers: decode at one request <= 1.0 ms/token"].endswith(
         "result: not checked (not a GPU run)")
     assert sorted(os.listdir(tmp_path))  # each step's log was written
+    # the record BENCHMARKS.md's GPU rows are read from (benchmarks/dashboard.py --gpu-record ...)
+    with open(os.path.join(tmp_path, "gpu_record.json"), encoding="utf-8") as file:
+        record = json.load(file)
+    assert record["dry_run"] and record["commit"] and record["command"].endswith("--dry-run --log-dir " + str(tmp_path))
+    assert [(check, result) for check, result, _ in record["rows"]] == list(checks.items())  # the table's rows
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import dashboard
+
+    fused, end_to_end, door = dashboard.gpu_cells(record)  # CPU: every GPU figure reads n/a or -
+    assert fused[1] == "n/a µs, n/a launches" and door[1] == "not measured yet"
     order = [name.split(":")[0].split(" (")[0].split(",")[0] for name in checks]  # most wanted first, the suite last
     assert order.index("ragged attention kernel") < order.index("float32 greedy equality") \
         < order.index("generate vs transformers") < order.index("bench_fused") < order.index("bench_door") \

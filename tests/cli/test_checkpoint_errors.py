@@ -1,5 +1,6 @@
 """`simulate --model` and `generate --model` on a broken checkpoint folder: one line naming the file
-and the field, exit status 2, no traceback (each used to end in a traceback, exit 1)."""
+and the field, exit status 2, no traceback (each used to end in a traceback, exit 1), and no progress
+line before it (the folder is checked with the flags, before the loading starts)."""
 
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ def test_a_broken_checkpoint_is_one_line_exit_2(broken, command, good_checkpoint
     shutil.copytree(good_checkpoint, folder)
     breaks, message = BROKEN[broken]
     breaks(folder)
-    # --no-progress: off a terminal the loading phase writes its lines first (`jaxprep.cli._progress`)
-    code, lines = _run([command, "--model", folder, *COMMANDS[command], "--no-progress"], capsys)
+    # progress on (stderr is not a terminal: plain lines): the folder is checked before the first one is written
+    code, lines = _run([command, "--model", folder, *COMMANDS[command]], capsys)
     assert code == 2 and len(lines) == 1, lines
     assert re.match(rf"jaxprep {command}: error: --model {re.escape(folder)}: ", lines[0]), lines[0]
     assert message in lines[0], lines[0]

@@ -37,7 +37,7 @@ def test_a_second_generate_run_compiles_nothing(tmp_path):
     save_checkpoint(SPECS["qwen3"], str(tmp_path / "model"))
     argv = ["generate", "--model", str(tmp_path / "model"), *GENERATE, "--compile-cache", str(tmp_path / "cache")]
     first, second = (run_jaxprep(*argv) for _ in range(2))
-    first_json, second_json = (json.loads(run.stdout.strip().splitlines()[-1]) for run in (first, second))
+    first_json, second_json = (json.loads(run.stdout) for run in (first, second))  # stdout: the JSON alone
     compiles = second_json["compiles"]
     assert compiles["total"] == compiles["cache_hits"] == first_json["compiles"]["total"], second_json
     # negative control: the first run, from an empty folder, compiled everything itself
@@ -46,7 +46,7 @@ def test_a_second_generate_run_compiles_nothing(tmp_path):
     assert warmup["warmup_compiles"] == warmup["warmup_cache_hits"] > 0
     assert warmup["compile_cache"] == str(tmp_path / "cache") and warmup["warmup_s"] > 0
     assert second_json["outputs"] == first_json["outputs"]
-    assert "== warm-up " in second.stdout and "the run compiled" in second.stdout
+    assert "== warm-up " in second.stderr and "the run compiled" in second.stderr  # the text: stderr under --json
     # stderr is a pipe: a plain line per phase (and per quarter of it), no bars
     for line in ("loading (float32): ", "compiling: 2/2 executable in ", "prefill: 11/11 token in ",
                  "decode: 8/8 token in "):

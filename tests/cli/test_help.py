@@ -4,11 +4,14 @@ one line per subcommand that fits an 80-column terminal, and a description on ev
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 
 from jaxprep import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MARKUP = re.compile(r"`|:(?:func|class|mod|meth|attr|ref):|^\s*\.\. |::$", re.M)
 """reST and Markdown markup: backticks (``x``, `x`), roles, directives, literal-block colons."""
@@ -69,4 +72,16 @@ def test_an_unknown_command_is_one_line_naming_the_commands(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("jaxprep: error: simulat: not a command (one of simulate, generate, demo, walkthrough; "
-                       "none runs simulate)")
+                       "with no command, jaxprep runs simulate)")
+
+
+def test_version_prints_the_package_and_vllm_versions(capsys):
+    """``jaxprep --version``: one line, exit 0, the version pyproject.toml reads from ``jaxprep.__version__``."""
+    import jaxprep
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"jaxprep {jaxprep.__version__} (values of vLLM 0.33.0)\n"
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as file:
+        assert 'version = { attr = "jaxprep.__version__" }' in file.read()

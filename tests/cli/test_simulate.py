@@ -1,5 +1,6 @@
-"""`jaxprep simulate`: the default subcommand; its --check passes, --json ends with the summary, and
-every rate it prints is the division of the two figures printed beside it."""
+"""`jaxprep simulate`: the default subcommand; its --check passes, --json writes the summary as the only
+output on stdout (the text summary goes to stderr), and every rate it prints is the division of the two
+figures printed beside it."""
 
 from __future__ import annotations
 
@@ -63,10 +64,12 @@ def reconciles(rate: float, tokens: float, seconds: float) -> bool:
 
 
 def test_simulate_check_json_summary(checked_run):
-    """No subcommand named: simulate runs; --check passes, the last stdout line is the JSON summary."""
+    """No subcommand named: simulate runs; --check passes; stdout is the JSON summary and nothing else
+    (``jaxprep simulate --json | jq`` works), the text summary is on stderr."""
     result = checked_run
     assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    summary = json.loads(result.stdout)  # the whole of stdout: a line of text before it fails the parse
+    assert "== jaxprep simulate: tiny paged-KV model" in result.stderr
     assert summary["check_passed"] is True and summary["check_mismatches"] == 0
     assert summary["compiles_after_warmup"] == 0
     assert summary["finished"] == summary["requests"] == 10
@@ -76,6 +79,9 @@ def test_simulate_check_json_summary(checked_run):
     # stderr is a pipe, not a terminal: a line per phase and per quarter of it, no bar redraws
     assert "\r" not in result.stderr and "warm-up: 2 buckets: 4/4 compile in " in result.stderr, result.stderr
     assert "serving: 10/10 req in " in result.stderr and "check: dense recompute: 10/10 req in " in result.stderr
+    # before the warm-up, one line says what it compiles and why (--budget 16: buckets 8 and 16)
+    assert ("warm-up: 4 executables to compile before the first step, so that no step compiles: the serving step "
+            "at the 2 token buckets 8, 16 x ") in result.stderr, result.stderr
 
 
 def test_each_printed_rate_is_its_printed_tokens_over_its_printed_seconds(checked_run):
@@ -84,8 +90,8 @@ def test_each_printed_rate_is_its_printed_tokens_over_its_printed_seconds(checke
     same pairs. The decode rate's tokens are those of the decode dispatches, not ``decode_tokens``
     (which counts the decodes riding in prefill dispatches too). Negative control: that rate
     recomputed from ``decode_tokens``, and the throughput from ``output_tokens``, do not reconcile."""
-    values, formulas = printed_summary(checked_run.stdout)
-    summary = json.loads(checked_run.stdout.strip().splitlines()[-1])
+    values, formulas = printed_summary(checked_run.stderr)  # under --json the text summary is on stderr
+    summary = json.loads(checked_run.stdout)
     assert set(formulas) == set(RATES)
     for rate, (tokens_name, tokens, seconds_name, seconds) in formulas.items():
         assert (tokens_name, seconds_name) == RATES[rate]

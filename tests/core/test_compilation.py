@@ -100,3 +100,28 @@ def test_prepare_inputs_inside_a_user_jit():
         return prepare_inputs(state, CONFIG, bucket).attn_metadata.slot_mapping
 
     np.testing.assert_array_equal(serving_step(state), prepare_padded(state, CONFIG, bucket).attn_metadata.slot_mapping)
+
+
+def test_warmup_says_what_it_compiles_and_how_many_remain(caplog):
+    """`jaxprep.warmup` on the ``jaxprep.warmup`` logger: why (the ladder), each executable with how many are
+    left, the seconds at the end; ``on_compiled(done, total, what)`` sees the same executables."""
+    import logging
+
+    config = PrepConfig(max_num_reqs=3, max_model_len=20, max_num_batched_tokens=24, block_size=2)
+    seen = []
+    with caplog.at_level(logging.INFO, logger="jaxprep.warmup"):
+        warmup(config, on_compiled=lambda done, total, what: seen.append((done, total, what)))
+    lines = [record.getMessage() for record in caplog.records if record.name == "jaxprep.warmup"]
+    assert lines[0].startswith("warm-up: compiling 3 executables, prepare_padded at the 3 token buckets 8, 16, 24,")
+    assert sorted(line.split(": ", 2)[1] for line in lines[1:-1]) == ["1/3 compiled, 2 to go", "2/3 compiled, 1 to go",
+                                                                     "3/3 compiled, 0 to go"]
+    assert {line.rsplit(": ", 1)[1] for line in lines[1:-1]} == {f"prepare_padded at {b} tokens" for b in (8, 16, 24)}
+    assert lines[-1].startswith("warm-up: 3 executables in ")
+    assert [done for done, _, _ in seen] == [1, 2, 3] and {total for _, total, _ in seen} == {3}
+
+
+def test_the_library_warmup_is_quiet_unless_logging_is_on(capfd):
+    """Nothing on stdout or stderr from the library by default (no handler of its own)."""
+    warmup(PrepConfig(max_num_reqs=2, max_model_len=12, max_num_batched_tokens=16, block_size=2))
+    captured = capfd.readouterr()
+    assert "warm-up" not in captured.out + captured.err

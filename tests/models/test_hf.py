@@ -182,7 +182,7 @@ class _Finished:
 
 def test_generate_command_matches_transformers(checkpoint, capsys):
     """`jaxprep generate --json` serves the prompts together (chunked: budget 8) in the order given,
-    token ids and text alike; the last stdout line holds each one's generated ids, equal to
+    token ids and text alike; stdout is one JSON object holding each one's generated ids, equal to
     transformers' greedy tokens, and with a tokenizer in DIR their decoded text."""
     pytest.importorskip("tokenizers", reason="text prompts need the tokenizers package")
     directory = checkpoint("qwen2")
@@ -193,7 +193,7 @@ def test_generate_command_matches_transformers(checkpoint, capsys):
     for prompt in prompts:
         argv += ["--prompt-ids", " ".join(map(str, prompt))]
     assert main(argv) == 0
-    outputs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"]
+    outputs = json.loads(capsys.readouterr().out)["outputs"]
     check = compare_greedy(reference_model(directory),
                            [_Finished(i, p, o, max_tokens=6) for i, (p, o) in enumerate(zip(prompts, outputs))])
     assert check.num_tokens == 18 and check.mismatches == 0 and check.near_ties == 0
@@ -201,8 +201,8 @@ def test_generate_command_matches_transformers(checkpoint, capsys):
     _save_word_tokenizer(directory, 320)
     argv = ["generate", "--model", directory, *sizes, "--prompt-ids", "7 7 100", "--prompt", "w31 w8 w250"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    result = json.loads(out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)  # the whole of stdout; the text is on stderr
     assert result["outputs"] == outputs[1:]
     assert result["texts"][1] == " ".join(f"w{i}" for i in outputs[2])
-    assert "prompt (3 ids): 31 8 250" in out
+    assert "prompt (3 ids): 31 8 250" in captured.err

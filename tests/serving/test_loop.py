@@ -92,7 +92,13 @@ def test_two_thousand_steps_compile_nothing_and_keep_memory_flat():
     workload = random_workload(11, num_requests=1000, vocab_size=MODEL.vocab_size, prompt_len=(1, 30),
                                max_tokens=(1, 16), arrival_spread=2400)
     engine = Engine(config, MODEL, seed=3)
-    engine.warmup()
+    seen = []
+    engine.warmup(on_compiled=lambda done, total, what: seen.append((done, total, what)))
+    # the warm-up names each executable: every (bucket, update size) step and the updates alone at each size
+    assert [done for done, _, _ in seen] == list(range(1, engine.num_executables + 1))
+    assert {what for _, _, what in seen} >= {f"serving step at {b} tokens, updates of 64 words"
+                                              for b in config.prep.token_buckets}
+    assert engine.warmup_plan().startswith(f"the serving step at the {len(config.prep.token_buckets)} token buckets")
     engine.submit(workload.requests, workload.arrival_steps)
     engine.run(max_dispatches=20)
     before = _live_device_memory()

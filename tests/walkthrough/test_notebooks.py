@@ -31,7 +31,14 @@ def test_notebook_runs(name, monkeypatch, capsys):
             pytest.importorskip("torch")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     runpy.run_path(path, run_name="__main__")
-    assert "DIFFER" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DIFFER" not in out
+    # run as a script, a notebook with figures says once that it shows none (they appear in Jupyter)
+    from jaxprep.walkthrough.plotting import SCRIPT_NOTE
+
+    with open(path, encoding="utf-8") as file:
+        draws = "\nplotting.plot_" in file.read()
+    assert out.count(SCRIPT_NOTE) == (1 if draws else 0), out[:2000]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

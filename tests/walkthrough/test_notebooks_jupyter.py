@@ -46,3 +46,5 @@ def test_figures_render_as_png_in_a_kernel(monkeypatch):
         assert len(images[0]) > 10_000  # base64 of a real picture, not an empty canvas
     errors = [output for cell in notebook.cells for output in cell.get("outputs", []) if output.output_type == "error"]
     assert not errors
+    streams = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
+    assert "figures: run as a script" not in streams  # in a kernel the figures show: nothing to say

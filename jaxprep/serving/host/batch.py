@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from jaxprep.compilation import counted, describe_buckets
 from jaxprep.executables import Executable, run, warm
 from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
@@ -155,16 +157,28 @@ class ServingBatch:
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
-    def warmup(self, threads: int | None = None) -> float:
+    def warmup(self, threads: int | None = None, on_compiled=None, *,
+               cache_dir: str | os.PathLike | None = None) -> float:
         """Compiles what a step driven from outside can use, so no update or step compiles later; returns
         seconds. Per step payload rung (`step_payload_buckets`) and token bucket a step can reach
         (`PrepConfig.reachable_buckets`) the door's step (`update_and_prepare`); the updates sent alone or
         first (`transitions.apply_packed` at the top payload rung, `widen_packed` for each smaller rung);
-        `prepare` per bucket. One pool of ``threads`` threads (default: the CPU count) compiles them all, the
-        largest first, while the next is lowered (`jaxprep.executables.warm`: from disk without tracing,
-        where the persistent compilation cache is on and holds them)."""
+        `prepare` per bucket. One pool compiles them all, the largest first, while the next is lowered
+        (`jaxprep.executables.warm`: from disk without tracing, where the persistent compilation cache is on
+        and holds them). What it compiles is logged on ``jaxprep.warmup`` (INFO; `jaxprep.compilation`).
+
+        Args:
+          threads: compile threads (default: the CPU count).
+          on_compiled: ``on_compiled(done, total, what)`` after each compile.
+          cache_dir: turn on JAX's persistent compilation cache there first (`jaxprep.use_compile_cache`).
+        """
         start = time.perf_counter()
-        self.executables.update(warm(self._warmup_executables(), threads))
+        buckets, steps = self.config.prep.reachable_buckets, step_payload_buckets(self.config)
+        updates = payload_buckets(self.config)
+        why = (f"the update and the step at {describe_buckets(buckets)} x {counted(len(steps), 'update size')}, the "
+               f"updates alone at the top of {counted(len(updates), 'size')} (a widening for each other) and "
+               f"prepare_padded at each bucket")
+        self.executables.update(warm(self._warmup_executables(), threads, on_compiled, why=why, cache_dir=cache_dir))
         return time.perf_counter() - start
 
     def _warmup_executables(self):
@@ -172,11 +186,12 @@ class ServingBatch:
         for words in step_payload_buckets(config):
             for bucket in buckets:
                 yield Executable(("door", bucket, words), update_and_prepare_buffer, (self.state, _empty(words)),
-                                 dict(config=config, num_tokens_padded=bucket))
+                                 dict(config=config, num_tokens_padded=bucket),
+                                 f"update and prepare at {bucket} tokens, updates of {words} words")
         yield from self.update_executables(_empty)
         for bucket in buckets:
             yield Executable(("prepare", bucket), prepare_padded, (self.state.batch,),
-                             dict(config=config.prep, num_tokens_padded=bucket))
+                             dict(config=config.prep, num_tokens_padded=bucket), f"prepare_padded at {bucket} tokens")
 
     def update_executables(self, empty):
         """What `apply_buffer` runs; ``empty(words)``: a buffer of that length."""
@@ -330,9 +345,10 @@ def update_executables(state: ServingState, config: ServingConfig, empty, apply=
     for each smaller rung; ``empty(words)``: a buffer of that length (sharded as the live ones are)."""
     rungs = payload_buckets(config)
     yield Executable(("apply",), apply or transitions.apply_packed, (state, empty(rungs[-1])),
-                     dict(config=config, **static))
+                     dict(config=config, **static), f"state updates of {rungs[-1]} words")
     for words in rungs[:-1]:
-        yield Executable(("widen", words), widen_packed, (empty(words),), dict(config=config))
+        yield Executable(("widen", words), widen_packed, (empty(words),), dict(config=config),
+                         f"updates of {words} words widened to {rungs[-1]}")
 
 
 def _empty(words: int) -> np.ndarray:

@@ -57,7 +57,8 @@ class DataParallelEngine(Engine):
     def _twin_executable(self, packed, bucket: int) -> Executable:
         return Executable(("twin", bucket, packed.step.shape[-1]), update_and_prepare_sharded_donated,
                           (self.batch.state, packed.step),
-                          dict(config=self.config, num_tokens_padded=bucket, mesh=self.mesh))
+                          dict(config=self.config, num_tokens_padded=bucket, mesh=self.mesh),
+                          f"prepare alone at {bucket} tokens, updates of {packed.step.shape[-1]} words (timed apart)")
 
     def _empty_buffers(self, words: int):
         """An empty update of ``words`` words per rank, sharded as the live buffers are."""
@@ -67,4 +68,5 @@ class DataParallelEngine(Engine):
         """Lowered from the live arrays, so with their shardings."""
         return Executable(("serve_step", self.model, bucket, packed.shape[-1]), serve_step_sharded,
                           (self.batch.state, self.kv_cache, self.params, packed),
-                          dict(config=self.config, model=self.model, num_tokens_padded=bucket, mesh=self.mesh))
+                          dict(config=self.config, model=self.model, num_tokens_padded=bucket, mesh=self.mesh),
+                          f"serving step at {bucket} tokens, updates of {packed.shape[-1]} words per rank")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import threading
+import os
 import time
 
 import numpy as np
 
+from jaxprep.compilation import counted, describe_buckets
 from jaxprep.executables import Executable, warm
 from jaxprep.models.tiny import KVCache, ServingModel, init_params
 from jaxprep.serving._values import integer
@@ -125,19 +126,35 @@ class Engine:
     def num_ranks(self) -> int:
         return len(self.schedulers)
 
-    def warmup(self, threads: int | None = None, on_compiled=None) -> float:
-        """Compiles every executable the loop can use (`num_executables`); returns the seconds taken.
+    def warmup(self, threads: int | None = None, on_compiled=None, *,
+               cache_dir: str | os.PathLike | None = None) -> float:
+        """Compiles every executable the loop can use (`num_executables`: `warmup_plan` says which);
+        returns the seconds taken.
 
         Lowers each one (ahead of time, nothing runs, nothing is donated) and compiles it on one of
         ``threads`` threads (default: the CPU count) while the next is lowered, the largest first; the loop
         then runs them directly (`jaxprep.executables`). Where the persistent compilation cache is on and
-        holds them, they are loaded from disk without tracing. ``on_compiled(done, total)`` is called after
-        each one (a progress display).
+        holds them, they are loaded from disk without tracing. What it compiles is logged on
+        ``jaxprep.warmup`` (INFO; `jaxprep.compilation`).
+
+        Args:
+          threads: compile threads (default: the CPU count).
+          on_compiled: ``on_compiled(done, total, what)`` after each compile (a progress display).
+          cache_dir: turn on JAX's persistent compilation cache there first (`jaxprep.use_compile_cache`):
+            a second process loads the executables instead of compiling them.
         """
         start = time.perf_counter()
-        self.batch.executables.update(warm(self._warmup_executables(), threads,
-                                           _counter(self.num_executables, on_compiled)))
+        self.batch.executables.update(warm(self._warmup_executables(), threads, on_compiled, why=self.warmup_plan(),
+                                           cache_dir=cache_dir))
         return time.perf_counter() - start
+
+    def warmup_plan(self) -> str:
+        """What `warmup` compiles, in words: the serving step at each token bucket a step can reach and step
+        payload size, and the state updates alone at the top payload size (a widening for each other)."""
+        steps, updates = step_payload_buckets(self.config), payload_buckets(self.config)
+        return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} x "
+                f"{counted(len(steps), 'update size')}, and the state updates alone at the top of "
+                f"{counted(len(updates), 'size')} (a widening for each other)")
 
     @property
     def num_executables(self) -> int:
@@ -326,12 +343,14 @@ class Engine:
     def _twin_executable(self, packed, bucket: int) -> Executable:
         """`_prepare_twin`'s executable (`prep_timing` warms every bucket's at once)."""
         return Executable(("twin", bucket, packed.step.shape[-1]), update_and_prepare_donated,
-                          (self.batch.state, packed.step), dict(config=self.config, num_tokens_padded=bucket))
+                          (self.batch.state, packed.step), dict(config=self.config, num_tokens_padded=bucket),
+                          f"prepare alone at {bucket} tokens, updates of {packed.step.shape[-1]} words (timed apart)")
 
     def _step_executable(self, packed, bucket: int) -> Executable:
         return Executable(("serve_step", self.model, bucket, packed.shape[-1]), serve_step,
                           (self.batch.state, self.kv_cache, self.params, packed),
-                          dict(config=self.config, model=self.model, num_tokens_padded=bucket))
+                          dict(config=self.config, model=self.model, num_tokens_padded=bucket),
+                          f"serving step at {bucket} tokens, updates of {packed.shape[-1]} words")
 
 
 def with_vocab_size(config: ServingConfig, model: ServingModel) -> ServingConfig:
@@ -350,17 +369,3 @@ def scheduler_updates(config: ServingConfig, out: SchedulerOutput) -> StepUpdate
     return StepUpdates.build(config, finish=out.finished_rows, add=out.new_requests, append=out.new_block_ids,
                              num_scheduled_tokens=out.num_scheduled_tokens, decode_steps=out.decode_steps,
                              num_draft_tokens=out.num_draft_tokens, draft_token_ids=out.draft_token_ids)
-
-
-def _counter(total: int, on_compiled):
-    """``on_compiled(done, total)`` wrapped as the no-argument, thread-safe callback of `warm`."""
-    if on_compiled is None:
-        return None
-    lock, done = threading.Lock(), [0]
-
-    def count() -> None:
-        with lock:
-            done[0] += 1
-            on_compiled(done[0], total)
-
-    return count

@@ -35,8 +35,8 @@ def time_prepare(engine) -> np.ndarray:
     if not replay:
         return np.zeros(0)
     shapes = {(packed.step.shape[-1], bucket): packed for packed, bucket in replay}  # one per executable
-    engine.batch.executables.update(warm(engine._twin_executable(packed, bucket)
-                                         for (_, bucket), packed in sorted(shapes.items(), reverse=True)))
+    twins = [engine._twin_executable(packed, bucket) for (_, bucket), packed in sorted(shapes.items(), reverse=True)]
+    engine.batch.executables.update(warm(twins, why="the prepare part of each step shape alone, to time it"))
     state = jax.block_until_ready(jax.tree.map(jnp.copy, engine.batch.state))
     for (_, bucket), packed in shapes.items():  # touch every executable first
         state = jax.block_until_ready(engine._prepare_twin(state, packed, bucket))[0]

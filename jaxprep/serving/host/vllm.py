@@ -86,6 +86,15 @@ from jaxprep.serving.host import column_checks, vllm_checks
 from jaxprep.serving.host.batch import CheckedUpdate, ServingBatch
 from jaxprep.serving.host.vllm_checks import InvalidSchedulerOutputError, fail
 from jaxprep.serving.host.vllm_columns import ColumnReader
+from jaxprep.serving.host.vllm_config import (
+    AdapterUsageError,
+    batch_rows,
+    check_new_blocks,
+    check_recorded,
+    host_lists,
+    sampled_counts,
+    serving_config_from_vllm,
+)
 from jaxprep.serving.host.vllm_requests import Admission, RequestMap
 from jaxprep.serving.state import AppendBlocks, StepUpdates, draft_width, num_kv_groups
 from jaxprep.step_buffer import StepBuffer
@@ -102,16 +111,27 @@ class AdapterStep:
     The step leaves the device call as ONE int32 buffer, ``buffer`` (`jaxprep.step_buffer.StepBuffer`): a JAX
     model reads its fields inside its own jit (``buffer.views()``), torch takes it with one DLPack handoff
     (``torch_bridge.to_torch(step.buffer)``), NumPy views it (``buffer.to_numpy()``). ``inputs`` is the same
-    step as `StepInputs` of JAX arrays (unpacked by one more jitted call, on first use)."""
+    step as `StepInputs` of JAX arrays (unpacked by one more jitted call, on first use).
 
-    buffer: StepBuffer | None  # the prepared step at num_tokens_padded, as one buffer; None: nothing scheduled
-    req_ids: list[str]  # batch row -> request id (ModelRunnerOutput.req_ids)
-    req_id_to_index: dict[str, int]  # request id -> batch row (ModelRunnerOutput.req_id_to_index)
-    num_tokens_padded: int  # the bucket of PrepConfig.token_buckets the step was prepared at
-    # the GrammarOutput's bitmask [G * (1 + K), words] int32, rows in its structured_output_request_ids order
-    # (inputs.grammar maps each logits row to its bitmask row); None: no structured-output rows this step
+    Attributes:
+      buffer: the prepared step at ``num_tokens_padded`` tokens, as one buffer; ``None`` when the output
+        scheduled nothing (vLLM sends such a step to report finished requests).
+      req_ids: batch row -> request id, vLLM's ``ModelRunnerOutput.req_ids``.
+      req_id_to_index: request id -> batch row, vLLM's ``ModelRunnerOutput.req_id_to_index``.
+      num_tokens_padded: the bucket of ``PrepConfig.token_buckets`` the step was prepared at (0: nothing
+        scheduled).
+      grammar_bitmask: the ``GrammarOutput``'s bitmask ``[G * (1 + K), words]`` int32, rows in its
+        ``structured_output_request_ids`` order (``inputs.grammar`` maps each logits row to its bitmask
+        row); ``None``: no structured-output rows this step.
+      num_acceptable_drafts: the ``GrammarOutput``'s ``num_acceptable_drafts``, per bitmask block.
+    """
+
+    buffer: StepBuffer | None
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    num_tokens_padded: int
     grammar_bitmask: np.ndarray | None = None
-    num_acceptable_drafts: list[int] | None = None  # GrammarOutput.num_acceptable_drafts, per bitmask block
+    num_acceptable_drafts: list[int] | None = None
 
     @functools.cached_property
     def inputs(self) -> StepInputs | None:
@@ -139,10 +159,13 @@ class _Plan:
 class VllmAdapter:
     """Keeps a `ServingBatch` in step with vLLM's scheduler.
 
-    Per step: ``step = adapter.step(scheduler_output)`` (with structured outputs,
+    Built from vLLM's own configuration with ``VllmAdapter.from_vllm(vllm_config, kv_cache_config)``. Per
+    step: ``step = adapter.step(scheduler_output)`` (with structured outputs,
     ``adapter.step(scheduler_output, scheduler.get_grammar_bitmask(scheduler_output))``), run the model on
-    ``step.inputs``, then ``adapter.record_sampled(sampled_token_ids, num_sampled)`` with the sampler's
-    device arrays in batch order, and hand vLLM ``adapter.runner_output(step, valid_token_lists)``.
+    ``step.inputs`` (``None`` when nothing is scheduled), then hand vLLM
+    ``adapter.take_sampled(step, sampled_token_ids)``: the sampler's device array in batch order, recorded on
+    the device and returned as vLLM's ``ModelRunnerOutput``. (`record_sampled` and `runner_output` are the
+    two halves of that call.)
 
     ``async_scheduling``: vLLM's scheduler is the ``AsyncScheduler`` (``--async-scheduling``). With
     speculative decoding it needs ``FeatureConfig.async_tokens``, and ``record_sampled`` takes the
@@ -153,6 +176,18 @@ class VllmAdapter:
     mm_features)`` gives them to vLLM's runner (e.g. from `jaxprep.qwen2vl_prompt_positions`); text-only
     requests get vLLM's text positions (``arange`` on all three rows, delta 0) without it.
     """
+
+    @classmethod
+    def from_vllm(cls, vllm_config, kv_cache_config, *, features=None, mrope_positions: Callable | None = None,
+                  **prep_options) -> VllmAdapter:
+        """An adapter for the scheduler built from ``vllm_config`` (vLLM's ``VllmConfig``) and
+        ``kv_cache_config`` (its ``KVCacheConfig``): block size, batch sizes, model length, number of blocks,
+        KV-cache groups and sliding windows, speculative and LoRA settings, async scheduling and the
+        vocabulary read from them (`jaxprep.serving.host.vllm_config.serving_config_from_vllm`, which also
+        takes ``features`` vLLM does not decide and other ``PrepConfig`` fields, ``prep_options``)."""
+        config = serving_config_from_vllm(vllm_config, kv_cache_config, features=features, **prep_options)
+        return cls(config, async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+                   mrope_positions=mrope_positions)
 
     def __init__(self, config: ServingConfig, *, async_scheduling: bool = False,
                  mrope_positions: Callable | None = None):
@@ -177,6 +212,7 @@ class VllmAdapter:
         self._sampling = config.prep.features.sampling is not None  # only then are the parameters read
         # common steps read as columns (`vllm_columns`), where the configuration allows
         self._columns = ColumnReader(config) if column_checks.covers(config) else None
+        self._recorded = True  # the last prepared step's samples were recorded (none prepared yet)
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -192,6 +228,8 @@ class VllmAdapter:
         prepares nothing: ``inputs`` is ``None`` and ``req_ids`` is empty, as V1's ``execute_model``
         returns ``EMPTY_MODEL_RUNNER_OUTPUT`` after ``_update_states``."""
         plan = self._plan(scheduler_output, grammar_output)
+        check_recorded(self._recorded)  # the door's own mistakes, named: the output itself passed its checks
+        check_new_blocks(self.config, scheduler_output)
         # host checks first (they raise with nothing dispatched), then ONE jitted call: update and prepare
         buffer = None
         if plan.checked is not None:
@@ -214,6 +252,7 @@ class VllmAdapter:
         if rows is None or len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # already in row order: no sort
             req_ids.sort(key=self.rows.__getitem__)
         grammar = plan.grammar or (None, None, None)
+        self._recorded = False
         self._last = AdapterStep(buffer=buffer, req_ids=req_ids,
                                  req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
                                  num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
@@ -236,6 +275,44 @@ class VllmAdapter:
         if self.async_scheduling and self.config.prep.features.async_tokens:
             self.batch.record_prev_tokens(idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
         self.batch.record_sampled(idx_mapping, sampled_token_ids, num_sampled)
+        self._recorded = True
+
+    def take_sampled(self, step: AdapterStep, sampled_token_ids, num_sampled=None, draft_token_ids=None):
+        """The sampler's output of ``step`` recorded on the device (`record_sampled`) and returned as vLLM's
+        ``ModelRunnerOutput`` (`runner_output`), for ``scheduler.update_from_output(output, ...)``. Each array
+        is read back once, for vLLM's host lists.
+
+        Args:
+          step: the step `step` returned last.
+          sampled_token_ids: ``[R]`` or ``[R, n]`` in batch order, a JAX or NumPy array (torch:
+            ``torch_bridge.from_torch``); ``R`` the real rows (``len(step.req_ids)``) or the padded ones
+            (``R_pad``); ``n = 1 + K`` with spec decode, -1 after a row's accepted tokens, as vLLM's rejection
+            sampler writes them. ``None`` for a step with no inputs.
+          num_sampled: ``[R_pad]``, each row's tokens that count. By default the leading ids >= 0 of each
+            real row, none for a partial prefill chunk (`vllm_config.sampled_counts`; it needs
+            ``FeatureConfig(discard_request_mask=True)``, which `from_vllm` turns on).
+          draft_token_ids: as in `record_sampled` (async scheduling with drafts).
+
+        Raises:
+          AdapterUsageError: a step that is not the last one prepared, tokens for a step with no inputs (or
+            none for one with inputs), or the discard mask off without ``num_sampled``.
+        """
+        if step.buffer is None:
+            if sampled_token_ids is not None:
+                raise AdapterUsageError("take_sampled: this step scheduled nothing (step.inputs is None), so it "
+                                        "samples nothing: pass None")
+            return self.runner_output(step, [])
+        if step is not self._last:
+            raise AdapterUsageError("take_sampled(step): step is not the last one adapter.step prepared; take each "
+                                    "step's samples before the next adapter.step")
+        if sampled_token_ids is None:
+            raise AdapterUsageError("take_sampled: this step has inputs; pass its sampled_token_ids [R_pad] or "
+                                    "[R_pad, 1 + K]")
+        sampled_token_ids = batch_rows(sampled_token_ids, step.inputs.idx_mapping.shape[0])
+        if num_sampled is None:
+            num_sampled = sampled_counts(self.config, step.inputs, sampled_token_ids)
+        self.record_sampled(sampled_token_ids, num_sampled, draft_token_ids)
+        return self.runner_output(step, host_lists(sampled_token_ids, num_sampled, len(step.req_ids)))
 
     @staticmethod
     def runner_output(step: AdapterStep, sampled_token_ids: list[list[int]]):
@@ -534,4 +611,4 @@ def _sampling_params(params) -> SamplingParams | None:
                           stop_token_ids=tuple(params.stop_token_ids or ()))
 
 
-__all__ = ["AdapterStep", "GRAMMAR_NOT_GIVEN", "InvalidSchedulerOutputError", "VllmAdapter"]
+__all__ = ["AdapterStep", "AdapterUsageError", "GRAMMAR_NOT_GIVEN", "InvalidSchedulerOutputError", "VllmAdapter"]

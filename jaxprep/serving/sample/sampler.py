@@ -33,9 +33,12 @@ def apply_penalties(logits: Logits, rows, batch) -> Logits:
 
     Row j of slot s at local position p counts as outputs the slot's output counts plus the row's
     earlier drafts, the input ids of its rows 1..p:
-      cnt  = output_bin_counts[s] + sum_{q=1..p} onehot(input_ids[j - p + q])
-      seen = prompt_bin_mask[s] | cnt > 0
-      x    = where(seen, where(x > 0, x / rep, x * rep), x);  x -= freq * cnt;  x -= pres * (cnt > 0)
+
+    ```
+    cnt  = output_bin_counts[s] + sum_{q=1..p} onehot(input_ids[j - p + q])
+    seen = prompt_bin_mask[s] | cnt > 0
+    x    = where(seen, where(x > 0, x / rep, x * rep), x);  x -= freq * cnt;  x -= pres * (cnt > 0)
+    ```
 
     ```
     # rows of one request, input_ids [47, 60], p [0, 1] -> drafts counted [{}, {60}]
