@@ -131,11 +131,11 @@ def test_generate_bf16_matches_transformers_and_reports_rates(tmp_path, capsys):
     out, err = capsys.readouterr()
     for bar in ("loading (bfloat16)", "compiling", "prefill", "decode"):
         assert bar in err
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out)  # stdout holds the JSON object alone
     rates = result["rates"]
     assert rates["prefill_tokens"] == sum(map(len, prompts)) and rates["prefill_tokens_per_s"] > 0
     assert 0 < rates["decode_tokens"] <= 9 * len(prompts) and rates["decode_tokens_per_s"] > 0
-    assert "qwen3 (2 layers, vocab 320, bfloat16)" in out and "== prefill 19 tokens in" in out
+    assert "qwen3 (2 layers, vocab 320, bfloat16)" in err and "== prefill 19 tokens in" in err  # --json: stdout JSON
 
     class Finished:
         def __init__(self, i):
@@ -147,7 +147,7 @@ def test_generate_bf16_matches_transformers_and_reports_rates(tmp_path, capsys):
     assert check.num_tokens >= 20 and check.mismatches == 0 and check.near_ties <= 1, check
 
 
-def test_threads_per_job(monkeypatch):
+def test_threads_per_job(monkeypatch, tmp_path):
     """One XLA thread only for the tiny built-in model; a checkpoint gets XLA's default, ``--threads N`` N."""
     from jaxprep.cli import configure_runtime, parse_args
     from jaxprep.cli._checkpoint import single_thread_cpu
@@ -158,9 +158,10 @@ def test_threads_per_job(monkeypatch):
         _, args = parse_args(["simulate", "--requests", "2"])
         assert single_thread_cpu(args) and os.environ["PJRT_NPROC"] == "1"
         monkeypatch.delenv("PJRT_NPROC")
-        _, args = parse_args(["simulate", "--model", os.path.dirname(__file__), "--requests", "2"])
+        save_checkpoint(BF16_SPECS["qwen3-bf16"], str(tmp_path))  # the folder is checked before anything runs
+        _, args = parse_args(["simulate", "--model", str(tmp_path), "--requests", "2"])
         assert not single_thread_cpu(args) and "PJRT_NPROC" not in os.environ
-        _, args = parse_args(["simulate", "--model", os.path.dirname(__file__), "--threads", "3"])
+        _, args = parse_args(["simulate", "--model", str(tmp_path), "--threads", "3"])
         assert os.environ["PJRT_NPROC"] == "3"
         monkeypatch.delenv("PJRT_NPROC")
         configure_runtime(single_thread_cpu=False)

@@ -43,9 +43,9 @@ def old_coordinate(prep, schedulers, outs) -> int:
 class Recording(DataParallelEngine):
     """Keeps every rank's scheduled tokens and appended tokens, for the waste recomputed below."""
 
-    def _count(self, outs, tokens, bucket):
-        self.log.append(([int(out.num_scheduled_tokens.sum()) for out in outs], [np.array(t) for t in tokens],
-                         bucket))
+    def _count(self, outs, tokens, bucket):  # tokens: each rank's raw array or its StepTokens
+        arrays = [np.array(getattr(t, "tokens", t)) for t in tokens]
+        self.log.append(([int(out.num_scheduled_tokens.sum()) for out in outs], arrays, bucket))
         super()._count(outs, tokens, bucket)
 
 
