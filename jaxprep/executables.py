@@ -17,6 +17,7 @@ cache still serves whatever is compiled. Like JAX's, the folder holds code that 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -84,8 +85,9 @@ def warm(executables: Iterable[Executable], threads: int | None = None, on_compi
     def load_or_compile(executable: Executable, lowered) -> None:
         compiled = None if lowered is not None else store.load(executable)
         if compiled is None:
-            compiled = (lowered or executable.lower()).compile()
-            if store is not None:
+            with _jax_cache_hits() as hits:
+                compiled = (lowered or executable.lower()).compile()
+            if store is not None and not hits:  # one JAX read back from its cache is not serialized again
                 store.save(executable, compiled)
         with lock:
             table[executable.key] = compiled
@@ -101,6 +103,33 @@ def warm(executables: Iterable[Executable], threads: int | None = None, on_compi
             future.result()
     progress.finish(time.perf_counter() - start, count.cache_hits)
     return table
+
+
+_THREAD = threading.local()
+_JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+@contextlib.contextmanager
+def _jax_cache_hits():
+    """A list that gets an entry each time JAX's persistent cache serves a compile in this thread, inside the
+    block. Such an executable is not written to the store: XLA:CPU's serialization of an executable JAX loaded
+    from its cache misses functions ("Function ... not found" when a later process runs it)."""
+    _listen_for_cache_hits()
+    hits = _THREAD.hits = []
+    try:
+        yield hits
+    finally:
+        _THREAD.hits = None
+
+
+@functools.lru_cache(maxsize=1)
+def _listen_for_cache_hits() -> None:
+    def listener(event: str, **kwargs) -> None:
+        hits = getattr(_THREAD, "hits", None)
+        if event == _JAX_CACHE_HIT_EVENT and hits is not None:
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listener)
 
 
 class ExecutableStore:

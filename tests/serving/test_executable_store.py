@@ -69,3 +69,46 @@ def test_the_key_names_the_function_its_static_arguments_and_shapes(cache):
     with open(store.path(base), "wb") as f:
         f.write(b"not an executable")
     assert store.load(base) is None  # a broken file is compiled again, never run
+
+
+SERVE_IN_A_NEW_PROCESS = """
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+from jaxprep import use_compile_cache
+from jaxprep.executables import STORE_FOLDER
+from jaxprep.serving import Engine
+from support.loop_workloads import MODEL
+from test_executable_store import CONFIG, served
+use_compile_cache(sys.argv[1])
+engine = Engine(CONFIG, MODEL, seed=1)
+engine.warmup()
+folder = os.path.join(sys.argv[1], STORE_FOLDER)
+print("RESULT " + json.dumps(dict(stored=len(os.listdir(folder)) if os.path.isdir(folder) else 0,
+                                  tokens=served(engine))))
+"""
+
+
+def _serve_in_a_new_process(cache) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.path.join(tests, "serving")])}
+    result = subprocess.run([sys.executable, "-c", SERVE_IN_A_NEW_PROCESS, str(cache), tests], capture_output=True,
+                            text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def test_executables_jax_read_from_its_cache_are_not_stored(tmp_path):
+    """An executable JAX's persistent cache served is never serialized into the store: XLA:CPU's copy of one
+    misses functions, and a later process running it fails ("Function ... not found"). A first process
+    compiles, so it fills JAX's cache and stores every executable (the control); with the store emptied, a
+    second process's compiles all come from JAX's cache: it stores nothing and serves the same tokens."""
+    compiled = _serve_in_a_new_process(tmp_path)
+    folder = tmp_path / STORE_FOLDER
+    assert compiled["stored"] == len(os.listdir(folder)) > 0
+    for path in folder.iterdir():
+        path.unlink()
+    assert _serve_in_a_new_process(tmp_path) == dict(stored=0, tokens=compiled["tokens"])
