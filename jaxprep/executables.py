@@ -10,8 +10,9 @@ each compiled executable is also written, serialized, into its `STORE_FOLDER`, u
 tracing: the jitted function's name, the static arguments, the arguments' shapes, dtypes and shardings, and
 a fingerprint of everything else that shapes the program (jaxprep's own sources, jax and jaxlib, the
 devices, XLA's flags, JAX's settings). A later warm-up loads it from there: no trace, no lowering, no
-hashing of a lowered module, only the executable read back (`BENCHMARKS.md`, "Compile time"). JAX's own
-cache still serves whatever is compiled. Like JAX's, the folder holds code that is run: keep it private.
+hashing of a lowered module, only the executable read back (docs/benchmarks-history.md, "The door's fixed
+cost, compile cost, first look"). JAX's own cache still serves whatever is compiled, and what it served is
+not stored again. Like JAX's, the folder holds code that is run: keep it private.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def _rebuild(_, leaves) -> BatchState:
     ``__post_init__`` do. The pytree registration a dataclass gets (`jax.tree_util.register_dataclass`)
     calls ``BatchState(**fields)`` instead, whose frozen ``__init__`` sets the 31 fields one
     ``object.__setattr__`` at a time: that cost ~2.5x this, ~10 µs per serving step on a loaded 2-core host
-    (BENCHMARKS.md, "The XLA step under V1")."""
+    (docs/benchmarks-history.md, "The XLA step (TPU's path)")."""
     state = object.__new__(BatchState)
     state.__dict__.update(zip(_FIELDS, leaves))
     check_leaves(state)
