@@ -410,13 +410,10 @@ def part_simulate(trees: dict, workloads, runs: int) -> None:
     for workload in [w for w in workloads if w in ("simulate", "simulate-8192")]:
         results = {name: {"cold": [], "cached": []} for name in trees}
         loads = []
+        argv = ["simulate", *SIMULATE_ARGV[workload], "--progress", "never"]
         for _ in range(runs):
-            for name, tree in trees.items():
-                with tempfile.TemporaryDirectory() as cache:
-                    argv = ["simulate", *SIMULATE_ARGV[workload], "--progress", "never"]
-                    results[name]["cold"].append(run_cli(tree, argv, cache))
-                    results[name]["cached"].append(run_cli(tree, argv, cache))
-                loads.append(os.getloadavg()[0])
+            run_cold_then_cached(trees, argv, results)
+            loads.append(os.getloadavg()[0])
         print(f"\n### jaxprep simulate {' '.join(SIMULATE_ARGV[workload])}: whole processes, median of {runs} "
               f"(load {min(loads):.1f}-{max(loads):.1f})\n")
         print("| commit | warmup_s, empty cache | warmup_s, cached | cached / cold | process s, empty cache | "
@@ -434,6 +431,15 @@ def part_simulate(trees: dict, workloads, runs: int) -> None:
         sys.stdout.flush()
 
 
+def run_cold_then_cached(trees: dict, argv: list[str], results: dict) -> None:
+    """``jaxprep argv`` at each tree twice in one fresh cache folder, empty then as the first run left it; the
+    results appended to ``results[tree name]["cold"]`` and ``["cached"]``."""
+    for name, tree in trees.items():
+        with tempfile.TemporaryDirectory() as cache:
+            results[name]["cold"].append(run_cli(tree, argv, cache))
+            results[name]["cached"].append(run_cli(tree, argv, cache))
+
+
 def part_generate(trees: dict, checkpoint: str, runs: int) -> None:
     import bench_generate
 
@@ -445,10 +451,7 @@ def part_generate(trees: dict, checkpoint: str, runs: int) -> None:
     run = bench_generate.Run(prompt_lens=(GENERATE["prompt_len"],), max_tokens=GENERATE["max_tokens"], dtype="float32")
     for _ in range(runs):
         theirs.append(bench_generate.transformers_process(checkpoint, run, QWEN3_VOCAB))
-        for name, tree in trees.items():
-            with tempfile.TemporaryDirectory() as cache:
-                results[name]["cold"].append(run_cli(tree, argv, cache))
-                results[name]["cached"].append(run_cli(tree, argv, cache))
+        run_cold_then_cached(trees, argv, results)
         loads.append(os.getloadavg()[0])
     hf = median([t.get("wall_s") for t in theirs])
     print(f"\n### jaxprep generate, {GENERATE['shape']} shape with {GENERATE['layers']} layers (float32), one "

@@ -88,7 +88,7 @@ class ServingBatch:
 
     # --- updates ---------------------------------------------------------------------------
 
-    def apply_updates(self, updates: StepUpdates | ColumnsUpdate) -> None:
+    def apply_updates(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate) -> None:
         """finish, add, resume, append, lora_slots and schedule: checked, then one dispatch per buffer."""
         rows, updates = self._checked(updates)
         packed = self.pack(updates)
@@ -111,16 +111,22 @@ class ServingBatch:
     def schedule(self, payload: Schedule) -> None:
         self.apply_updates(_only(self.config, schedule=payload))
 
-    def pack(self, updates: StepUpdates | ColumnsUpdate) -> PackedStep:
+    def pack(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate) -> PackedStep:
         """``updates`` (checked by the caller) as the buffers to send; counts their bytes."""
+        if isinstance(updates, CheckedUpdate):
+            return self._counted(updates.packed)
         if isinstance(updates, ColumnsUpdate):
             return self._counted(pack_columns(self.config, updates.columns))
         return self._counted(pack_step(self.config, updates, self.rows.table_blocks))
 
-    def _checked(self, updates: StepUpdates | ColumnsUpdate) -> tuple[checks.HostRows, StepUpdates | ColumnsUpdate]:
-        """The mirror after ``updates`` (a copy), and the payload checked (the one to pack and send):
-        `column_checks.check_columns` of columns, else (or where it finds a bound broken) `checks.check_updates`
-        of the `StepUpdates`, which raises `InvalidUpdateError` naming the bound."""
+    def _checked(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate
+                 ) -> tuple[checks.HostRows, StepUpdates | ColumnsUpdate | CheckedUpdate]:
+        """The mirror after ``updates`` (a copy), and the payload checked (the one to pack and send): a
+        `CheckedUpdate`'s own (`check_columns` checked it); `column_checks.check_columns` of columns, else (or
+        where it finds a bound broken) `checks.check_updates` of the `StepUpdates`, which raises
+        `InvalidUpdateError` naming the bound."""
+        if isinstance(updates, CheckedUpdate):
+            return updates.rows, updates
         if isinstance(updates, ColumnsUpdate):
             rows = column_checks.check_columns(self.rows, updates.columns, self.config)
             if rows is not None:
@@ -136,24 +142,12 @@ class ServingBatch:
     # --- an update read straight into columns (`UpdateColumns`) ----------------------------------
 
     def check_columns(self, columns: UpdateColumns) -> CheckedUpdate | None:
-        """``columns`` checked at once against the mirror (`column_checks.check_columns`) and packed; None, with
-        nothing changed, if a bound breaks or the columns hold what that check does not cover: check the update
-        the general way then (`apply_updates`, `update_and_prepare`), which names the bound."""
+        """``columns`` checked at once against the mirror (`column_checks.check_columns`) and packed, for
+        `apply_updates` or `update_and_prepare` to send as they are; None, with nothing changed, if a bound breaks
+        or the columns hold what that check does not cover: check the update the general way then, which names
+        the bound."""
         rows = column_checks.check_columns(self.rows, columns, self.config)
         return None if rows is None else CheckedUpdate(pack_columns(self.config, columns), rows)
-
-    def apply_checked(self, update: CheckedUpdate) -> None:
-        """`apply_updates` of an update `check_columns` checked: one dispatch per buffer, then its mirror."""
-        for buffer in self._counted(update.packed).buffers:
-            self._apply(buffer)
-        self.rows = update.rows
-
-    def update_and_prepare_checked(self, update: CheckedUpdate, num_tokens_padded: int) -> StepBuffer:
-        """`update_and_prepare` of an update `check_columns` checked (the bucket checked here)."""
-        check_bucket(update.rows, num_tokens_padded, self.config)
-        step = self.dispatch_prepare(self._counted(update.packed), num_tokens_padded)
-        self.rows = update.rows
-        return step
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
@@ -205,7 +199,8 @@ class ServingBatch:
         return run(self.executables, ("prepare", num_tokens_padded), prepare_padded, self.state.batch,
                    config=self.config.prep, num_tokens_padded=num_tokens_padded)
 
-    def update_and_prepare(self, updates: StepUpdates | ColumnsUpdate, num_tokens_padded: int) -> StepBuffer:
+    def update_and_prepare(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate,
+                           num_tokens_padded: int) -> StepBuffer:
         """Checks ``updates``, then applies them and prepares the step in ONE jitted call (the state donated,
         `step.update_and_prepare_buffer`); returns the step as one `StepBuffer` (`StepBuffer.inputs` for its
         `StepInputs`, `torch_bridge.to_torch` for torch). As in `serve`, an update too big for the step's

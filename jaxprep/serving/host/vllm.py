@@ -231,16 +231,12 @@ class VllmAdapter:
         check_recorded(self._recorded)  # the door's own mistakes, named: the output itself passed its checks
         check_new_blocks(self.config, scheduler_output)
         # host checks first (they raise with nothing dispatched), then ONE jitted call: update and prepare
+        update = plan.checked if plan.checked is not None else plan.updates  # a common step's, checked and packed
         buffer = None
-        if plan.checked is not None:
-            if plan.total == 0:
-                self.batch.apply_checked(plan.checked)
-            else:
-                buffer = self.batch.update_and_prepare_checked(plan.checked, plan.num_tokens_padded)
-        elif plan.total == 0:
-            self.batch.apply_updates(plan.updates)
+        if plan.total == 0:
+            self.batch.apply_updates(update)
         else:
-            buffer = self.batch.update_and_prepare(plan.updates, plan.num_tokens_padded)
+            buffer = self.batch.update_and_prepare(update, plan.num_tokens_padded)
         self.rows, self.admitted, self._free = plan.requests.rows, plan.requests.admitted, plan.requests.free
         if plan.lora_slots is not None:
             self._lora_slots = plan.lora_slots
