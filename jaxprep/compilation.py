@@ -26,7 +26,8 @@ from jaxprep.config import PrepConfig
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+"""`jax.monitoring` event JAX records each time its persistent cache serves a compile."""
 log = logging.getLogger("jaxprep.warmup")
 """What each warm-up compiles and how many remain (INFO); the library adds no handler."""
 
@@ -60,7 +61,7 @@ def count_compiles():
             count.compiles += 1
 
     def hit_listener(event: str, **kwargs) -> None:
-        if event == _CACHE_HIT_EVENT:
+        if event == CACHE_HIT_EVENT:
             count.cache_hits += 1
         elif event == STORE_HIT_EVENT:
             count.compiles += 1

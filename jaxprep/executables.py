@@ -57,6 +57,11 @@ class Executable:
     def describe(self) -> str:
         return self.what or f"{getattr(self.function, '__name__', 'executable')} {self.key}"
 
+    @functools.cached_property
+    def stored_as(self) -> str:
+        """`store_key`, computed once (a warm-up asks for it to look, to load and to save)."""
+        return store_key(self)
+
 
 def run(table: dict, key: tuple, jitted: Callable, *args, **static):
     """``table[key](*args)`` (a warm-up's executable: no trace, no cache lookup) if the table holds one,
@@ -107,7 +112,6 @@ def warm(executables: Iterable[Executable], threads: int | None = None, on_compi
 
 
 _THREAD = threading.local()
-_JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 @contextlib.contextmanager
@@ -125,9 +129,11 @@ def _jax_cache_hits():
 
 @functools.lru_cache(maxsize=1)
 def _listen_for_cache_hits() -> None:
+    from jaxprep.compilation import CACHE_HIT_EVENT
+
     def listener(event: str, **kwargs) -> None:
         hits = getattr(_THREAD, "hits", None)
-        if event == _JAX_CACHE_HIT_EVENT and hits is not None:
+        if event == CACHE_HIT_EVENT and hits is not None:
             hits.append(event)
 
     jax.monitoring.register_event_listener(listener)
@@ -146,7 +152,7 @@ class ExecutableStore:
         return ExecutableStore(os.path.join(folder, STORE_FOLDER)) if folder else None
 
     def path(self, executable: Executable) -> str:
-        return os.path.join(self.folder, store_key(executable) + ".bin")
+        return os.path.join(self.folder, executable.stored_as + ".bin")
 
     def holds(self, executable: Executable) -> bool:
         return os.path.exists(self.path(executable))
