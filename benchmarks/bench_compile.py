@@ -198,6 +198,19 @@ def _executable_bytes(compiled) -> int:
         return 0
 
 
+def _report(on_compiled, done: int, total: int, what: str) -> None:
+    """Calls a warm-up's progress callback as the measured commit writes it: ``(done, total, what)`` since
+    the warm-up log, no arguments before."""
+    if on_compiled is None:
+        return
+    import inspect
+
+    if inspect.signature(on_compiled).parameters:
+        on_compiled(done, total, what)
+    else:
+        on_compiled()
+
+
 def child_executables(workload: str, checkpoint: str | None) -> dict:
     """Every executable of the workload's warm-up, compiled one by one on this thread."""
     import jax
@@ -230,26 +243,20 @@ def child_executables(workload: str, checkpoint: str | None) -> dict:
                          temp_bytes=getattr(memory, "temp_size_in_bytes", 0)))
         return compiled
 
-    def compile_each(lowered, threads=None, on_compiled=None) -> None:  # `compilation.compile_all`, one by one
-        stages = iter(lowered)
-        while True:
+    def compile_each(lowered, threads=None, on_compiled=None, **_) -> None:  # `compilation.compile_all`, one by one
+        stages = list(lowered)
+        for done, stage in enumerate(stages, 1):
             events.clear()
-            try:
-                stage = next(stages)
-            except StopIteration:
-                return
             measure(stage, labels.get(id(stage), {"function": "?"}))
-            if on_compiled is not None:
-                on_compiled()
+            _report(on_compiled, done, len(stages), "")
 
-    def warm_each(executables, threads=None, on_compiled=None) -> dict:  # `executables.warm`, one by one
-        table = {}
-        for executable in executables:
+    def warm_each(executables, threads=None, on_compiled=None, **_) -> dict:  # `executables.warm`, one by one
+        table, executables = {}, list(executables)
+        for done, executable in enumerate(executables, 1):
             events.clear()
             stage = executable.lower()
             table[executable.key] = measure(stage, labels.get(id(stage), {"function": "?"}))
-            if on_compiled is not None:
-                on_compiled()
+            _report(on_compiled, done, len(executables), getattr(executable, "what", ""))
         return table
 
     warm = getattr(sys.modules.get("jaxprep.executables"), "warm", None)
