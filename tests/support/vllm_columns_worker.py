@@ -41,6 +41,9 @@ RUNS = tuple(dataclasses.replace(work, num_loras=0) for work in WORKLOADS
              if not (work.async_scheduling and work.num_speculative_tokens))
 """The workloads without LoRA (the common path's configurations have no per-request feature values); async
 scheduling with drafts is left out (its every step has drafts: the general path's, tested by the parity worker)."""
+NUM_BLOCKS = max(work.num_blocks for work in RUNS)
+"""Every run's adapter holds the largest run's KV pool (vLLM's block ids fit it; the corruptions' ids do not): the
+runs share their configurations, and so their executables, where their features are the same."""
 
 
 def columns_config(work: Workload) -> ServingConfig:
@@ -51,7 +54,7 @@ def columns_config(work: Workload) -> ServingConfig:
     features = jaxprep.FeatureConfig(num_speculative_tokens=work.num_speculative_tokens, kv_groups=groups,
                                      discard_request_mask=True)
     prep = jaxprep.PrepConfig(max_num_reqs=work.max_num_seqs, max_model_len=work.max_model_len,
-                              max_num_batched_tokens=64, block_size=work.block_size, num_blocks=work.num_blocks,
+                              max_num_batched_tokens=64, block_size=work.block_size, num_blocks=NUM_BLOCKS,
                               features=features, token_buckets=(16, 64))
     return ServingConfig(prep=prep, vocab_size=1000)
 
