@@ -19,6 +19,9 @@ from jaxprep.serving.host.scheduler import Request
 from jaxprep.serving.spec_decode.ngram import NgramConfig
 
 LOOKUP = NgramConfig(prompt_lookup_min=1, prompt_lookup_max=3)
+MODEL = ModelConfig(vocab_size=8, num_layers=2, d_model=32, num_heads=2, d_ff=64)
+"""One model for every test (eight ids: the n-gram drafter finds matches), so tests with the same
+serving configuration share its executables."""
 
 
 def make_config(model: ModelConfig, *, k: int, max_num_reqs: int = 4, budget: int = 16,
@@ -45,7 +48,7 @@ def requests_of(prompts, params) -> list[Request]:
 
 
 def test_greedy_with_penalties_is_identical_with_and_without_drafts():
-    model = ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=2, d_ff=64)
+    model = MODEL
     workload = random_workload(5, num_requests=10, vocab_size=8, prompt_len=(4, 12), max_tokens=(4, 12),
                                arrival_spread=4)  # prompts over 8 ids: the n-gram drafter finds matches
     params = [(r.max_tokens, SamplingParams.greedy(repetition_penalty=1.3 if i % 2 else 1.0,
@@ -59,7 +62,7 @@ def test_greedy_with_penalties_is_identical_with_and_without_drafts():
 
 
 def test_seeded_request_with_drafts_is_reproducible_whatever_its_neighbours():
-    model = ModelConfig(vocab_size=8, num_layers=2, d_model=32, num_heads=2, d_ff=64)
+    model = MODEL
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7]
     mine = (12, SamplingParams(temperature=1.0, seed=77))
     alone, engine = serve(make_config(model, k=3), model, requests_of([prompt], [mine]))
@@ -76,7 +79,7 @@ def test_sampled_tokens_follow_the_same_distribution_with_and_without_drafts(tem
     """Two samples of 320 requests, one seed each, the same prompt: the 2nd, 3rd and 4th output tokens
     (the ones drafts can produce) are distributed alike with drafts (rejection sampling) and without.
     The prompt holds every token id, so after any sampled token the n-gram drafter finds a match."""
-    model = ModelConfig(vocab_size=8, num_layers=2, d_model=32, num_heads=2, d_ff=64)
+    model = MODEL
     prompt = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0]
     n = 320
     params = [(4, SamplingParams(temperature=temperature, seed=1000 + i)) for i in range(n)]
