@@ -24,12 +24,10 @@ MODEL = ModelConfig(vocab_size=8, num_layers=2, d_model=32, num_heads=2, d_ff=64
 serving configuration share its executables."""
 
 
-def make_config(model: ModelConfig, *, k: int, max_num_reqs: int = 4, budget: int = 16,
-                one_bucket: bool = False) -> ServingConfig:
-    """``one_bucket``: every step padded to ``budget`` (one executable per payload rung instead of one per
-    token bucket and rung: for the long sampling runs, whose statistics do not depend on the padding)."""
-    prep = PrepConfig(max_num_reqs=max_num_reqs, max_model_len=32, max_num_batched_tokens=budget, block_size=4,
-                      num_blocks=max_num_reqs * 8 + 1, token_buckets=(budget,) if one_bucket else None,
+def make_config(model: ModelConfig, *, k: int) -> ServingConfig:
+    """Every test's configuration (4 rows, 16 tokens a step): with drafts (``k``) and without, one each, so the
+    long sampling runs reuse the executables the greedy test compiled."""
+    prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=4, num_blocks=33,
                       features=FeatureConfig(sampling=SamplingConfig(vocab_size=model.vocab_size)))
     return ServingConfig(prep=prep, eos_token_id=-1, num_speculative_tokens=k, ngram=LOOKUP if k else None,
                          decode_steps=1)
@@ -85,7 +83,7 @@ def test_sampled_tokens_follow_the_same_distribution_with_and_without_drafts(tem
     params = [(4, SamplingParams(temperature=temperature, seed=1000 + i)) for i in range(n)]
     tokens = {}
     for k in (0, 3):
-        config = make_config(model, k=k, max_num_reqs=16, budget=64, one_bucket=True)
+        config = make_config(model, k=k)
         out, engine = serve(config, model, requests_of([prompt] * n, params))
         tokens[k] = np.array([out[i] for i in range(n)])
         if k:
