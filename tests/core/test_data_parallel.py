@@ -25,14 +25,21 @@ from support.expect import assert_step_matches_reference
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
-SMALL = ["--requests", "24", "--budget", "32", "--max-num-reqs", "4", "--max-model-len", "64", "--num-blocks", "24",
-         "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--max-prompt-len", "24",
-         "--max-tokens", "12", "--arrival-spread", "4", "--decode-steps", "4"]
+SMALL = ["--requests", "24", "--budget", "32", "--max-num-reqs", "4", "--max-model-len", "64", "--num-blocks", "48",
+         "--block-size", "4", "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64",
+         "--max-prompt-len", "24", "--max-tokens", "12", "--arrival-spread", "4", "--decode-steps", "4"]
+"""`jaxprep simulate`'s flags: the serving configuration and model of tests/support/dp_policy_check.py and
+multihost_dp.py, so the subprocesses load each other's executables from the run's compilation cache."""
 CONFIG = PrepConfig(max_num_reqs=5, max_model_len=48, max_num_batched_tokens=40, block_size=4)
 
 
+def with_xla_flag(flag: str) -> str:
+    """The suite's XLA_FLAGS (tests/conftest.py: LLVM's optimizations off) and ``flag``."""
+    return " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), flag]))
+
+
 def run_with_four_devices(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS=FOUR_DEVICES,
+    env = dict(os.environ, XLA_FLAGS=with_xla_flag(FOUR_DEVICES),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
 
@@ -197,7 +204,7 @@ def test_two_processes_serve_like_one_process_with_four_devices():
     each, gloo collectives, each process placing only its own ranks' data) gives every request
     the outputs of the same loop in one process with 4 devices."""
     script = os.path.join(TESTS, "support", "multihost_dp.py")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_xla_flag("--xla_force_host_platform_device_count=2"),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     port = str(_free_port())
     workers = [subprocess.Popen([sys.executable, script, port, str(i)], env=env, stdout=subprocess.PIPE,

@@ -31,8 +31,10 @@ from jaxprep.serving.host.dp_engine import DataParallelEngine  # noqa: E402
 from jaxprep.sharding import data_mesh  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64)
-CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=4, max_model_len=48, max_num_batched_tokens=16, block_size=4,
-                                       num_blocks=32), eos_token_id=1, decode_steps=4)
+CONFIG = ServingConfig(prep=PrepConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=4,
+                                       num_blocks=48), eos_token_id=1, decode_steps=4)
+"""tests/support/dp_policy_check.py's configuration: the one-process run loads its executables from the test run's
+compilation cache."""
 
 
 def main() -> None:
