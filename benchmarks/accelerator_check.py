@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_BRIDGE_TESTS = ["tests/torch_bridge/test_cuda.py", "tests/torch_bridge/test_to_torch.py",
                      "tests/torch_bridge/test_lifetime.py", "tests/torch_bridge/test_from_torch.py"]
 DRY_RUN_TESTS = ["tests/core/test_config.py"]
-"""The dry run's suite step: one small, quick test file (the step's path is what is checked; the suite runs the rest)."""
+"""The dry run's suite step: one small, quick test file (the step's path is what it checks; the suite runs the rest)."""
 KERNEL_TESTS = ["tests/attention/test_ragged_attention.py", "-k", "triton"]
 """The ragged attention kernel compiled by Triton against the oracle (skipped without a GPU)."""
 STEPS = ("kernel", "equality", "generate", "fused", "door", "floor", "gpu", "bridge", "suite")

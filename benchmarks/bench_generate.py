@@ -81,10 +81,11 @@ def prompts_for(run: Run, vocab_size: int) -> list[list[int]]:
     return [rng.integers(low, vocab_size - low, n).tolist() for n in run.prompt_lens]
 
 
-def jaxprep_process(directory: str, run: Run, vocab_size: int, budget: int, cache_dir: str) -> dict:
-    """`jaxprep generate --json` in its own process: its outputs, rates and wall seconds."""
+def jaxprep_process(directory: str, run: Run, vocab_size: int, budget: int, cache_dir: str,
+                    extra: tuple[str, ...] = ()) -> dict:
+    """`jaxprep generate --json` in its own process: its outputs, rates and wall seconds (``extra``: more flags)."""
     argv = [sys.executable, "-m", "jaxprep", "generate", "--model", directory, "--max-tokens", str(run.max_tokens),
-            "--dtype", run.dtype, "--ignore-eos", "--budget", str(budget), "--json"]
+            "--dtype", run.dtype, "--ignore-eos", "--budget", str(budget), "--json", *extra]
     for prompt in prompts_for(run, vocab_size):
         argv += ["--prompt-ids", " ".join(map(str, prompt))]
     env = dict(os.environ, JAXPREP_CACHE_DIR=cache_dir,
@@ -239,13 +240,15 @@ def speed(args) -> int:
     one = Run((24,), 4, "bfloat16") if args.dry_run else Run((1500,), 64, "bfloat16")
     many = Run((8,) * 2, 4, "bfloat16") if args.dry_run else Run((128,) * 16, 64, "bfloat16")
     budget = 16 if args.dry_run else args.budget
+    # a dry run sizes both workloads' caches alike: the concurrent run loads the single prompt's executables
+    shared = ("--max-num-reqs", "2", "--max-model-len", "32", "--num-blocks", "8") if args.dry_run else ()
     directory, vocab = checkpoint(args, "qwen3-0.6b", one.dtype)
     rows = {}
     with tempfile.TemporaryDirectory() as cache:  # one compile cache: the first process fills it
-        rows["jaxprep, cold cache"] = jaxprep_process(directory, one, vocab, budget, cache)
-        rows["jaxprep, warm cache"] = jaxprep_process(directory, one, vocab, budget, cache)
+        rows["jaxprep, cold cache"] = jaxprep_process(directory, one, vocab, budget, cache, shared)
+        rows["jaxprep, warm cache"] = jaxprep_process(directory, one, vocab, budget, cache, shared)
         rows["transformers"] = transformers_process(directory, one, vocab)
-        concurrent = jaxprep_process(directory, many, vocab, budget, cache)
+        concurrent = jaxprep_process(directory, many, vocab, budget, cache, shared)
     batch = transformers_process(directory, many, vocab)
     label = f"1 x {one.prompt_lens[0]}-token prompt, {one.max_tokens} new"
     print(f"model: {os.path.basename(directory)}; jaxprep on {jax.default_backend()}, transformers on "
