@@ -34,7 +34,7 @@ CONFIG = PrepConfig(max_num_reqs=5, max_model_len=48, max_num_batched_tokens=40,
 
 
 def with_xla_flag(flag: str) -> str:
-    """The suite's XLA_FLAGS (tests/conftest.py: LLVM's optimizations off) and ``flag``."""
+    """The suite's XLA_FLAGS (tests/conftest.py's compile settings) and ``flag``."""
     return " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), flag]))
 
 
