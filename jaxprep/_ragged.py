@@ -25,9 +25,10 @@ SCAN_BLOCK = 32
 """Width of the blocks `prefix_sum` scans with one small matrix product each."""
 
 SHORT_SCAN = 256
-"""Up to this length a prefix sum is XLA's own cumsum on every backend: one kernel (on XLA:CPU a
-serial loop, ~7 ns an entry), cheaper than a matrix product there at this size (XLA:CPU's product
-costs ~2 µs even at n = 8; docs/benchmarks-history.md, "The XLA step (TPU's path)")."""
+"""Up to this length a prefix sum is XLA's own cumsum on every backend: one reduce-window (on XLA:CPU a
+serial loop, ~7 ns an entry, which XLA:CPU rewrites into 4-5 small kernels above 16 entries), cheaper
+than a matrix product there at this size (XLA:CPU's product costs ~2 µs even at n = 8;
+docs/benchmarks-history.md, "The XLA step (TPU's path)")."""
 
 F32_EXACT_BOUND = 2**24
 """float32 holds every integer below this exactly, so sums that stay below it are exact."""
