@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxprep._constants import NO_GRAMMAR
 from jaxprep.serving import update_bounds
-from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.config import ServingConfig, last_config
 from jaxprep.serving.state import (
     InvalidUpdateError,
     Schedule,
@@ -244,6 +244,7 @@ class _Ladder(NamedTuple):
     step_words: int  # the serving step's top rung (`step_payload_buckets`)
 
 
+@last_config
 @functools.lru_cache(maxsize=64)
 def _ladder(config: ServingConfig) -> _Ladder:
     return _Ladder(payload_layout(config), payload_buckets(config), step_payload_buckets(config)[-1])
@@ -485,7 +486,8 @@ def _schedule_record(schedule, lay: Layout):
     ```
     """
     scheduled, grammar = schedule.num_scheduled_tokens, schedule.grammar_index
-    live = ((scheduled > 0) | (grammar != NO_GRAMMAR)).nonzero()[0]
+    # a checked schedule gives grammar rows to scheduled rows only (`checks.schedule_fits`): read where packed
+    live = ((scheduled > 0) | (grammar != NO_GRAMMAR) if lay.grammar else scheduled > 0).nonzero()[0]
     columns = [scheduled]
     if lay.num_drafts:
         columns += [schedule.num_draft_tokens, *np.asarray(schedule.draft_token_ids).T]
