@@ -256,7 +256,7 @@ def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     split falls between entries, or between appended segments), applied first, and the schedule alone last."""
     ladder = _ladder(config)
     lay = ladder.layout
-    section = None if columns.schedule is None else _schedule_record(columns.schedule, lay)
+    section = None if columns.schedule is None else _schedule_section(columns.schedule, lay)
     schedule_words = 0 if section is None else section[1]
     changed = columns.changed_words + (0 if section is None else section[2])
     content = (len(columns.finish) + columns.add.size + columns.resume.size + columns.segments.size + schedule_words
@@ -474,6 +474,24 @@ def _row_data(tokens, tables, entry) -> list[int]:
         runs.append(entry.is_token_ids.astype(np.int64))
     runs += list(tables)
     return np.concatenate([np.asarray(r, np.int64).ravel() for r in runs]) if runs else np.zeros(0, np.int64)
+
+
+_last_section = (None, None, None)  # (schedule, layout, its `_schedule_record`) of the last read-only schedule
+
+
+def _schedule_section(schedule: Schedule, lay: Layout):
+    """`_schedule_record` of ``schedule``; kept for the next call where its arrays are read-only and their own (a
+    schedule no one changes: `vllm_columns` gives a decode step of the same requests the last step's again)."""
+    global _last_section
+    held, held_lay, section = _last_section
+    if held is schedule and held_lay is lay:
+        return section
+    section = _schedule_record(schedule, lay)
+    if all(array is None or not array.flags.writeable and array.base is None
+           for array in (schedule.num_scheduled_tokens, schedule.num_draft_tokens, schedule.draft_token_ids,
+                         schedule.grammar_index)):
+        _last_section = (schedule, lay, section)
+    return section
 
 
 def _schedule_record(schedule, lay: Layout):

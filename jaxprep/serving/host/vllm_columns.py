@@ -23,8 +23,8 @@ values are `column_checks`'.
 
 from __future__ import annotations
 
-import dataclasses
 from itertools import chain, compress
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,9 +44,8 @@ from jaxprep.serving.update_packing import (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class CommonStep:
-    """A common step read: its update's columns and the request map it leaves."""
+class CommonStep(NamedTuple):
+    """A common step read: its update's columns and the request map it leaves (a tuple: one per step)."""
 
     columns: UpdateColumns
     requests: RequestMap
@@ -66,6 +65,7 @@ class ColumnReader:
         self.tables = np.arange(self.groups, dtype=np.int64)  # the table of each group's segment
         self.plain = plain_arrays(config)  # a schedule's drafts, draft ids and grammar rows: none (`plain_schedule`)
         self._running = (None, None, None)  # (request map, req_ids, rows) of the last decode step read
+        self._scheduled = (None, NO_ENTRIES, None)  # (rows, counts, Schedule) of the last step read
 
     def read(self, scheduler_output, requests: RequestMap, mirror: HostRows) -> CommonStep | None:
         """``scheduler_output`` as `UpdateColumns`, on ``requests`` (changed only on its copies); None, with
@@ -162,14 +162,14 @@ class ColumnReader:
         entries = list(map(new_block_ids.__getitem__, index))
         lists = list(chain.from_iterable(entries))
         if (len(index) + nones != len(new_block_ids)  # an entry neither None nor truthy (an empty tuple)
-                or set(map(type, entries)) != {tuple} or len(lists) != len(entries) * self.groups
-                or set(map(len, entries)) != {self.groups} or set(map(type, lists)) != {list}):
+                or set(map(type, entries)) != {tuple} or set(map(len, entries)) != {self.groups}
+                or set(map(type, lists)) != {list}):
             return None
         lengths = list(map(len, lists))
         ids = np.array(list(chain.from_iterable(lists)))
         if ids.dtype != np.int64 or ids.ndim != 1:
             return None if len(ids) else (self.no_segments, NO_ENTRIES)
-        return self._segments(rows[index], lengths, table_blocks), ids
+        return self._segments(rows.take(index), lengths, table_blocks), ids
 
     def _segments(self, entry_rows: np.ndarray, lengths: list[int], table_blocks: np.ndarray) -> np.ndarray:
         """The segments [4, S] of the appended lists (``lengths``: one per group, per row of ``entry_rows``),
@@ -187,12 +187,20 @@ class ColumnReader:
         return segments
 
     def _schedule(self, rows: np.ndarray, counts: np.ndarray) -> Schedule:
-        """The dense schedule: ``counts`` at ``rows``, no drafts, no grammar rows."""
+        """The dense schedule: ``counts`` at ``rows``, no drafts, no grammar rows, its arrays read-only. The last
+        step's again where its rows (the same array, `_running_rows`') and counts are this one's: a decode step
+        of the same requests (packing keeps a read-only schedule's section, `update_packing.pack_columns`)."""
+        last_rows, last_counts, last = self._scheduled
+        if rows is last_rows and not np.count_nonzero(counts != last_counts):
+            return last
         scheduled = np.zeros(self.max_num_reqs, np.int64)
         scheduled[rows] = counts
+        scheduled.flags.writeable = False
         drafts, draft_ids, grammar = self.plain
-        return Schedule(num_scheduled_tokens=scheduled, num_draft_tokens=drafts, draft_token_ids=draft_ids,
-                        grammar_index=grammar)
+        schedule = Schedule(num_scheduled_tokens=scheduled, num_draft_tokens=drafts, draft_token_ids=draft_ids,
+                            grammar_index=grammar)
+        self._scheduled = (rows, counts, schedule)
+        return schedule
 
 
 def _int64(values) -> np.ndarray | None:
