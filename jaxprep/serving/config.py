@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxprep._constants import INT32_MAX
 from jaxprep.bounds import check_positive_int
@@ -12,6 +13,30 @@ from jaxprep.config import PrepConfig
 def _from_prep(name: str) -> property:
     """A read-only attribute that reads ``self.prep.<name>``."""
     return property(lambda self: getattr(self.prep, name), doc=f"``prep.{name}``")
+
+
+def last_config(lookup):
+    """``lookup(config)`` (a configuration's constants, `functools.lru_cache`d) with the answer for the last
+    configuration asked kept by identity: a serving loop asks each step for the same configuration's constants,
+    and an lru lookup hashes the whole frozen configuration (every field, nested) first.
+
+    ```
+    # @last_config @functools.lru_cache(maxsize=64) def _bounds(config): ...
+    #   _bounds(c); _bounds(c) -> the second call compares c by identity, no hash
+    ```
+    """
+    last = (None, None)  # (configuration, answer), read and replaced as one tuple: thread-safe
+
+    @functools.wraps(lookup)
+    def cached(config):
+        nonlocal last
+        held, answer = last
+        if held is not config:
+            answer = lookup(config)
+            last = (config, answer)
+        return answer
+
+    return cached
 
 
 NO_EOS = -1

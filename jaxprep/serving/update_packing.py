@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxprep._constants import NO_GRAMMAR
 from jaxprep.serving import update_bounds
-from jaxprep.serving.config import ServingConfig
+from jaxprep.serving.config import ServingConfig, last_config
 from jaxprep.serving.state import (
     InvalidUpdateError,
     Schedule,
@@ -244,6 +244,7 @@ class _Ladder(NamedTuple):
     step_words: int  # the serving step's top rung (`step_payload_buckets`)
 
 
+@last_config
 @functools.lru_cache(maxsize=64)
 def _ladder(config: ServingConfig) -> _Ladder:
     return _Ladder(payload_layout(config), payload_buckets(config), step_payload_buckets(config)[-1])
@@ -255,7 +256,7 @@ def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     split falls between entries, or between appended segments), applied first, and the schedule alone last."""
     ladder = _ladder(config)
     lay = ladder.layout
-    section = None if columns.schedule is None else _schedule_record(columns.schedule, lay)
+    section = None if columns.schedule is None else _schedule_section(columns.schedule, lay)
     schedule_words = 0 if section is None else section[1]
     changed = columns.changed_words + (0 if section is None else section[2])
     content = (len(columns.finish) + columns.add.size + columns.resume.size + columns.segments.size + schedule_words
@@ -475,6 +476,24 @@ def _row_data(tokens, tables, entry) -> list[int]:
     return np.concatenate([np.asarray(r, np.int64).ravel() for r in runs]) if runs else np.zeros(0, np.int64)
 
 
+_last_section = (None, None, None)  # (schedule, layout, its `_schedule_record`) of the last read-only schedule
+
+
+def _schedule_section(schedule: Schedule, lay: Layout):
+    """`_schedule_record` of ``schedule``; kept for the next call where its arrays are read-only and their own (a
+    schedule no one changes: `vllm_columns` gives a decode step of the same requests the last step's again)."""
+    global _last_section
+    held, held_lay, section = _last_section
+    if held is schedule and held_lay is lay:
+        return section
+    section = _schedule_record(schedule, lay)
+    if all(array is None or not array.flags.writeable and array.base is None
+           for array in (schedule.num_scheduled_tokens, schedule.num_draft_tokens, schedule.draft_token_ids,
+                         schedule.grammar_index)):
+        _last_section = (schedule, lay, section)
+    return section
+
+
 def _schedule_record(schedule, lay: Layout):
     """(dense, rows, columns [fields, n]), its words and its changed entries: the rows with work or a
     grammar, as a dense prefix or sparse rows, whichever is shorter.
@@ -485,7 +504,8 @@ def _schedule_record(schedule, lay: Layout):
     ```
     """
     scheduled, grammar = schedule.num_scheduled_tokens, schedule.grammar_index
-    live = ((scheduled > 0) | (grammar != NO_GRAMMAR)).nonzero()[0]
+    # a checked schedule gives grammar rows to scheduled rows only (`checks.schedule_fits`): read where packed
+    live = ((scheduled > 0) | (grammar != NO_GRAMMAR) if lay.grammar else scheduled > 0).nonzero()[0]
     columns = [scheduled]
     if lay.num_drafts:
         columns += [schedule.num_draft_tokens, *np.asarray(schedule.draft_token_ids).T]

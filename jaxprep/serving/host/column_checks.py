@@ -18,7 +18,8 @@ The bounds are `checks`' (tests/serving/test_vllm_columns.py holds the two paths
 - append: each table's blocks after the append within its width;
 - data: token ids in [0, token_id_bound), block ids in their table's [low, high];
 - schedule: `checks.schedule_fits`; of a `plain_schedule` (the common steps'), the bounds it can break: each
-  count within the budget, every row's sequence within its tokens and blocks (`checks.sequence_faults`).
+  count within the budget, every row's sequence within its tokens and blocks (`checks.sequence_faults`, as
+  each row's longest sequence).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import functools
 import numpy as np
 
 from jaxprep._constants import NO_GRAMMAR
-from jaxprep.serving.config import ServingConfig
-from jaxprep.serving.host.checks import HostRows, group_block_sizes, schedule_fits, sequence_faults
+from jaxprep.serving.config import ServingConfig, last_config
+from jaxprep.serving.host.checks import HostRows, group_block_sizes, schedule_fits
 from jaxprep.serving.state import Schedule, block_bounds, draft_width, num_kv_groups, table_names, table_widths
 from jaxprep.serving.update_packing import TABLE, TOKENS, UpdateColumns, payload_layout
 
@@ -49,8 +50,12 @@ class _Bounds:
     low: np.ndarray  # [TABLE + T] lowest value of each data kind (TOKENS: 0; TABLE + t: the table's lowest id)
     high: np.ndarray  # [TABLE + T] highest value
     plain: tuple[np.ndarray, np.ndarray, np.ndarray]  # a `plain_schedule`'s drafts, draft ids, grammar rows
+    max_model_len: int
+    budget: int  # max_num_batched_tokens
+    group_block_sizes: np.ndarray  # [G] each KV-cache group's block size (`checks.group_block_sizes`)
 
 
+@last_config
 @functools.lru_cache(maxsize=64)
 def _bounds(config: ServingConfig) -> _Bounds:
     lay, tables = payload_layout(config), len(table_names(config))
@@ -67,7 +72,8 @@ def _bounds(config: ServingConfig) -> _Bounds:
         array.flags.writeable = False
     return _Bounds(covered=covered, widths=np.array(table_widths(config), np.int64), block_sizes=sizes,
                    run_kinds=np.array([TOKENS] + [TABLE + t for t in range(tables)], np.int64), low=low, high=high,
-                   plain=plain)
+                   plain=plain, max_model_len=config.max_model_len, budget=config.prep.max_num_batched_tokens,
+                   group_block_sizes=np.array(group_block_sizes(config), np.int64))
 
 
 def plain_schedule(config: ServingConfig, num_scheduled_tokens: np.ndarray) -> Schedule:
@@ -97,29 +103,24 @@ def check_columns(rows: HostRows, columns: UpdateColumns, config: ServingConfig)
     bounds = _bounds(config)
     if not bounds.covered or columns.resume.shape[1] or columns.lora is not None:
         return None
-    add, segments, schedule = columns.add, columns.segments, columns.schedule
-    if add.shape[1] and not _records_fit(add, bounds, config):
+    add, schedule = columns.add, columns.schedule
+    if add.shape[1] and not _records_fit(add, bounds, config) or not _data_fits(columns, bounds):
         return None
-    if not _data_fits(columns, bounds):
-        return None
-    if len(columns.finish) or add.shape[1]:
+    joins = len(columns.finish) or add.shape[1]
+    if joins:
         rows = rows.copy()
         if len(columns.finish):
             rows.clear(columns.finish)
         if add.shape[1]:
             _write_added(rows, add)
-    else:  # a decode step: only the block counts and the schedule change (the other arrays are shared)
-        rows = HostRows(**{**vars(rows), "table_blocks": rows.table_blocks.copy()})
-    if segments.shape[1]:
-        _, row, col, length = segments
-        table = segments[0] - TABLE
-        end = col + length
-        if (end > bounds.widths[table]).any():
-            return None
-        rows.table_blocks[row, table] = end
+    table_blocks = _appended_blocks(rows.table_blocks, columns.segments, bounds, copy=not joins)
+    if table_blocks is None:
+        return None
+    if not joins:  # a decode step: only the block counts and the schedule change (the other arrays are shared)
+        rows = _sharing(rows, table_blocks)
     if schedule is not None:
         plain = schedule.num_draft_tokens is bounds.plain[0] and schedule.grammar_index is bounds.plain[2]
-        if not (_plain_schedule_fits(rows, schedule.num_scheduled_tokens, config) if plain
+        if not (_plain_schedule_fits(rows, schedule.num_scheduled_tokens, bounds) if plain
                 else schedule_fits(rows, schedule, config)):
             return None
         rows.num_scheduled_tokens = schedule.num_scheduled_tokens.copy()
@@ -127,14 +128,59 @@ def check_columns(rows: HostRows, columns: UpdateColumns, config: ServingConfig)
     return rows
 
 
-def _plain_schedule_fits(rows: HostRows, scheduled: np.ndarray, config: ServingConfig) -> bool:
+def _appended_blocks(table_blocks: np.ndarray, segments: np.ndarray, bounds: _Bounds, copy: bool) -> np.ndarray | None:
+    """The block counts [rows, T] after the appended ``segments`` [4, S] (each starts at its row's count: the
+    caller's bookkeeping), in a copy of ``table_blocks`` where ``copy`` (else in it); ``table_blocks`` itself
+    when nothing is appended; None if a table's blocks pass its width."""
+    if not segments.shape[1]:
+        return table_blocks
+    end = segments[2] + segments[3]
+    table = 0 if len(bounds.widths) == 1 else segments[0] - TABLE
+    if np.count_nonzero(end > bounds.widths[table]):
+        return None
+    if copy:
+        table_blocks = table_blocks.copy()
+    table_blocks[segments[1], table] = end
+    return table_blocks
+
+
+def _sharing(rows: HostRows, table_blocks: np.ndarray) -> HostRows:
+    """``rows`` with ``table_blocks`` in place of its own, every other array shared."""
+    return HostRows(num_tokens=rows.num_tokens, stop_len=rows.stop_len, num_computed_tokens=rows.num_computed_tokens,
+                    table_blocks=table_blocks, num_scheduled_tokens=rows.num_scheduled_tokens,
+                    num_draft_tokens=rows.num_draft_tokens, pending_drafts=rows.pending_drafts, slack=rows.slack)
+
+
+def _plain_schedule_fits(rows: HostRows, scheduled: np.ndarray, bounds: _Bounds) -> bool:
     """`checks.schedule_fits` of a `plain_schedule` (no drafts, no grammar rows, counts >= 0) on rows the
     caller's bookkeeping made busy and settled (running rows without pending drafts, or rows just added): each
-    count within the budget, then every row's sequence within its tokens and blocks, then the total."""
-    budget, num_tokens = config.prep.max_num_batched_tokens, rows.num_tokens
-    bad = (scheduled > budget) | ((scheduled > 0) & sequence_faults(rows.num_computed_tokens + scheduled, num_tokens,
-                                                                    num_tokens, rows.table_blocks, config))
-    return not bad.any() and int(scheduled.sum()) <= budget
+    count within the budget and its row's room (`_longest_sequence` past the computed tokens; a row scheduling
+    none always fits), then the total.
+
+    ```
+    # budget 8: computed [2, 4, 0], longest [5, 4, 5] -> room [3, 0, 5]; scheduled [3, 0, 6] -> row 2 breaks
+    ```
+    """
+    room = np.maximum(_longest_sequence(rows, bounds) - rows.num_computed_tokens, 0)
+    budget = bounds.budget
+    return not np.count_nonzero(scheduled > np.minimum(room, budget)) and int(np.add.reduce(scheduled)) <= budget
+
+
+def _longest_sequence(rows: HostRows, bounds: _Bounds) -> np.ndarray:
+    """Per row, the longest sequence a step can reach: `checks.sequence_faults` of a schedule without drafts, as a
+    limit. A sequence ``s`` of a row of ``n`` tokens stays within them (``s <= n``) and max_model_len ``L``
+    (``s <= L``), keeps a column for the sampled token when it reaches the row's end at ``L`` (not
+    ``s >= n >= L``), and stays within each group's blocks (``cdiv(s, B_g) <= blocks_g``, that is
+    ``s <= blocks_g * B_g``): ``s <= min(n - (n >= L), L, blocks_g * B_g)``.
+
+    ```
+    # L 8, block size 4: n 5, 2 blocks -> 5; n 8, 3 blocks -> 7 (no column left at 8); n 8, 1 block -> 4
+    ```
+    """
+    num_tokens, max_len, sizes = rows.num_tokens, bounds.max_model_len, bounds.group_block_sizes
+    in_blocks = rows.table_blocks[:, 0] * sizes[0] if len(sizes) == 1 else \
+        np.minimum.reduce(rows.table_blocks * sizes, axis=1)
+    return np.minimum(np.minimum(num_tokens - (num_tokens >= max_len), max_len), in_blocks)
 
 
 def _records_fit(add: np.ndarray, bounds: _Bounds, config: ServingConfig) -> bool:
@@ -175,8 +221,7 @@ def _data_fits(columns: UpdateColumns, bounds: _Bounds) -> bool:
         if not len(appended):
             return True
         if len(bounds.widths) == 1:
-            kind = TABLE
-            return bool(bounds.low[kind] <= appended.min() and appended.max() <= bounds.high[kind])
+            return not np.count_nonzero((appended < bounds.low[TABLE]) | (appended > bounds.high[TABLE]))
         kinds, values = np.repeat(segments[0], segments[3]), appended
     else:
         lengths = add[[1, *range(len(PLAIN_ADD_FIELDS), len(add))]]  # [1 + T, A]: num_tokens, blocks_t

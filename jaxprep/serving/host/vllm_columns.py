@@ -23,9 +23,8 @@ values are `column_checks`'.
 
 from __future__ import annotations
 
-import dataclasses
-from itertools import chain, compress, repeat
-from operator import is_not
+from itertools import chain, compress
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,9 +44,8 @@ from jaxprep.serving.update_packing import (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class CommonStep:
-    """A common step read: its update's columns and the request map it leaves."""
+class CommonStep(NamedTuple):
+    """A common step read: its update's columns and the request map it leaves (a tuple: one per step)."""
 
     columns: UpdateColumns
     requests: RequestMap
@@ -61,11 +59,13 @@ class ColumnReader:
     def __init__(self, config: ServingConfig):
         self.max_num_reqs, self.max_model_len, self.groups = config.max_num_reqs, config.max_model_len, \
             num_kv_groups(config)
-        self.no_adds = empty_records(len(PLAIN_ADD_FIELDS) + self.groups)
+        self.none_added = (empty_records(len(PLAIN_ADD_FIELDS) + self.groups), NO_ENTRIES, NO_ENTRIES)  # `_added`'s
         self.no_resumes = empty_records(len(RESUME_FIELDS) + self.groups)
         self.no_segments = empty_records(len(SEGMENT_FIELDS))
+        self.tables = np.arange(self.groups, dtype=np.int64)  # the table of each group's segment
         self.plain = plain_arrays(config)  # a schedule's drafts, draft ids and grammar rows: none (`plain_schedule`)
         self._running = (None, None, None)  # (request map, req_ids, rows) of the last decode step read
+        self._scheduled = (None, NO_ENTRIES, None)  # (rows, counts, Schedule) of the last step read
 
     def read(self, scheduler_output, requests: RequestMap, mirror: HostRows) -> CommonStep | None:
         """``scheduler_output`` as `UpdateColumns`, on ``requests`` (changed only on its copies); None, with
@@ -76,12 +76,13 @@ class ColumnReader:
             return None
         req_ids, total = cached.req_ids, so.total_num_scheduled_tokens
         counts, computed = _int64(list(scheduled.values())), _int64(cached.num_computed_tokens)
+        news = so.scheduled_new_reqs
         if counts is None or computed is None or not len(computed) == len(cached.new_block_ids) == len(req_ids) \
-                or len(so.scheduled_new_reqs) + len(req_ids) != len(scheduled) or type(total) is not int \
-                or total != int(counts.sum()) or (len(counts) and counts.min() < 1):
+                or len(news) + len(req_ids) != len(scheduled) or type(total) is not int \
+                or total != int(np.add.reduce(counts)) or np.count_nonzero(counts < 1):
             return None
-        finish = _finished(requests, so)
-        add = self._added(requests, so.scheduled_new_reqs)
+        finish = _finished(requests, so) if so.finished_req_ids or so.preempted_req_ids else []
+        add = self._added(requests, news) if news else self.none_added
         running = None if add is None else self._running_rows(requests.rows, req_ids, computed, mirror)
         segments = None if running is None else self._appended(cached.new_block_ids, running, mirror.table_blocks)
         if segments is None:
@@ -100,9 +101,8 @@ class ColumnReader:
     def _added(self, requests: RequestMap, news: list):
         """New requests admitted in the lowest free rows: their records [fields, A] (`PLAIN_ADD_FIELDS`, the
         block counts of each group), each one's tokens then blocks as one data array, and each one's data
-        length; None for a request not of vLLM's types, an id that holds a row, or no free row."""
-        if not news:
-            return self.no_adds, NO_ENTRIES, NO_ENTRIES
+        length (``news`` not empty); None for a request not of vLLM's types, an id that holds a row, or no free
+        row."""
         if len(news) > len(requests.free):
             return None
         records, runs, groups = [], [], self.groups
@@ -141,7 +141,7 @@ class ColumnReader:
                 return None
             rows.flags.writeable = False  # kept for the next step: read only
             self._running = (row_of, list(req_ids), rows)
-        if ((mirror.pending_drafts[rows] >= 0) | (mirror.num_computed_tokens[rows] != computed)).any():
+        if np.count_nonzero((mirror.pending_drafts[rows] >= 0) | (mirror.num_computed_tokens[rows] != computed)):
             return None
         return rows
 
@@ -155,38 +155,52 @@ class ColumnReader:
         #   -> segments [[TABLE], [5], [2], [2]], ids [7, 8]
         ```
         """
-        if len(new_block_ids) == new_block_ids.count(None):
+        nones = new_block_ids.count(None)
+        if nones == len(new_block_ids):
             return self.no_segments, NO_ENTRIES
-        groups = self.groups
-        index = list(compress(range(len(new_block_ids)), map(is_not, new_block_ids, repeat(None))))
+        index = list(compress(range(len(new_block_ids)), new_block_ids))  # the entries given (a tuple is truthy)
         entries = list(map(new_block_ids.__getitem__, index))
         lists = list(chain.from_iterable(entries))
-        if set(map(type, entries)) != {tuple} or set(map(len, entries)) != {groups} or set(map(type, lists)) != {list}:
+        if (len(index) + nones != len(new_block_ids)  # an entry neither None nor truthy (an empty tuple)
+                or set(map(type, entries)) != {tuple} or set(map(len, entries)) != {self.groups}
+                or set(map(type, lists)) != {list}):
             return None
         lengths = list(map(len, lists))
         ids = np.array(list(chain.from_iterable(lists)))
         if ids.dtype != np.int64 or ids.ndim != 1:
             return None if len(ids) else (self.no_segments, NO_ENTRIES)
-        seg_rows = rows[index]
-        tables = np.zeros(len(index), np.int64) if groups == 1 else np.tile(np.arange(groups, dtype=np.int64),
-                                                                            len(index))
-        if groups > 1:
-            seg_rows = np.repeat(seg_rows, groups)
+        return self._segments(rows.take(index), lengths, table_blocks), ids
+
+    def _segments(self, entry_rows: np.ndarray, lengths: list[int], table_blocks: np.ndarray) -> np.ndarray:
+        """The segments [4, S] of the appended lists (``lengths``: one per group, per row of ``entry_rows``),
+        each after its row's blocks in its table; empty lists dropped."""
+        groups = self.groups
+        seg_rows = entry_rows if groups == 1 else np.repeat(entry_rows, groups)
+        tables = 0 if groups == 1 else np.tile(self.tables, len(entry_rows))
         if 0 in lengths:  # an empty list (a group without new blocks) appends nothing
             kept = np.array(lengths) > 0
-            seg_rows, tables, lengths = seg_rows[kept], tables[kept], np.array(lengths)[kept]
+            seg_rows, lengths = seg_rows[kept], np.array(lengths)[kept]
+            tables = tables if groups == 1 else tables[kept]
         segments = np.empty((len(SEGMENT_FIELDS), len(seg_rows)), np.int64)
-        segments[0], segments[1], segments[2], segments[3] = TABLE + tables, seg_rows, table_blocks[seg_rows, tables], \
-            lengths
-        return segments, ids
+        segments[0], segments[1], segments[2], segments[3] = TABLE + tables, seg_rows, \
+            table_blocks[:, 0][seg_rows] if groups == 1 else table_blocks[seg_rows, tables], lengths
+        return segments
 
     def _schedule(self, rows: np.ndarray, counts: np.ndarray) -> Schedule:
-        """The dense schedule: ``counts`` at ``rows``, no drafts, no grammar rows."""
+        """The dense schedule: ``counts`` at ``rows``, no drafts, no grammar rows, its arrays read-only. The last
+        step's again where its rows (the same array, `_running_rows`') and counts are this one's: a decode step
+        of the same requests (packing keeps a read-only schedule's section, `update_packing.pack_columns`)."""
+        last_rows, last_counts, last = self._scheduled
+        if rows is last_rows and not np.count_nonzero(counts != last_counts):
+            return last
         scheduled = np.zeros(self.max_num_reqs, np.int64)
         scheduled[rows] = counts
+        scheduled.flags.writeable = False
         drafts, draft_ids, grammar = self.plain
-        return Schedule(num_scheduled_tokens=scheduled, num_draft_tokens=drafts, draft_token_ids=draft_ids,
-                        grammar_index=grammar)
+        schedule = Schedule(num_scheduled_tokens=scheduled, num_draft_tokens=drafts, draft_token_ids=draft_ids,
+                            grammar_index=grammar)
+        self._scheduled = (rows, counts, schedule)
+        return schedule
 
 
 def _int64(values) -> np.ndarray | None:
