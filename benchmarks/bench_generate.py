@@ -101,48 +101,57 @@ def jaxprep_process(directory: str, run: Run, vocab_size: int, budget: int, cach
 
 def transformers_process(directory: str, run: Run, vocab_size: int, ours: list[list[int]] | None = None) -> dict:
     """`transformers_worker` in its own process (``ours``: jaxprep's tokens, to compare against)."""
-    payload = json.dumps(dict(run=dataclasses.asdict(run), vocab_size=vocab_size, ours=ours))
+    return transformers_processes(directory, [run], vocab_size, ours)[0]
+
+
+def transformers_processes(directory: str, runs: list[Run], vocab_size: int,
+                           ours: list[list[int]] | None = None) -> list[dict]:
+    """`transformers_worker` on ``runs`` (one dtype) one after the other in one process: a result per run, each
+    with the process's wall seconds (a dry run's two speed workloads share one process and its imports)."""
+    payload = json.dumps(dict(runs=[dataclasses.asdict(run) for run in runs], vocab_size=vocab_size, ours=ours))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--worker", directory, payload], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     wall_s = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
+    if proc.returncode or len(lines) != len(runs):
         raise RuntimeError(f"transformers worker exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}")
-    return dict(json.loads(lines[-1][len("RESULT "):]), wall_s=wall_s)
+    return [dict(json.loads(line[len("RESULT "):]), wall_s=wall_s) for line in lines]
 
 
 def transformers_worker(directory: str, payload: str) -> None:
-    """transformers' greedy ``generate`` on the GPU if torch sees one: each prompt alone when comparing
-    (with each step's logits) or timing one prompt; all prompts as one batch otherwise."""
+    """transformers' greedy ``generate`` on the GPU if torch sees one, for each run of the payload: each prompt
+    alone when comparing (with each step's logits) or timing one prompt; all prompts as one batch otherwise."""
     import torch
     import transformers
 
     job = json.loads(payload)
-    run = Run(**{**job["run"], "prompt_lens": tuple(job["run"]["prompt_lens"])})
+    runs = [Run(**{**run, "prompt_lens": tuple(run["prompt_lens"])}) for run in job["runs"]]
+    assert len({run.dtype for run in runs}) == 1, "one model, one dtype"
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 is float32
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, run.dtype)).to(device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, runs[0].dtype)).to(device)
     model.eval().generation_config.eos_token_id = None  # EOS ignored, as jaxprep's --ignore-eos
-    prompts = prompts_for(run, job["vocab_size"])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
-    if job["ours"] is not None:
-        result.update(compare_tokens(model, prompts, job["ours"], run.max_tokens, device))
-    elif len(prompts) == 1:
-        result.update(time_one_prompt(model, prompts[0], run.max_tokens, device, sync))
-    else:
-        ids = torch.tensor(prompts, device=device)
-        with torch.no_grad():
-            sync()
-            start = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=run.max_tokens,
-                                 do_sample=False, pad_token_id=0)
-            sync()
-            seconds = time.perf_counter() - start
-        generated = (out.shape[1] - ids.shape[1]) * len(prompts)
-        result.update(batch_s=seconds, batch_tokens_per_s=generated / seconds)
-    print("RESULT " + json.dumps(result))
+    for run in runs:
+        prompts = prompts_for(run, job["vocab_size"])
+        result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
+        if job["ours"] is not None:
+            result.update(compare_tokens(model, prompts, job["ours"], run.max_tokens, device))
+        elif len(prompts) == 1:
+            result.update(time_one_prompt(model, prompts[0], run.max_tokens, device, sync))
+        else:
+            ids = torch.tensor(prompts, device=device)
+            with torch.no_grad():
+                sync()
+                start = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=run.max_tokens,
+                                     do_sample=False, pad_token_id=0)
+                sync()
+                seconds = time.perf_counter() - start
+            generated = (out.shape[1] - ids.shape[1]) * len(prompts)
+            result.update(batch_s=seconds, batch_tokens_per_s=generated / seconds)
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def compare_tokens(model, prompts, ours, max_tokens: int, device: str) -> dict:
@@ -247,9 +256,13 @@ def speed(args) -> int:
     with tempfile.TemporaryDirectory() as cache:  # one compile cache: the first process fills it
         rows["jaxprep, cold cache"] = jaxprep_process(directory, one, vocab, budget, cache, shared)
         rows["jaxprep, warm cache"] = jaxprep_process(directory, one, vocab, budget, cache, shared)
-        rows["transformers"] = transformers_process(directory, one, vocab)
+        if args.dry_run:  # one transformers process runs both workloads (its wall: both rows' "process wall s")
+            rows["transformers"], batch = transformers_processes(directory, [one, many], vocab)
+        else:
+            rows["transformers"] = transformers_process(directory, one, vocab)
         concurrent = jaxprep_process(directory, many, vocab, budget, cache, shared)
-    batch = transformers_process(directory, many, vocab)
+    if not args.dry_run:
+        batch = transformers_process(directory, many, vocab)
     label = f"1 x {one.prompt_lens[0]}-token prompt, {one.max_tokens} new"
     print(f"model: {os.path.basename(directory)}; jaxprep on {jax.default_backend()}, transformers on "
           f"{rows['transformers']['device']}; budget {budget}")

@@ -85,10 +85,11 @@ def test_every_block_is_run_or_says_why_not():
 def cpu_runs(tmp_path_factory):
     """Starts every plain python block at once, each in a fresh interpreter; {where: (status, output)}."""
     folder = tmp_path_factory.mktemp("readme")
-    # HOME: a block's "~/.cache/jaxprep" (the README's warm-up cache) lands in the test's folder
+    # HOME: a block's "~/.cache/jaxprep" (the README's warm-up cache) lands in the test's folder. XLA_FLAGS
+    # stays the suite's (conftest: compiles for speed of compiling; the values the blocks check are the same);
+    # a block that sets XLA_FLAGS itself (scale.md's forced CPU devices) replaces it, as a reader's would.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                HOME=str(folder))
-    env.pop("XLA_FLAGS", None)
     running = {}
     for block in (b for b in PYTHON if not missing_packages(b.code)):
         path = folder / f"{block.where.replace('/', '_').replace(':', '_line_')}.py"
