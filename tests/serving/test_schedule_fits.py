@@ -62,3 +62,39 @@ def test_schedule_fits_gives_the_named_checks_verdict(k):
         assert checks.schedule_fits(rows, schedule, cfg) == named
         verdicts.append(named)
     assert 150 < sum(verdicts) < len(verdicts) - 150  # both verdicts are common (the control of the comparison)
+
+
+def two_group_config() -> ServingConfig:
+    """Two KV-cache groups of different block sizes (4 and 8): a row's longest sequence is the smaller of its
+    groups' block spans."""
+    groups = (jaxprep.KVCacheGroupSpec(block_size=4), jaxprep.KVCacheGroupSpec(block_size=8, num_blocks=16))
+    prep = jaxprep.PrepConfig(max_num_reqs=ROWS, max_model_len=24, max_num_batched_tokens=16, block_size=4,
+                              num_blocks=32, features=jaxprep.FeatureConfig(kv_groups=groups))
+    return ServingConfig(prep=prep, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("make_config", [lambda: config(0), two_group_config], ids=["one group", "two groups"])
+def test_a_plain_schedule_gets_schedule_fits_verdict_from_the_column_check(make_config):
+    """`column_checks._plain_schedule_fits` (a common step's schedule against each row's longest sequence, the
+    bound `checks.sequence_faults` states per sequence) gives `checks.schedule_fits`' verdict on busy, settled
+    rows: the max_model_len end, every group's blocks, the budget, zero counts."""
+    from jaxprep.serving.host import column_checks
+
+    cfg, rng = make_config(), np.random.default_rng(7)
+    tables = len(cfg.prep.features.kv_groups) or 1
+    verdicts = []
+    for _ in range(3000):
+        rows = checks.HostRows.empty(ROWS, tables)
+        rows.num_tokens[:] = rng.integers(1, 25, ROWS)
+        rows.num_computed_tokens[:] = rng.integers(0, rows.num_tokens)
+        for g, size in enumerate(checks.group_block_sizes(cfg)):
+            rows.table_blocks[:, g] = (-(-rows.num_tokens // size) + rng.integers(-1, 2, ROWS)).clip(0, 24 // size)
+        scheduled = np.minimum(rng.integers(0, 6, ROWS), rows.num_tokens - rows.num_computed_tokens
+                               + rng.integers(0, 2, ROWS)) * (rng.random(ROWS) < 0.6)
+        if rng.random() < 0.05:
+            scheduled[rng.integers(ROWS)] = 17  # over the budget alone
+        scheduled = scheduled.astype(np.int64)
+        general = checks.schedule_fits(rows, column_checks.plain_schedule(cfg, scheduled), cfg)
+        assert column_checks._plain_schedule_fits(rows, scheduled, column_checks._bounds(cfg)) == general
+        verdicts.append(general)
+    assert 150 < sum(verdicts) < len(verdicts) - 150  # both verdicts are common (the control of the comparison)
