@@ -52,7 +52,6 @@ class _Bounds:
     plain: tuple[np.ndarray, np.ndarray, np.ndarray]  # a `plain_schedule`'s drafts, draft ids, grammar rows
     max_model_len: int
     budget: int  # max_num_batched_tokens
-    group_block_sizes: np.ndarray  # [G] each KV-cache group's block size (`checks.group_block_sizes`)
 
 
 @last_config
@@ -72,8 +71,7 @@ def _bounds(config: ServingConfig) -> _Bounds:
         array.flags.writeable = False
     return _Bounds(covered=covered, widths=np.array(table_widths(config), np.int64), block_sizes=sizes,
                    run_kinds=np.array([TOKENS] + [TABLE + t for t in range(tables)], np.int64), low=low, high=high,
-                   plain=plain, max_model_len=config.max_model_len, budget=config.prep.max_num_batched_tokens,
-                   group_block_sizes=np.array(group_block_sizes(config), np.int64))
+                   plain=plain, max_model_len=config.max_model_len, budget=config.prep.max_num_batched_tokens)
 
 
 def plain_schedule(config: ServingConfig, num_scheduled_tokens: np.ndarray) -> Schedule:
@@ -177,9 +175,10 @@ def _longest_sequence(rows: HostRows, bounds: _Bounds) -> np.ndarray:
     # L 8, block size 4: n 5, 2 blocks -> 5; n 8, 3 blocks -> 7 (no column left at 8); n 8, 1 block -> 4
     ```
     """
-    num_tokens, max_len, sizes = rows.num_tokens, bounds.max_model_len, bounds.group_block_sizes
-    in_blocks = rows.table_blocks[:, 0] * sizes[0] if len(sizes) == 1 else \
-        np.minimum.reduce(rows.table_blocks * sizes, axis=1)
+    num_tokens, max_len, sizes = rows.num_tokens, bounds.max_model_len, bounds.block_sizes  # [T, 1]: a covered
+    # configuration's tables are its KV-cache groups
+    in_blocks = rows.table_blocks[:, 0] * sizes[0, 0] if len(sizes) == 1 else \
+        np.minimum.reduce(rows.table_blocks * sizes.T, axis=1)
     return np.minimum(np.minimum(num_tokens - (num_tokens >= max_len), max_len), in_blocks)
 
 
