@@ -92,7 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "goes to stderr)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="save a chart of every forward pass: tokens run vs the bucket (the padding), "
-                             "prefill and decode tokens, and the prep time (needs matplotlib)")
+                             "prefill and decode tokens, and the prep time (needs matplotlib; implies "
+                             "--time-prepare)")
+    parser.add_argument("--time-prepare", action="store_true",
+                        help="also time the prepare part of each dispatch alone (prepare_us): replayed after "
+                             "the loop, which compiles one more executable per token bucket the loop used "
+                             "(with an empty compile cache, seconds each)")
     add_sampling_arguments(parser)
     add_progress_argument(parser)
     parser.set_defaults(error=parser.error)
@@ -186,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         finished, clock = _serve(engine, workload, args.progress)
         wall_s = time.perf_counter() - start
-    time_prepare(engine)  # after the loop, on a donated copy of the state: the loop never waits for it
+    if engine.time_prep:  # after the loop, on a donated copy of the state: the loop never waits for it
+        time_prepare(engine)
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=warmup_compiles.compiles,
                   warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=args.compile_cache_dir)
     summary = _summary(engine, workload, finished, wall_s, warmup, compiles, clock.phases(engine.stats))
@@ -260,12 +266,18 @@ def _engine(config, model, args, params=None):
 
         return AsyncEngine(config, model, seed=args.seed, params=params, keep_history=True)
     if args.devices == 1:
-        return Engine(config, model, seed=args.seed, time_prep=True, params=params, keep_history=True)
+        return Engine(config, model, seed=args.seed, time_prep=_times_prepare(args), params=params,
+                      keep_history=True)
     from jaxprep.serving.host.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
-    return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=True,
+    return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=_times_prepare(args),
                               params=params, keep_history=True)
+
+
+def _times_prepare(args) -> bool:
+    """Whether the loop keeps each dispatch's updates for `time_prepare` (--time-prepare, or --plot's chart)."""
+    return args.time_prepare or args.plot is not None
 
 
 def _warmup(engine, args) -> float:
@@ -298,7 +310,7 @@ FIGURES = {
                    "dispatch, the device's work: prepare, model forward, sampling)",
     "prepare_us": "the prepare part alone (unpack + apply the updates + prepare_padded), replayed after the loop "
                   "with the state donated (updated in place, no table copied), to block_until_ready; per "
-                  "dispatch the best of several replays",
+                  "dispatch the best of several replays (with --time-prepare or --plot; None without)",
     "tokens_per_s": "scheduled_tokens over the loop's wall_s (prefill_tokens: tokens of requests running > 1 "
                     "token in a pass; decode_tokens: 1-token runs, in any dispatch); output_tokens_per_s: "
                     "output_tokens over wall_s",

@@ -44,9 +44,11 @@ def run_python(*args: str, cache_home: str) -> str:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """The CLI run twice at SMALL's shape with one cache folder: (folder, first figures, second figures)."""
+    """The CLI run twice at SMALL's shape with one cache folder, the prepare part timed (--time-prepare): (folder,
+    first figures, second figures)."""
     cache_home = tmp_path_factory.mktemp("cache_home")
-    first, second = (json.loads(run_python("-m", "jaxprep", "--json", *SMALL, cache_home=str(cache_home)))
+    first, second = (json.loads(run_python("-m", "jaxprep", "--json", "--time-prepare", *SMALL,
+                                                 cache_home=str(cache_home)))
                      for _ in range(2))
     return cache_home, first, second
 
