@@ -61,6 +61,7 @@ BAD = [
       for command in (["demo"], ["walkthrough"], ["generate", "--model", ROOT, "--prompt-ids", "1"])],
     (["simulate", "--check=1"], "--check", "ignored explicit argument '1'"),
     (["simulate", "--async-scheduling=1"], "--async-scheduling", "ignored explicit argument '1'"),
+    (["simulate", "--time-prepare=yes"], "--time-prepare", "ignored explicit argument 'yes'"),
     (["simulate", "--json=1"], "--json", "ignored explicit argument '1'"),
     (["simulate", "--plot", "chart.txt"], "--plot", "chart.txt: must end in .png"),
     (["simulate", "--plot", os.path.join(ROOT, "no-such-folder", "chart.png")], "--plot", "does not exist"),
