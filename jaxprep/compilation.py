@@ -25,7 +25,8 @@ import jax
 from jaxprep.config import PrepConfig
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""`jax.monitoring` duration event JAX records for each backend compile (none for one it hands back from memory)."""
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 """`jax.monitoring` event JAX records each time its persistent cache serves a compile."""
 log = logging.getLogger("jaxprep.warmup")
@@ -57,7 +58,7 @@ def count_compiles():
     def listener(event: str, duration: float, **kwargs) -> None:
         if event == _TRACE_EVENT:
             count.traces += 1
-        elif event == _COMPILE_EVENT:
+        elif event == COMPILE_EVENT:
             count.compiles += 1
 
     def hit_listener(event: str, **kwargs) -> None:

@@ -91,9 +91,9 @@ def warm(executables: Iterable[Executable], threads: int | None = None, on_compi
     def load_or_compile(executable: Executable, lowered) -> None:
         compiled = None if lowered is not None else store.load(executable)
         if compiled is None:
-            with _jax_cache_hits() as hits:
+            with _compile_events() as events:
                 compiled = (lowered or executable.lower()).compile()
-            if store is not None and not hits:  # one JAX read back from its cache is not serialized again
+            if store is not None and events == [_COMPILED]:  # XLA compiled it here, now: serialized whole
                 store.save(executable, compiled)
         with lock:
             table[executable.key] = compiled
@@ -112,31 +112,41 @@ def warm(executables: Iterable[Executable], threads: int | None = None, on_compi
 
 
 _THREAD = threading.local()
+_COMPILED, _CACHE_HIT = "compiled", "cache hit"
 
 
 @contextlib.contextmanager
-def _jax_cache_hits():
-    """A list that gets an entry each time JAX's persistent cache serves a compile in this thread, inside the
-    block. Such an executable is not written to the store: XLA:CPU's serialization of an executable JAX loaded
-    from its cache misses functions ("Function ... not found" when a later process runs it)."""
-    _listen_for_cache_hits()
-    hits = _THREAD.hits = []
+def _compile_events():
+    """A list of what JAX reported in this thread inside the block: `_COMPILED` for each backend compile,
+    `_CACHE_HIT` each time its persistent cache served one. Only an executable whose list is exactly
+    ``[_COMPILED]`` is written to the store: XLA:CPU's serialization of an executable JAX loaded from its
+    cache misses functions ("Function ... not found" when a later process runs it), and JAX hands a module it
+    compiled before in this process, perhaps one it loaded from that cache, back from memory with no event
+    at all."""
+    _listen_for_compile_events()
+    events = _THREAD.events = []
     try:
-        yield hits
+        yield events
     finally:
-        _THREAD.hits = None
+        _THREAD.events = None
 
 
 @functools.lru_cache(maxsize=1)
-def _listen_for_cache_hits() -> None:
-    from jaxprep.compilation import CACHE_HIT_EVENT
+def _listen_for_compile_events() -> None:
+    from jaxprep.compilation import CACHE_HIT_EVENT, COMPILE_EVENT
 
-    def listener(event: str, **kwargs) -> None:
-        hits = getattr(_THREAD, "hits", None)
-        if event == CACHE_HIT_EVENT and hits is not None:
-            hits.append(event)
+    def hit(event: str, **kwargs) -> None:
+        events = getattr(_THREAD, "events", None)
+        if event == CACHE_HIT_EVENT and events is not None:
+            events.append(_CACHE_HIT)
 
-    jax.monitoring.register_event_listener(listener)
+    def compiled(event: str, duration: float, **kwargs) -> None:
+        events = getattr(_THREAD, "events", None)
+        if event == COMPILE_EVENT and events is not None:
+            events.append(_COMPILED)
+
+    jax.monitoring.register_event_listener(hit)
+    jax.monitoring.register_event_duration_secs_listener(compiled)
 
 
 class ExecutableStore:
