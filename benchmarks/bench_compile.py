@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_compile.py [--against a0584b9 89b68cf] [--parts exe,warmup,simulate,generate]
                                                     [--runs 3] [--workloads simulate,simulate-8192,vllm,generate]
+    PYTHONPATH=. python benchmarks/bench_compile.py --parts update --workloads simulate,generate --runs 3
 
 Each commit named by ``--against`` is checked out in a temporary ``git worktree add --detach`` (removed at
 the end) and measured beside the working tree (``HEAD+``), every measurement a fresh child process with
@@ -27,7 +28,14 @@ the end) and measured beside the working tree (``HEAD+``), every measurement a f
   empty cache and with the cache it filled, against transformers' ``generate`` in a process of its own
   (`bench_generate.transformers_process`).
 
+- ``update``: the working tree only: each serving step of the workloads' warm-up (``simulate``, ``generate``)
+  compiled as it is and again with its packed update traced out (`unpack_updates` and `apply_updates_body`
+  replaced by identities while a fresh process traces; the benchmark's build only, as `common.unchecked_step`
+  does for the prepare checks), each in a process of its own: the compile CPU seconds, ops and kernels the
+  update adds to every bucket's step, because it travels with the step in one dispatch.
+
 Workloads: ``simulate`` (the default ``jaxprep simulate``), ``simulate-8192`` (``--budget 8192``),
+``simulate-separate`` and ``simulate-8192-separate`` (the same with ``--separate-updates``, the working tree only),
 ``vllm`` (`ServingBatch.warmup` of simulate's default config, what a `VllmAdapter` warms), ``readme``
 (the Engine of README.md's serving loop),
 ``generate`` (the Engine of the generate run above). A commit without a workload's entry point (the
@@ -53,7 +61,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "HEAD+"
 """The working tree's name in the tables."""
 WORKLOADS = ("simulate", "simulate-8192", "vllm", "readme", "generate")
-SIMULATE_ARGV = {"simulate": [], "simulate-8192": ["--budget", "8192"], "vllm": []}
+SIMULATE_ARGV = {"simulate": [], "simulate-8192": ["--budget", "8192"], "vllm": [],
+                 "simulate-separate": ["--separate-updates"], "simulate-8192-separate": ["--budget", "8192",
+                                                                                          "--separate-updates"]}
+SEPARATE = ("simulate-separate", "simulate-8192-separate")
+"""Workloads of the working tree alone (the flag is new): ``simulate --separate-updates``."""
 GENERATE = dict(prompt_len=1000, max_tokens=8, layers=2, shape="qwen3-0.6b")
 QWEN3_VOCAB = 151936
 KERNEL_OPS_SKIPPED = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -269,6 +281,33 @@ def child_executables(workload: str, checkpoint: str | None) -> dict:
     return {"rows": rows}
 
 
+def child_step_compiles(workload: str, checkpoint: str | None, without_update: bool) -> dict:
+    """Each serving step of the workload's warm-up lowered and compiled on this thread, with its update traced
+    out when ``without_update`` (the benchmark's stand-ins: no update read, none applied, one iteration)."""
+    import types
+
+    import jax.numpy as jnp
+
+    import jaxprep.serving.step as step_module
+
+    if without_update:
+        step_module.unpack_updates = lambda packed, config: types.SimpleNamespace(decode_steps=jnp.int32(1))
+        step_module.apply_updates_body = lambda state, updates: state
+    target = _engine_for(workload, checkpoint)
+    rows = []
+    for executable in target._warmup_executables():
+        if executable.key[0] != "serve_step":
+            continue
+        cpu = time.process_time()
+        stage = executable.lower()
+        ops = stage.as_text().count("stablehlo.")
+        lowered = time.process_time()
+        text = stage.compile().as_text()
+        rows.append(dict(bucket=executable.key[-2], words=executable.key[-1], lower_cpu_s=lowered - cpu,
+                         compile_cpu_s=time.process_time() - lowered, ops=ops, kernels=_kernels(text)))
+    return {"rows": rows}
+
+
 def child_warmup(workload: str, checkpoint: str | None, cache_dir: str | None) -> dict:
     """The workload's own warm-up, timed (threads as the commit has them)."""
     import jax
@@ -302,6 +341,8 @@ def child_main(spec: dict) -> None:
         configure_runtime()
     if spec["part"] == "exe":
         out = child_executables(spec["workload"], spec.get("checkpoint"))
+    elif spec["part"] == "update":
+        out = child_step_compiles(spec["workload"], spec.get("checkpoint"), spec["without_update"])
     else:
         out = child_warmup(spec["workload"], spec.get("checkpoint"), spec.get("cache_dir"))
     print("RESULT " + json.dumps(out))
@@ -386,6 +427,37 @@ def part_exe(trees: dict, workloads, checkpoint) -> None:
         sys.stdout.flush()
 
 
+def part_update(workloads, checkpoint, runs: int) -> None:
+    """What the packed update adds to each serving step's compile (the working tree; the module docstring)."""
+    from common import load_line
+
+    for workload in [w for w in workloads if w in ("simulate", "simulate-8192", "generate", "readme")]:
+        results = {False: [], True: []}
+        for _ in range(runs):
+            for without in (False, True):
+                spec = dict(part="update", workload=workload, checkpoint=checkpoint, without_update=without)
+                results[without].append(run_child(ROOT, spec))
+        if any("rows" not in out for outs in results.values() for out in outs):
+            print(f"\n### {workload}: {next(o for outs in results.values() for o in outs if 'rows' not in o)}")
+            continue
+        print(f"\n### {workload}: each serving step with its update and without it, compile CPU s the median of "
+              f"{runs} processes each ({load_line()})\n")
+        print("| bucket | update words | compile CPU s | without the update | the update's share | StableHLO ops | "
+              "without | kernels | without |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        totals = [0.0, 0.0]
+        for i, row in enumerate(results[False][0]["rows"]):
+            with_s, without_s = (median([out["rows"][i]["compile_cpu_s"] for out in results[w]]) for w in (False, True))
+            bare = results[True][0]["rows"][i]
+            totals[0] += with_s
+            totals[1] += without_s
+            share = 1 - without_s / with_s
+            print(f"| {row['bucket']} | {row['words']} | {with_s:.2f} | {without_s:.2f} | {share:.0%} | {row['ops']} | "
+                  f"{bare['ops']} | {row['kernels']} | {bare['kernels']} |")
+        print(f"| all | | {totals[0]:.2f} | {totals[1]:.2f} | {1 - totals[1] / totals[0]:.0%} | | | | |")
+        sys.stdout.flush()
+
+
 def part_warmup(trees: dict, workloads, checkpoint, runs: int) -> None:
     from common import load_line
 
@@ -414,18 +486,19 @@ def part_warmup(trees: dict, workloads, checkpoint, runs: int) -> None:
 
 
 def part_simulate(trees: dict, workloads, runs: int) -> None:
-    for workload in [w for w in workloads if w in ("simulate", "simulate-8192")]:
-        results = {name: {"cold": [], "cached": []} for name in trees}
+    for workload in [w for w in workloads if w in ("simulate", "simulate-8192", *SEPARATE)]:
+        trees_now = {HERE: trees[HERE]} if workload in SEPARATE else trees
+        results = {name: {"cold": [], "cached": []} for name in trees_now}
         loads = []
         argv = ["simulate", *SIMULATE_ARGV[workload], "--progress", "never"]
         for _ in range(runs):
-            run_cold_then_cached(trees, argv, results)
+            run_cold_then_cached(trees_now, argv, results)
             loads.append(os.getloadavg()[0])
         print(f"\n### jaxprep simulate {' '.join(SIMULATE_ARGV[workload])}: whole processes, median of {runs} "
               f"(load {min(loads):.1f}-{max(loads):.1f})\n")
         print("| commit | warmup_s, empty cache | warmup_s, cached | cached / cold | process s, empty cache | "
-              "process s, cached | compiles after warm-up |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+              "process s, cached | compiles after warm-up | step_us median | dispatch_us median |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, r in results.items():
             if any("warmup_s" not in v for v in r["cold"] + r["cached"]):
                 print(f"| {name} | {(r['cold'] + r['cached'])[0].get('error')} |")
@@ -433,8 +506,10 @@ def part_simulate(trees: dict, workloads, runs: int) -> None:
             cold, cached = (median([v["warmup_s"] for v in r[k]]) for k in ("cold", "cached"))
             wall_cold, wall_cached = (median([v["process_wall_s"] for v in r[k]]) for k in ("cold", "cached"))
             after = max(v["compiles_after_warmup"] for v in r["cold"] + r["cached"])
+            step_us, dispatch_us = (median([v[f"{k}_us_median"] for v in r["cold"] + r["cached"]
+                                            if v.get(f"{k}_us_median") is not None]) for k in ("step", "dispatch"))
             print(f"| {name} | {cold:.2f} | {cached:.2f} | {cached / cold:.3f} | {wall_cold:.1f} | {wall_cached:.1f} | "
-                  f"{after} |")
+                  f"{after} | {fmt(step_us, 0)} | {fmt(dispatch_us, 0)} |")
         sys.stdout.flush()
 
 
@@ -505,6 +580,8 @@ def main(argv=None) -> int:
     print(f"bench_compile: HEAD+ = {head.strip()} and the working tree; {os.cpu_count()} cores; {load_line()}")
     if "exe" in parts:
         part_exe(trees, workloads, checkpoint)
+    if "update" in parts:
+        part_update(workloads, checkpoint, args.runs)
     if "warmup" in parts:
         part_warmup(trees, args.warmup_workloads.split(","), checkpoint, args.runs)
     if "simulate" in parts:

@@ -39,6 +39,8 @@ DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_mode
                 arrival_spread=30, seed=0)
 SPEC_DEFAULTS = dict(k=3, lookup=5)
 """--num-speculative-tokens, and vLLM's prompt_lookup_min = max when neither is given."""
+UPDATE_DISPATCH = ("auto", "fused", "separate")
+"""--update-dispatch's choices (`separate_updates`)."""
 MIN_PROMPT_LEN = 4
 """Prompts are MIN_PROMPT_LEN..--max-prompt-len tokens long (or all --max-prompt-len, if shorter)."""
 
@@ -94,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save a chart of every forward pass: tokens run vs the bucket (the padding), "
                              "prefill and decode tokens, and the prep time (needs matplotlib; implies "
                              "--time-prepare)")
+    parser.add_argument("--update-dispatch", choices=UPDATE_DISPATCH, default="auto",
+                        help="fused: each step's updates travel with the step in one dispatch, and every bucket's "
+                             "step compiles the update program; separate: they go in dispatches of their own before "
+                             "the step, which compiles without them (about half the warm-up; two more dispatches a "
+                             "step; one device); auto: separate on the CPU, where a dispatch costs microseconds "
+                             "and the compile is the cold start, fused on an accelerator (default auto)")
     parser.add_argument("--time-prepare", action="store_true",
                         help="also time the prepare part of each dispatch alone (prepare_us): replayed after "
                              "the loop, which compiles one more executable per token bucket the loop used "
@@ -144,6 +152,8 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"decoding, not --spec-decode {args.spec_decode}")
     require(not (args.async_scheduling and args.devices > 1), f"--async-scheduling: runs on one device, "
             f"not --devices {args.devices}")
+    require(not (args.update_dispatch == "separate" and args.devices > 1), "--update-dispatch separate: runs on "
+            f"one device, not --devices {args.devices}")
     if args.max_prompt_len is None:
         args.max_prompt_len = min(DEFAULTS["max_prompt_len"], args.max_model_len - 1)
     require(args.max_prompt_len < args.max_model_len, f"--max-prompt-len {args.max_prompt_len}: must be < "
@@ -197,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
                   warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=args.compile_cache_dir)
     summary = _summary(engine, workload, finished, wall_s, warmup, compiles, clock.phases(engine.stats))
     summary["devices"] = args.devices
+    summary["update_dispatch"] = "separate" if engine.batch.separate_updates else "fused"
     summary.update(_spec_decode_summary(engine.stats, args))
     if args.async_scheduling:
         summary.update(async_overlap=round(engine.stats.overlap, 4),
@@ -264,15 +275,26 @@ def _engine(config, model, args, params=None):
     if args.async_scheduling:
         from jaxprep.serving.host.overlap import AsyncEngine
 
-        return AsyncEngine(config, model, seed=args.seed, params=params, keep_history=True)
+        return AsyncEngine(config, model, seed=args.seed, params=params, keep_history=True,
+                           separate_updates=separate_updates(args))
     if args.devices == 1:
         return Engine(config, model, seed=args.seed, time_prep=_times_prepare(args), params=params,
-                      keep_history=True)
+                      keep_history=True, separate_updates=separate_updates(args))
     from jaxprep.serving.host.dp_engine import DataParallelEngine
     from jaxprep.sharding import data_mesh
 
     return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=_times_prepare(args),
                               params=params, keep_history=True)
+
+
+def separate_updates(args) -> bool:
+    """--update-dispatch resolved: separate, or auto on one CPU device (a dispatch costs the CPU microseconds
+    against a step of milliseconds, measured in docs/benchmarks-history.md, "One dispatch or three")."""
+    if args.update_dispatch != "auto":
+        return args.update_dispatch == "separate"
+    import jax
+
+    return args.devices == 1 and jax.default_backend() == "cpu"
 
 
 def _times_prepare(args) -> bool:

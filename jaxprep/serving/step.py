@@ -132,6 +132,18 @@ def serve_body(state: ServingState, kv_cache: KVCache, params, packed_updates: j
                            config, model, num_tokens_padded)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "model", "num_tokens_padded"),
+                   donate_argnames=("state", "kv_cache"))
+def run_step(state: ServingState, kv_cache: KVCache, params, decode_steps: jax.Array, *, config: ServingConfig,
+             model: ServingModel, num_tokens_padded: int):
+    """`serve_step` without its update: the step runs on the state as it is, its updates applied before in a
+    dispatch of their own (`transitions.apply_packed`, shared by every bucket: ``ServingBatch(...,
+    separate_updates=True)``). ``decode_steps`` [] int32: the update's iteration count (clipped to
+    [1, config.decode_steps], as `serve_body` clips the buffer's). Returns what `serve_step` returns."""
+    return _run_iterations(state, kv_cache, params, jnp.clip(decode_steps, 1, config.decode_steps), config, model,
+                           num_tokens_padded)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"))
 def update_and_prepare(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig,
                        num_tokens_padded: int):

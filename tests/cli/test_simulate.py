@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jaxprep import cli
@@ -81,9 +82,25 @@ def test_simulate_check_json_summary(checked_run):
     # stderr is a pipe, not a terminal: a line per phase and per quarter of it, no bar redraws
     assert "\r" not in result.stderr and "warm-up: 2 buckets: 4/4 compile in " in result.stderr, result.stderr
     assert "serving: 10/10 req in " in result.stderr and "check: dense recompute: 10/10 req in " in result.stderr
-    # before the warm-up, one line says what it compiles and why (--budget 16: buckets 8 and 16)
+    # before the warm-up, one line says what it compiles and why (--budget 16: buckets 8 and 16); on the CPU
+    # --update-dispatch auto applies the updates apart: the steps compile without them
+    separate = jax.default_backend() == "cpu"
+    assert summary["update_dispatch"] == ("separate" if separate else "fused")
     assert ("warm-up: 4 executables to compile before the first step, so that no step compiles: the serving step "
-            "at the 2 token buckets 8, 16 x ") in result.stderr, result.stderr
+            "at the 2 token buckets 8, 16 " + ("without its updates" if separate else "x ")) in result.stderr, \
+        result.stderr
+
+
+def test_fused_update_dispatch_gives_the_same_tokens(checked_run):
+    """--update-dispatch fused (one dispatch a step, the update compiled into each bucket's step) passes --check
+    with the same summary counts as the default run."""
+    fused = run_jaxprep("--check", "--json", "--update-dispatch", "fused", "--no-compile-cache", *SMALL)
+    assert fused.returncode == 0, fused.stderr
+    summary, default = json.loads(fused.stdout), json.loads(checked_run.stdout)
+    assert summary["update_dispatch"] == "fused" and summary["check_passed"] is True
+    for name in ("steps", "dispatches", "scheduled_tokens", "output_tokens", "preemptions", "check_tokens"):
+        assert summary[name] == default[name], name
+    assert "the 2 token buckets 8, 16 x 1 update size" in fused.stderr
 
 
 def test_each_printed_rate_is_its_printed_tokens_over_its_printed_seconds(checked_run):

@@ -1,5 +1,6 @@
 """The Engine runs a step in ONE jitted dispatch: the packed update applied, the step prepared, the model
-run and its tokens recorded by `serve_step`, the state and KV cache donated (issue 30, item 1).
+run and its tokens recorded by `serve_step`, the state and KV cache donated (issue 30, item 1); built with
+``separate_updates``, the update's dispatches and then `run_step` (counted last).
 
 Every jitted function the loop's modules reach by name (`jaxprep.serving.host.engine`, ``batch``, ``step``,
 ``transitions``, ``overlap``) is wrapped by a counter, so a dispatch added anywhere on the loop's path is
@@ -69,3 +70,19 @@ def test_a_crowded_step_is_counted_as_more_dispatches(dispatches):
     assert dispatches["serve_step"] == engine.stats.dispatches
     assert dispatches["apply_packed"] > 0 and set(+dispatches) <= {"serve_step", "apply_packed", "widen_packed"}
     assert dispatches["widen_packed"] <= dispatches["apply_packed"]
+
+
+def test_separate_updates_dispatch_the_update_then_the_bare_step(dispatches):
+    """``separate_updates``: each step's buffer goes to `apply_packed` (widened first when below the top rung),
+    then `run_step` runs the step; no `serve_step`."""
+    config = make_config(budget=16, block_size=4, num_blocks=24, max_num_reqs=4, max_model_len=48, decode_steps=1)
+    workload = random_workload(0, num_requests=6, vocab_size=MODEL.vocab_size, prompt_len=(1, 12),
+                               max_tokens=(2, 8))
+    engine = Engine(config, MODEL, seed=0, separate_updates=True)
+    engine.submit(workload.requests)
+    engine.run()
+    assert engine.stats.dispatches >= 8
+    assert dispatches["run_step"] == dispatches["apply_packed"] == engine.stats.dispatches
+    assert set(+dispatches) == {"run_step", "apply_packed", "widen_packed"}
+    assert dispatches["widen_packed"] <= dispatches["apply_packed"]
+

@@ -29,7 +29,7 @@ from jaxprep.serving.state import (
     check_token_ids,
     draft_width,
 )
-from jaxprep.serving.step import AppendedTokens, serve_step, update_and_prepare_buffer
+from jaxprep.serving.step import AppendedTokens, run_step, serve_step, update_and_prepare_buffer
 from jaxprep.serving.update_packing import (
     PackedStep,
     UpdateColumns,
@@ -74,12 +74,18 @@ class ServingBatch:
     anything is dispatched, so on error ``state`` is still the old, live state. On success the old
     state's buffers are donated: use ``batch.state``, never a reference kept from before.
     ``h2d_bytes`` adds up the bytes of every update buffer sent to the device.
+
+    ``separate_updates``: `serve` applies a step's updates in dispatches of their own (`apply_buffer`: one
+    update executable at the top payload rung, shared by every bucket) and then runs the step without them
+    (`step.run_step`), instead of one `serve_step` that carries them. Each bucket's step then compiles without
+    the update program (about half of its compile: ``benchmarks/bench_compile.py --parts update``), at the
+    price of two more dispatches per step (the widening and the update). The same state and tokens either way.
     """
 
-    def __init__(self, config: ServingConfig, state: ServingState | None = None):
+    def __init__(self, config: ServingConfig, state: ServingState | None = None, *, separate_updates: bool = False):
         if state is not None and int(np.asarray(state.num_tokens).max(initial=0)) > 0:
             raise ValueError("ServingBatch starts from an empty state (its host mirror starts empty)")
-        self.config = config
+        self.config, self.separate_updates = config, bool(separate_updates)
         self.state = ServingState.empty(config) if state is None else state
         self.rows = checks.HostRows.for_config(config)
         self.h2d_bytes = 0  # bytes of the update buffers sent, all calls together
@@ -316,6 +322,13 @@ class ServingBatch:
         packed = self.pack(checked) if packed is None or checked is not updates else packed  # what was checked
         for buffer in packed.before:
             self._apply(buffer)
+        if self.separate_updates:
+            self._apply(packed.step)
+            decode_steps = np.asarray(checked.decode_steps, np.int32).reshape(-1)[0]
+            self.state, kv_cache, tokens = run(self.executables, ("run_step", model, num_tokens_padded), run_step,
+                                               self.state, kv_cache, params, decode_steps, config=self.config,
+                                               model=model, num_tokens_padded=num_tokens_padded)
+            return rows, kv_cache, tokens
         self.state, kv_cache, tokens = run(self.executables, ("serve_step", model, num_tokens_padded,
                                                               packed.step.shape[-1]),
                                            serve_step, self.state, kv_cache, params, packed.step, config=self.config,

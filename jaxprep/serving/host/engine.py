@@ -21,7 +21,7 @@ from jaxprep.serving.host.dispatch_log import DispatchRecord, dispatch_record
 from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput, StepTokens, step_tokens
 from jaxprep.serving.host.scheduler_columns import scheduler_columns
 from jaxprep.serving.state import StepUpdates
-from jaxprep.serving.step import serve_step, update_and_prepare_donated
+from jaxprep.serving.step import run_step, serve_step, update_and_prepare_donated
 from jaxprep.serving.update_packing import PackedStep, payload_buckets, step_payload_buckets
 
 
@@ -89,6 +89,11 @@ class Engine:
     and plots). With ``time_prep`` every dispatch's packed updates are kept too, for
     `jaxprep.serving.host.prep_timing.time_prepare` to replay after the loop.
 
+    ``separate_updates`` (one device): each step's updates go in dispatches of their own before the step
+    (`ServingBatch`'s option of that name): a warm-up compiles every bucket's step without the update program
+    (about half the compile, ``benchmarks/bench_compile.py --parts update``) and one update executable for all
+    of them; each step then costs two more dispatches. The tokens are the same either way.
+
     The loop itself (arrivals, scheduling, the fused dispatch, counting) is written for any number
     of DP ranks, each with its own scheduler; `DataParallelEngine` overrides only the device hooks
     (``_pack``, ``_apply_updates``, ``_serve``, ``_twin_executable``, ``_step_executable``) to run all ranks in
@@ -96,9 +101,10 @@ class Engine:
     """
 
     def __init__(self, config: ServingConfig, model: ServingModel, *, seed: int = 0, time_prep: bool = False,
-                 params=None, keep_history: bool = False):
+                 params=None, keep_history: bool = False, separate_updates: bool = False):
         config = with_vocab_size(config, model)
-        self._start(config, model, time_prep, batch=ServingBatch(config), num_ranks=1,
+        self._start(config, model, time_prep, batch=ServingBatch(config, separate_updates=separate_updates),
+                    num_ranks=1,
                     params=init_params(model, seed) if params is None else params,
                     kv_cache=KVCache.zeros(model, config.num_blocks, config.block_size), keep_history=keep_history)
 
@@ -150,8 +156,13 @@ class Engine:
 
     def warmup_plan(self) -> str:
         """What `warmup` compiles, in words: the serving step at each token bucket a step can reach and step
-        payload size, and the state updates alone at the top payload size (a widening for each other)."""
+        payload size (each bucket once with ``separate_updates``), and the state updates alone at the top
+        payload size (a widening for each other)."""
         steps, updates = step_payload_buckets(self.config), payload_buckets(self.config)
+        if self.batch.separate_updates:
+            return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} without its "
+                    f"updates, and the state updates alone at the top of {counted(len(updates), 'size')} (a widening "
+                    "for each other), applied before each step")
         return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} x "
                 f"{counted(len(steps), 'update size')}, and the state updates alone at the top of "
                 f"{counted(len(updates), 'size')} (a widening for each other)")
@@ -162,13 +173,16 @@ class Engine:
         reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step sends first, one
         executable at the top payload rung and a widening of each smaller rung (`batch.apply_buffer`).
         (`prep_timing` compiles its twin apart.)"""
-        steps = len(self.config.prep.reachable_buckets) * len(step_payload_buckets(self.config))
-        return len(payload_buckets(self.config)) + steps
+        rungs = 1 if self.batch.separate_updates else len(step_payload_buckets(self.config))
+        return len(payload_buckets(self.config)) + len(self.config.prep.reachable_buckets) * rungs
 
     def _warmup_executables(self):
         """The executables of `warmup`, the largest first: the steps (the largest buckets first), the
         updates at the top rung, then the widening of each smaller rung."""
-        for words in step_payload_buckets(self.config):
+        if self.batch.separate_updates:
+            for bucket in reversed(self.config.prep.reachable_buckets):
+                yield self._bare_step_executable(bucket)
+        for words in () if self.batch.separate_updates else step_payload_buckets(self.config):
             packed = self._empty_buffers(words)
             for bucket in reversed(self.config.prep.reachable_buckets):
                 yield self._step_executable(packed, bucket)
@@ -345,6 +359,13 @@ class Engine:
         return Executable(("twin", bucket, packed.step.shape[-1]), update_and_prepare_donated,
                           (self.batch.state, packed.step), dict(config=self.config, num_tokens_padded=bucket),
                           f"prepare alone at {bucket} tokens, updates of {packed.step.shape[-1]} words (timed apart)")
+
+    def _bare_step_executable(self, bucket: int) -> Executable:
+        """`run_step` at ``bucket`` (``separate_updates``: the step without its updates)."""
+        return Executable(("run_step", self.model, bucket), run_step,
+                          (self.batch.state, self.kv_cache, self.params, np.int32(1)),
+                          dict(config=self.config, model=self.model, num_tokens_padded=bucket),
+                          f"serving step at {bucket} tokens, its updates applied apart")
 
     def _step_executable(self, packed, bucket: int) -> Executable:
         return Executable(("serve_step", self.model, bucket, packed.shape[-1]), serve_step,

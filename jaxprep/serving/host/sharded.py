@@ -121,6 +121,7 @@ class ShardedServingBatch:
         self.state = put_global(ServingState.empty(_global(config, self.num_ranks)), NamedSharding(mesh, ROWS))
         self.rows = [checks.HostRows.for_config(config) for _ in range(self.num_ranks)]
         self.h2d_bytes = self.changed_words = 0
+        self.separate_updates = False  # every rank's updates travel with its step (`ServingBatch`'s option)
         self.executables: dict = {}  # what a warm-up compiled or loaded, by key (`jaxprep.executables.run`)
 
     def packed(self, updates: list[StepUpdates]) -> ShardedPacked:

@@ -1,0 +1,68 @@
+"""``Engine(..., separate_updates=True)``: each step's updates applied in dispatches of their own, then the step
+without them (`step.run_step`). The tokens are the fused loop's on every workload of the loop tests (chunked
+prefill, preemption, multi-step decode, odd sizes), with speculative decoding too, and the dense model's; the
+warm-up compiles one step per bucket and nothing compiles after it. Negative control: the same comparison
+against an engine with other weights fails."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from jaxprep.compilation import count_compiles
+from jaxprep.serving import Engine, check_against_dense, random_workload
+from jaxprep.serving.spec_decode.ngram import NgramConfig
+from support.loop_workloads import MODEL, WORKLOADS, make_config
+
+
+def served(config, workload, *, separate: bool, seed: int = 0) -> tuple[Engine, dict, int]:
+    """The engine after the workload, each request's tokens, and what compiled after its warm-up."""
+    engine = Engine(config, MODEL, seed=seed, separate_updates=separate)
+    engine.warmup()
+    engine.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
+    with count_compiles() as compiles:
+        finished = engine.run()
+    assert len(finished) == len(workload.requests)
+    return engine, {request.request_id: request.output_token_ids for request in finished}, compiles.compiles
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_the_tokens_are_the_fused_loops(name):
+    config_args, workload_args = WORKLOADS[name]
+    config = make_config(**config_args)
+    workload = random_workload(3, num_requests=10, vocab_size=MODEL.vocab_size, arrival_spread=6, **workload_args)
+    _, fused, _ = served(config, workload, separate=False)
+    engine, separate, compiled = served(config, workload, separate=True)
+    assert separate == fused
+    assert compiled == 0
+    assert check_against_dense(engine.params, MODEL, engine.finished, config.max_model_len).passed
+    # negative control: other weights give other tokens, and the comparison sees it
+    _, other, _ = served(config, workload, separate=True, seed=1)
+    assert other != fused
+
+
+def test_speculative_decoding_too():
+    config_args, workload_args = WORKLOADS["multi-step"]
+    config = dataclasses.replace(make_config(**config_args), num_speculative_tokens=2,
+                                 ngram=NgramConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    workload = random_workload(1, num_requests=8, vocab_size=MODEL.vocab_size, arrival_spread=4, **workload_args)
+    fused_engine, fused, _ = served(config, workload, separate=False)
+    engine, separate, compiled = served(config, workload, separate=True)
+    assert separate == fused and compiled == 0
+    assert engine.stats.draft_tokens == fused_engine.stats.draft_tokens > 0
+    assert engine.stats.accepted_draft_tokens == fused_engine.stats.accepted_draft_tokens
+
+
+def test_the_warmup_compiles_one_step_per_bucket():
+    config = make_config(**WORKLOADS["multi-step"][0])
+    fused, separate = (Engine(config, MODEL, separate_updates=flag) for flag in (False, True))
+    buckets = config.prep.reachable_buckets
+    steps = [e.key for e in separate._warmup_executables() if e.key[0] == "run_step"]
+    assert steps == [("run_step", MODEL, bucket) for bucket in reversed(buckets)]
+    assert not [e for e in separate._warmup_executables() if e.key[0] == "serve_step"]
+    assert separate.num_executables == len(list(separate._warmup_executables()))
+    assert fused.num_executables - separate.num_executables == len(buckets) * (len(
+        [e for e in fused._warmup_executables() if e.key[0] == "serve_step"]) // len(buckets) - 1)
+    assert "without its updates" in separate.warmup_plan() and "without" not in fused.warmup_plan()
