@@ -35,7 +35,7 @@ the end) and measured beside the working tree (``HEAD+``), every measurement a f
   update adds to every bucket's step, because it travels with the step in one dispatch.
 
 Workloads: ``simulate`` (the default ``jaxprep simulate``), ``simulate-8192`` (``--budget 8192``),
-``simulate-separate`` and ``simulate-8192-separate`` (the same with ``--separate-updates``, the working tree only),
+``simulate-fused`` and ``simulate-8192-fused`` (the same with ``--update-dispatch fused``, the working tree only),
 ``vllm`` (`ServingBatch.warmup` of simulate's default config, what a `VllmAdapter` warms), ``readme``
 (the Engine of README.md's serving loop),
 ``generate`` (the Engine of the generate run above). A commit without a workload's entry point (the
@@ -62,10 +62,11 @@ HERE = "HEAD+"
 """The working tree's name in the tables."""
 WORKLOADS = ("simulate", "simulate-8192", "vllm", "readme", "generate")
 SIMULATE_ARGV = {"simulate": [], "simulate-8192": ["--budget", "8192"], "vllm": [],
-                 "simulate-separate": ["--separate-updates"], "simulate-8192-separate": ["--budget", "8192",
-                                                                                          "--separate-updates"]}
-SEPARATE = ("simulate-separate", "simulate-8192-separate")
-"""Workloads of the working tree alone (the flag is new): ``simulate --separate-updates``."""
+                 "simulate-fused": ["--update-dispatch", "fused"],
+                 "simulate-8192-fused": ["--budget", "8192", "--update-dispatch", "fused"]}
+HERE_ONLY = ("simulate-fused", "simulate-8192-fused")
+"""Workloads of the working tree alone (the flag is new): ``simulate --update-dispatch fused``, the step that
+carries its updates (the default ``auto`` applies them apart on the CPU)."""
 GENERATE = dict(prompt_len=1000, max_tokens=8, layers=2, shape="qwen3-0.6b")
 QWEN3_VOCAB = 151936
 KERNEL_OPS_SKIPPED = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -486,8 +487,8 @@ def part_warmup(trees: dict, workloads, checkpoint, runs: int) -> None:
 
 
 def part_simulate(trees: dict, workloads, runs: int) -> None:
-    for workload in [w for w in workloads if w in ("simulate", "simulate-8192", *SEPARATE)]:
-        trees_now = {HERE: trees[HERE]} if workload in SEPARATE else trees
+    for workload in [w for w in workloads if w in ("simulate", "simulate-8192", *HERE_ONLY)]:
+        trees_now = {HERE: trees[HERE]} if workload in HERE_ONLY else trees
         results = {name: {"cold": [], "cached": []} for name in trees_now}
         loads = []
         argv = ["simulate", *SIMULATE_ARGV[workload], "--progress", "never"]
