@@ -100,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fused: each step's updates travel with the step in one dispatch, and every bucket's "
                              "step compiles the update program; separate: they go in dispatches of their own before "
                              "the step, which compiles without them (about half the warm-up; two more dispatches a "
-                             "step; one device); auto: separate on the CPU, where a dispatch costs microseconds "
-                             "and the compile is the cold start, fused on an accelerator (default auto)")
+                             "step, ~0.2 ms on a CPU; one device); auto: separate on the CPU, where the compile is "
+                             "most of a run of the built-in workloads, fused on an accelerator (default auto)")
     parser.add_argument("--time-prepare", action="store_true",
                         help="also time the prepare part of each dispatch alone (prepare_us): replayed after "
                              "the loop, which compiles one more executable per token bucket the loop used "
@@ -288,8 +288,9 @@ def _engine(config, model, args, params=None):
 
 
 def separate_updates(args) -> bool:
-    """--update-dispatch resolved: separate, or auto on one CPU device (a dispatch costs the CPU microseconds
-    against a step of milliseconds, measured in docs/benchmarks-history.md, "One dispatch or three")."""
+    """--update-dispatch resolved: separate, or auto on one CPU device, where the warm-up's compile is most of a
+    run of the built-in workloads (docs/benchmarks-history.md, "One dispatch or three": ~6 s less warm-up, ~0.2 ms
+    more per step)."""
     if args.update_dispatch != "auto":
         return args.update_dispatch == "separate"
     import jax

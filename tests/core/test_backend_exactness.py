@@ -114,6 +114,8 @@ def _cases():
         ("prepare.prepare_packed", prepare_packed, (BatchState.empty(LARGE), LARGE, 4096), {}),
         ("serving.serve_step", step.serve_step, (state, kv_cache, params, packed),
          dict(config=serving, model=MODEL, num_tokens_padded=32)),
+        ("serving.run_step", step.run_step, (state, kv_cache, params, np.int32(1)),
+         dict(config=serving, model=MODEL, num_tokens_padded=32)),
         _spec_serve_step_case(),
         ("serving.ngram.propose_ngram_jit", propose_ngram_jit,
          (np.zeros((5, 40), np.int32), np.full(5, 9, np.int32), np.ones(5, bool)),
@@ -228,6 +230,7 @@ OPTIONAL_MODULES = {"torch_bridge.vllm"}
 
 COVERED = {
     "jaxprep.prepare.prepare_padded", "jaxprep.prepare.prepare_packed", "jaxprep.serving.step.serve_step",
+    "jaxprep.serving.step.run_step",
     "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.step.update_and_prepare_donated",
     "jaxprep.serving.transitions.apply_packed", "jaxprep.serving.update_packing.widen_packed",
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.transitions.record_prev_tokens",
