@@ -55,6 +55,36 @@ def test_speculative_decoding_too():
     assert engine.stats.accepted_draft_tokens == fused_engine.stats.accepted_draft_tokens
 
 
+def test_seeded_sampling_and_penalties_too():
+    """Every request's sampling parameters (written by the update) and its seeded draws: the same tokens."""
+    from jaxprep import FeatureConfig, PrepConfig, SamplingConfig, SamplingParams
+    from jaxprep.serving import Request, ServingConfig
+
+    prep = PrepConfig(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, block_size=4, num_blocks=33,
+                      features=FeatureConfig(sampling=SamplingConfig(vocab_size=MODEL.vocab_size)))
+    config = ServingConfig(prep=prep, eos_token_id=-1, decode_steps=1)
+    workload = random_workload(2, num_requests=8, vocab_size=MODEL.vocab_size, prompt_len=(3, 12),
+                               max_tokens=(4, 10), arrival_spread=4)
+    params = [SamplingParams(temperature=0.8 + 0.1 * (i % 3), top_k=5 if i % 2 else 0, seed=100 + i,
+                             repetition_penalty=1.2 if i % 3 == 0 else 1.0) for i in range(8)]
+
+    def requests():
+        return [Request(r.request_id, list(r.prompt_token_ids), max_tokens=r.max_tokens, sampling_params=p)
+                for r, p in zip(workload.requests, params)]
+
+    outputs = {}
+    for separate in (False, True):
+        engine = Engine(config, MODEL, seed=0, separate_updates=separate)
+        engine.submit(requests(), workload.arrival_steps)
+        outputs[separate] = {r.request_id: r.output_token_ids for r in engine.run()}
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 8
+    # negative control: other seeds draw other tokens, and the comparison sees it
+    params = [dataclasses.replace(p, seed=p.seed + 1000) for p in params]
+    engine = Engine(config, MODEL, seed=0, separate_updates=True)
+    engine.submit(requests(), workload.arrival_steps)
+    assert {r.request_id: r.output_token_ids for r in engine.run()} != outputs[False]
+
+
 def test_the_warmup_compiles_one_step_per_bucket():
     config = make_config(**WORKLOADS["multi-step"][0])
     fused, separate = (Engine(config, MODEL, separate_updates=flag) for flag in (False, True))
