@@ -28,6 +28,7 @@ import os
 from jaxprep.cli._args import INT32_MAX, UsageError, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
+from jaxprep.cli._dispatch import add_update_dispatch_argument, separate_updates
 from jaxprep.cli._phases import PhaseClock, rates_line
 from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_checkpoint_arguments(parser)
     add_progress_argument(parser)
     add_cache_arguments(parser)
+    add_update_dispatch_argument(parser)
     parser.add_argument("--json", action="store_true",
                         help='print {"outputs": [[ids...], ...], "rates": {...}, "warmup": {...}, "compiles": {...}} '
                              "as one JSON object, the only output on stdout (the text goes to stderr)")
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         model, params = load_checkpoint(args)
         sampling = [sampling_params(args, i) for i in range(len(prompts))]
         outputs, stats, rates, warmup = generate(model, params, prompts, args.serving, args.max_tokens, args.eos_ids,
-                                                 sampling, progress=args.progress, cache_dir=args.compile_cache_dir)
+                                                 sampling, progress=args.progress, cache_dir=args.compile_cache_dir,
+                                                 separate_updates=separate_updates(args))
     warmup["compile_cache"] = args.compile_cache_dir
     _print(args, model, prompts, outputs, stats, args.tokenizer, rates,
            dict(warmup=warmup, compiles={"total": compiles.compiles, "cache_hits": compiles.cache_hits}))
@@ -132,21 +135,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def generate(model, params, prompts: list[list[int]], config, max_tokens: int, eos_ids: tuple[int, ...],
-             sampling=None, progress: str = "never", cache_dir: str | None = None
+             sampling=None, progress: str = "never", cache_dir: str | None = None, separate_updates: bool = False
              ) -> tuple[list[list[int]], object, dict, dict]:
     """Serves ``prompts`` together; returns each one's generated ids (in prompt order, cut after the
     first of ``eos_ids``), the loop stats, the prefill and decode rates (`PhaseClock.rates`,
     compiles excluded: every executable is compiled first) and that warm-up: ``warmup_s``,
     ``warmup_compiles`` (executables) and ``warmup_cache_hits`` (of them, loaded from the persistent
     compilation cache). ``sampling``: each prompt's `SamplingParams` (None: greedy). ``progress``: a
-    ``--progress`` value; ``cache_dir``: the compilation cache in force (named in the warm-up's line)."""
+    ``--progress`` value; ``cache_dir``: the compilation cache in force (named in the warm-up's line);
+    ``separate_updates``: the `Engine`'s option (--update-dispatch)."""
     from jaxprep.compilation import count_compiles
     from jaxprep.serving import Engine, Request
 
-    engine = Engine(config, model, params=params, keep_history=True)
+    engine = Engine(config, model, params=params, keep_history=True, separate_updates=separate_updates)
     with count_compiles() as compiles:
         warmup_s = warm_up(engine, progress, "compiling", "executable", cache_dir)
-    warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=compiles.compiles, warmup_cache_hits=compiles.cache_hits)
+    warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=compiles.compiles, warmup_cache_hits=compiles.cache_hits,
+                  update_dispatch="separate" if engine.batch.separate_updates else "fused")
     sampling = sampling or [None] * len(prompts)
     engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens, sampling_params=s)
                    for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))])

@@ -17,6 +17,7 @@ import numpy as np
 from jaxprep.cli._args import INT32_MAX, check_plot_path, flag, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
+from jaxprep.cli._dispatch import add_update_dispatch_argument, separate_updates
 from jaxprep.cli._phases import PhaseClock
 from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
@@ -39,8 +40,6 @@ DEFAULTS = dict(requests=64, budget=64, block_size=16, max_num_reqs=16, max_mode
                 arrival_spread=30, seed=0)
 SPEC_DEFAULTS = dict(k=3, lookup=5)
 """--num-speculative-tokens, and vLLM's prompt_lookup_min = max when neither is given."""
-UPDATE_DISPATCH = ("auto", "fused", "separate")
-"""--update-dispatch's choices (`separate_updates`)."""
 MIN_PROMPT_LEN = 4
 """Prompts are MIN_PROMPT_LEN..--max-prompt-len tokens long (or all --max-prompt-len, if shorter)."""
 
@@ -96,12 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save a chart of every forward pass: tokens run vs the bucket (the padding), "
                              "prefill and decode tokens, and the prep time (needs matplotlib; implies "
                              "--time-prepare)")
-    parser.add_argument("--update-dispatch", choices=UPDATE_DISPATCH, default="auto",
-                        help="fused: each step's updates travel with the step in one dispatch, and every bucket's "
-                             "step compiles the update program; separate: they go in dispatches of their own before "
-                             "the step, which compiles without them (about half the warm-up; two more dispatches a "
-                             "step, ~0.2 ms on a CPU; one device); auto: separate on the CPU, where the compile is "
-                             "most of a run of the built-in workloads, fused on an accelerator (default auto)")
+    add_update_dispatch_argument(parser)
     parser.add_argument("--time-prepare", action="store_true",
                         help="also time the prepare part of each dispatch alone (prepare_us): replayed after "
                              "the loop, which compiles one more executable per token bucket the loop used "
@@ -285,17 +279,6 @@ def _engine(config, model, args, params=None):
 
     return DataParallelEngine(config, model, data_mesh(args.devices), seed=args.seed, time_prep=_times_prepare(args),
                               params=params, keep_history=True)
-
-
-def separate_updates(args) -> bool:
-    """--update-dispatch resolved: separate, or auto on one CPU device, where the warm-up's compile is most of a
-    run of the built-in workloads (docs/benchmarks-history.md, "One dispatch or three": ~6 s less warm-up, ~0.2 ms
-    more per step)."""
-    if args.update_dispatch != "auto":
-        return args.update_dispatch == "separate"
-    import jax
-
-    return args.devices == 1 and jax.default_backend() == "cpu"
 
 
 def _times_prepare(args) -> bool:

@@ -63,6 +63,8 @@ BAD = [
     (["simulate", "--async-scheduling=1"], "--async-scheduling", "ignored explicit argument '1'"),
     (["simulate", "--time-prepare=yes"], "--time-prepare", "ignored explicit argument 'yes'"),
     (["simulate", "--update-dispatch", "both"], "--update-dispatch", "both: must be one of auto, fused, separate"),
+    (["generate", "--model", ROOT, "--prompt-ids", "1", "--update-dispatch", "both"], "--update-dispatch",
+     "both: must be one of auto, fused, separate"),
     (["simulate", "--json=1"], "--json", "ignored explicit argument '1'"),
     (["simulate", "--plot", "chart.txt"], "--plot", "chart.txt: must end in .png"),
     (["simulate", "--plot", os.path.join(ROOT, "no-such-folder", "chart.png")], "--plot", "does not exist"),
