@@ -169,23 +169,24 @@ class Engine:
 
     @property
     def num_executables(self) -> int:
-        """What `warmup` compiles: per step payload rung (`step_payload_buckets`) and token bucket a step can
-        reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step sends first, one
-        executable at the top payload rung and a widening of each smaller rung (`batch.apply_buffer`).
-        (`prep_timing` compiles its twin apart.)"""
+        """What `warmup` compiles: per step payload rung (`step_payload_buckets`; one with ``separate_updates``)
+        and token bucket a step can reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step
+        sends first, one executable at the top payload rung and a widening of each smaller rung
+        (`batch.apply_buffer`). (`prep_timing` compiles its twin apart.)"""
         rungs = 1 if self.batch.separate_updates else len(step_payload_buckets(self.config))
         return len(payload_buckets(self.config)) + len(self.config.prep.reachable_buckets) * rungs
 
     def _warmup_executables(self):
-        """The executables of `warmup`, the largest first: the steps (the largest buckets first), the
-        updates at the top rung, then the widening of each smaller rung."""
+        """The executables of `warmup`, the largest first: the steps (the largest buckets first; with
+        ``separate_updates`` each bucket's once, without its updates), the updates at the top rung, then the
+        widening of each smaller rung."""
+        buckets = tuple(reversed(self.config.prep.reachable_buckets))
         if self.batch.separate_updates:
-            for bucket in reversed(self.config.prep.reachable_buckets):
-                yield self._bare_step_executable(bucket)
-        for words in () if self.batch.separate_updates else step_payload_buckets(self.config):
-            packed = self._empty_buffers(words)
-            for bucket in reversed(self.config.prep.reachable_buckets):
-                yield self._step_executable(packed, bucket)
+            yield from map(self._bare_step_executable, buckets)
+        else:
+            for words in step_payload_buckets(self.config):
+                packed = self._empty_buffers(words)
+                yield from (self._step_executable(packed, bucket) for bucket in buckets)
         yield from self.batch.update_executables(self._empty_buffers)
 
     def add_request(self, request: Request) -> None:
