@@ -38,9 +38,9 @@ def test_the_tokens_are_the_fused_loops(name):
     assert separate == fused
     assert compiled == 0
     assert check_against_dense(engine.params, MODEL, engine.finished, config.max_model_len).passed
-    # negative control: other weights give other tokens, and the comparison sees it
-    _, other, _ = served(config, workload, separate=True, seed=1)
-    assert other != fused
+    if name == next(iter(WORKLOADS)):  # negative control (once): other weights give other tokens, and it is seen
+        _, other, _ = served(config, workload, separate=True, seed=1)
+        assert other != fused
 
 
 def test_speculative_decoding_too():
