@@ -51,12 +51,14 @@ DRY_RUN_TESTS = ["tests/core/test_config.py"]
 """The dry run's suite step: one small, quick test file (the step's path is what it checks; the suite runs the rest)."""
 KERNEL_TESTS = ["tests/attention/test_ragged_attention.py", "-k", "triton"]
 """The ragged attention kernel compiled by Triton against the oracle (skipped without a GPU)."""
-STEPS = ("kernel", "equality", "generate", "fused", "door", "floor", "gpu", "bridge", "suite")
+STEPS = ("kernel", "equality", "generate", "fused", "door", "floor", "gpu", "bridge", "dispatch", "suite")
 """The runbook's steps in the order they run: the ragged attention kernel on the GPU, the float32
 greedy equality of `jaxprep generate` with transformers, the generate table against transformers,
 the fused-step benchmark (command buffers off, then on; serve_step's launches), the door (bench_door.py:
 vLLM's SchedulerOutput to torch CUDA tensors against V1, its thread time against the no-op floor), the call floor
-(call_floor.py with PJRT_NPROC unset, then 1), bench_gpu.py, the CUDA torch_bridge tests, the whole suite."""
+(call_floor.py with PJRT_NPROC unset, then 1), bench_gpu.py, the CUDA torch_bridge tests, `jaxprep simulate`
+with its updates fused into the step and applied apart (warm-up and step time: which ``--update-dispatch auto``
+should pick on a GPU), the whole suite."""
 MIN_STEP_S = 30
 """A step is not started with less than this left of ``--budget-s``."""
 TABLE_FILE = "runbook.md"
@@ -337,6 +339,21 @@ def run_fused_benchmark(runner: Runner, args) -> None:
         run_table_step(runner, label, ["benchmarks/bench_fused_step.py", *extra])
 
 
+def run_update_dispatch(runner: Runner, args) -> None:
+    """`jaxprep simulate` fused and separate (bench_compile.py's simulate part: an empty cache, then the same
+    cache), the warm-ups and step times ``--update-dispatch auto`` chooses between; not on the dry run (each
+    process compiles for seconds on a CPU; the CPU's figures are in docs/benchmarks-history.md)."""
+    if not runner.can_start("update dispatch"):
+        return
+    if args.dry_run:
+        runner.add("update dispatch", "skipped", "dry run: the CPU's figures are in docs/benchmarks-history.md")
+        return
+    for mode in ("fused", "separate"):  # a row each: "update dispatch fused: HEAD+", "... separate: HEAD+"
+        script = ["benchmarks/bench_compile.py", "--against", "--parts", "simulate", "--workloads", f"simulate-{mode}",
+                  "--runs", "1"]
+        run_table_step(runner, f"update dispatch {mode}", script)
+
+
 def run_door_benchmark(runner: Runner, args) -> None:
     """bench_door.py: vLLM's SchedulerOutput to torch tensors ready, jaxprep's door against V1 with its copies
     and MRV2's kernels, at 256 decode, 256/8192 and 1024/16384 (dry run: its CPU check, decode16)."""
@@ -390,7 +407,8 @@ def gpu_record(rows, commit: str, machine: str, command: str, dry_run: bool) -> 
 STEP_FUNCTIONS = {"kernel": run_kernel_tests, "equality": lambda runner, args: run_generate(runner, args, "equality"),
                   "generate": lambda runner, args: run_generate(runner, args, "speed"), "fused": run_fused_benchmark,
                   "door": run_door_benchmark,
-                  "floor": run_call_floor, "gpu": run_benchmark, "bridge": run_bridge_tests, "suite": run_suite}
+                  "floor": run_call_floor, "gpu": run_benchmark, "bridge": run_bridge_tests,
+                  "dispatch": run_update_dispatch, "suite": run_suite}
 
 
 def main(argv=None) -> int:

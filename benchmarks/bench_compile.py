@@ -35,7 +35,8 @@ the end) and measured beside the working tree (``HEAD+``), every measurement a f
   update adds to every bucket's step, because it travels with the step in one dispatch.
 
 Workloads: ``simulate`` (the default ``jaxprep simulate``), ``simulate-8192`` (``--budget 8192``),
-``simulate-fused`` and ``simulate-8192-fused`` (the same with ``--update-dispatch fused``, the working tree only),
+``simulate-fused``, ``simulate-8192-fused`` and ``simulate-separate`` (the same with ``--update-dispatch fused`` or
+``separate``, the working tree only),
 ``vllm`` (`ServingBatch.warmup` of simulate's default config, what a `VllmAdapter` warms), ``readme``
 (the Engine of README.md's serving loop),
 ``generate`` (the Engine of the generate run above). A commit without a workload's entry point (the
@@ -63,10 +64,12 @@ HERE = "HEAD+"
 WORKLOADS = ("simulate", "simulate-8192", "vllm", "readme", "generate")
 SIMULATE_ARGV = {"simulate": [], "simulate-8192": ["--budget", "8192"], "vllm": [],
                  "simulate-fused": ["--update-dispatch", "fused"],
-                 "simulate-8192-fused": ["--budget", "8192", "--update-dispatch", "fused"]}
-HERE_ONLY = ("simulate-fused", "simulate-8192-fused")
+                 "simulate-8192-fused": ["--budget", "8192", "--update-dispatch", "fused"],
+                 "simulate-separate": ["--update-dispatch", "separate"]}
+HERE_ONLY = ("simulate-fused", "simulate-8192-fused", "simulate-separate")
 """Workloads of the working tree alone (the flag is new): ``simulate --update-dispatch fused``, the step that
-carries its updates (the default ``auto`` applies them apart on the CPU)."""
+carries its updates (the default ``auto`` applies them apart on the CPU), and ``separate`` (``auto`` on a GPU
+is fused)."""
 GENERATE = dict(prompt_len=1000, max_tokens=8, layers=2, shape="qwen3-0.6b")
 QWEN3_VOCAB = 151936
 KERNEL_OPS_SKIPPED = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",

@@ -73,6 +73,8 @@ def test_dry_run_prints_one_table_with_tests_and_benchmark_rows(tmp_path):
         < order.index("call floor") \
         < order.index("bench_gpu") < order.index("tests")
     assert details["call floor: x + 1 over 13 int32[256]"].startswith("thread µs: ")
+    # simulate fused and separate: timed on a GPU loan, not on the dry run
+    assert checks["update dispatch"] == "skipped" and details["update dispatch"].startswith("dry run: ")
     # the door: vLLM's SchedulerOutputs to torch against V1, its thread time against the no-op floor (CPU: decode16)
     door = details["bench_door: decode16"]
     assert door.startswith("steps timed: ") and "V1 / jaxprep: " in door and "step / floor: " in door, door
@@ -104,7 +106,7 @@ def test_a_spent_budget_skips_every_step_and_still_writes_the_table(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in result.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| check")}
     skipped = {"ragged attention kernel", "float32 greedy equality", "generate vs transformers", "bench_fused",
-               "bench_door", "call floor", "bench_gpu", "test suite"}
+               "bench_door", "call floor", "bench_gpu", "update dispatch", "test suite"}
     assert rows.pop("install jaxprep") == "skipped"  # a dry run installs nothing
     assert {name for name, outcome in rows.items() if outcome == "skipped"} == skipped, rows
     with open(tmp_path / "runbook.md") as table:
