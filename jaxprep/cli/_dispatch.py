@@ -32,3 +32,8 @@ def separate_updates(args: argparse.Namespace) -> bool:
     import jax
 
     return getattr(args, "devices", 1) == 1 and jax.default_backend() == "cpu"
+
+
+def chosen(engine) -> str:
+    """What an engine was built with, as the summaries name it: ``separate`` or ``fused``."""
+    return "separate" if engine.batch.separate_updates else "fused"

@@ -28,7 +28,7 @@ import os
 from jaxprep.cli._args import INT32_MAX, UsageError, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
-from jaxprep.cli._dispatch import add_update_dispatch_argument, separate_updates
+from jaxprep.cli._dispatch import add_update_dispatch_argument, chosen, separate_updates
 from jaxprep.cli._phases import PhaseClock, rates_line
 from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
@@ -151,7 +151,7 @@ def generate(model, params, prompts: list[list[int]], config, max_tokens: int, e
     with count_compiles() as compiles:
         warmup_s = warm_up(engine, progress, "compiling", "executable", cache_dir)
     warmup = dict(warmup_s=round(warmup_s, 3), warmup_compiles=compiles.compiles, warmup_cache_hits=compiles.cache_hits,
-                  update_dispatch="separate" if engine.batch.separate_updates else "fused")
+                  update_dispatch=chosen(engine))
     sampling = sampling or [None] * len(prompts)
     engine.submit([Request(request_id=i, prompt_token_ids=list(p), max_tokens=max_tokens, sampling_params=s)
                    for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))])

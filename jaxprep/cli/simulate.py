@@ -17,7 +17,7 @@ import numpy as np
 from jaxprep.cli._args import INT32_MAX, check_plot_path, flag, int_in, require
 from jaxprep.cli._cache import add_cache_arguments, check_cache_arguments
 from jaxprep.cli._checkpoint import add_checkpoint_arguments, check_model_folder, load_checkpoint
-from jaxprep.cli._dispatch import add_update_dispatch_argument, separate_updates
+from jaxprep.cli._dispatch import add_update_dispatch_argument, chosen, separate_updates
 from jaxprep.cli._phases import PhaseClock
 from jaxprep.cli._progress import add_progress_argument, progress_bar, report_file, warm_up
 from jaxprep.cli._sampling import add_sampling_arguments, sampling_params, with_sampling
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                   warmup_cache_hits=warmup_compiles.cache_hits, compile_cache=args.compile_cache_dir)
     summary = _summary(engine, workload, finished, wall_s, warmup, compiles, clock.phases(engine.stats))
     summary["devices"] = args.devices
-    summary["update_dispatch"] = "separate" if engine.batch.separate_updates else "fused"
+    summary["update_dispatch"] = chosen(engine)
     summary.update(_spec_decode_summary(engine.stats, args))
     if args.async_scheduling:
         summary.update(async_overlap=round(engine.stats.overlap, 4),

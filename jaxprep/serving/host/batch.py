@@ -318,15 +318,15 @@ class ServingBatch:
 
     def _run(self, kv_cache, params, updates, model, num_tokens_padded, packed):
         rows, checked = self._checked(updates)
-        checks.check_step(rows, int(np.asarray(checked.decode_steps)[0]), num_tokens_padded, self.config)
+        decode_steps = int(np.asarray(checked.decode_steps)[0])
+        checks.check_step(rows, decode_steps, num_tokens_padded, self.config)
         packed = self.pack(checked) if packed is None or checked is not updates else packed  # what was checked
         for buffer in packed.before:
             self._apply(buffer)
         if self.separate_updates:
             self._apply(packed.step)
-            decode_steps = np.asarray(checked.decode_steps, np.int32).reshape(-1)[0]
             self.state, kv_cache, tokens = run(self.executables, ("run_step", model, num_tokens_padded), run_step,
-                                               self.state, kv_cache, params, decode_steps, config=self.config,
+                                               self.state, kv_cache, params, np.int32(decode_steps), config=self.config,
                                                model=model, num_tokens_padded=num_tokens_padded)
             return rows, kv_cache, tokens
         self.state, kv_cache, tokens = run(self.executables, ("serve_step", model, num_tokens_padded,

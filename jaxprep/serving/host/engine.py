@@ -158,14 +158,12 @@ class Engine:
         """What `warmup` compiles, in words: the serving step at each token bucket a step can reach and step
         payload size (each bucket once with ``separate_updates``), and the state updates alone at the top
         payload size (a widening for each other)."""
-        steps, updates = step_payload_buckets(self.config), payload_buckets(self.config)
-        if self.batch.separate_updates:
-            return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} without its "
-                    f"updates, and the state updates alone at the top of {counted(len(updates), 'size')} (a widening "
-                    "for each other), applied before each step")
-        return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} x "
-                f"{counted(len(steps), 'update size')}, and the state updates alone at the top of "
-                f"{counted(len(updates), 'size')} (a widening for each other)")
+        separate = self.batch.separate_updates
+        rungs = counted(len(step_payload_buckets(self.config)), "update size")
+        steps = "without its updates" if separate else f"x {rungs}"
+        return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} {steps}, and the state "
+                f"updates alone at the top of {counted(len(payload_buckets(self.config)), 'size')} (a widening for "
+                f"each other){', applied before each step' if separate else ''}")
 
     @property
     def num_executables(self) -> int:
