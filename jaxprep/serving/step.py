@@ -163,14 +163,16 @@ def update_and_prepare_donated(state: ServingState, packed_updates: jax.Array, *
     return state, prepare_padded(state.batch, config.prep, num_tokens_padded)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "num_tokens_padded", "steady"), donate_argnames=("state",))
 def update_and_prepare_buffer(state: ServingState, packed_updates: jax.Array, *, config: ServingConfig,
-                              num_tokens_padded: int) -> tuple[ServingState, StepBuffer]:
+                              num_tokens_padded: int, steady: bool = False) -> tuple[ServingState, StepBuffer]:
     """The door's one dispatch per step: the packed update applied (its device checks included: a bad
     buffer sets a bit of ``state.errors`` and writes nothing) and the step prepared, the state donated.
     Returns ``(state, step)``, the step as one `StepBuffer` (one array out instead of a dozen; its
-    fields are views, `jaxprep.step_buffer`). `ServingBatch.update_and_prepare` calls it."""
-    state = apply_updates_body(state, unpack_updates(packed_updates, config))
+    fields are views, `jaxprep.step_buffer`). `ServingBatch.update_and_prepare` calls it. ``steady``: the
+    program for an update that finishes, adds and resumes no row (`update_packing.is_steady`: the common
+    decode step), a third fewer kernels; it refuses any other buffer whole (`unpack_updates`)."""
+    state = apply_updates_body(state, unpack_updates(packed_updates, config, steady))
     return state, pack_step_body(prepare_padded(state.batch, config.prep, num_tokens_padded))
 
 

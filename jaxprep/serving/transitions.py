@@ -166,17 +166,28 @@ def write_data_body(state: ServingState, updates: DeviceUpdates, draft_rows: jax
         token_kinds += [(MROPE + d, "mrope_positions", d * layout["token_ids"].width) for d in range(MROPE_NUM_DIMS)]
     if "is_token_ids" in layout:
         token_kinds.append((IS_TOKEN_IDS, "is_token_ids", 0))
-    columns, inside = _data_targets(state, tuple(token_kinds), kind, col)
-    words = jnp.where(kind == IS_TOKEN_IDS, (value != 0).astype(jnp.int32), value)
     # the drafts: columns of token_ids past the row's tokens (draft_columns: -1 where none)
     token_ids = layout["token_ids"]
     draft_inside = (draft_columns >= 0) & (draft_columns < token_ids.width)
-    rows = jnp.concatenate([jnp.where(inside, row, num_rows), draft_rows.reshape(-1)])
-    columns = jnp.concatenate([columns, jnp.where(draft_inside, token_ids.start + draft_columns, -1).reshape(-1)])
-    state = state.write_array(state_layout.TOKENS, rows, columns, jnp.concatenate([words, drafts.reshape(-1)]))
+    rows = [draft_rows.reshape(-1)]
+    columns = [jnp.where(draft_inside, token_ids.start + draft_columns, -1).reshape(-1)]
+    words = [drafts.reshape(-1)]
+    if _entries(updates.add) or _entries(updates.resume):  # else no token word (a steady buffer's data: blocks)
+        data_columns, inside = _data_targets(state, tuple(token_kinds), kind, col)
+        rows.insert(0, jnp.where(inside, row, num_rows))
+        columns.insert(0, data_columns)
+        words.insert(0, jnp.where(kind == IS_TOKEN_IDS, (value != 0).astype(jnp.int32), value))
+    if rows[0].shape[0] + rows[-1].shape[0]:
+        state = state.write_array(state_layout.TOKENS, jnp.concatenate(rows), jnp.concatenate(columns),
+                                  jnp.concatenate(words))
     table_kinds = tuple((TABLE + t, name, 0) for t, name in enumerate(layout.table_fields))
     columns, inside = _data_targets(state, table_kinds, kind, col)
     return state.write_array(state_layout.TABLES, jnp.where(inside, row, num_rows), columns, value)
+
+
+def _entries(section: dict) -> int:
+    """A section's static entries (0: a steady program's finish, add and resume, `unpack_updates`)."""
+    return next(iter(section.values())).shape[0]
 
 
 def allocated_body(block: RecordBlock, updates: DeviceUpdates) -> RecordBlock:
@@ -256,27 +267,33 @@ def apply_updates_body(state: ServingState, updates: DeviceUpdates) -> ServingSt
     errors = (jnp.where(updates.bad_counts, ERROR_BITS["packed_counts"], 0)
               | jnp.where(bad_values, ERROR_BITS["packed_values"], 0))
     updates = refused(updates, updates.bad_counts | bad_values)
-    block = resume_body(admit_body(block, updates.finish_rows, updates.add), updates.resume)
+    moving = updates.finish_rows.shape[0] + _entries(updates.add) + _entries(updates.resume)  # static: 0 if steady
+    if moving:
+        block = resume_body(admit_body(block, updates.finish_rows, updates.add), updates.resume)
     present = updates.has_schedule == 1
     columns = draft_columns(block, updates.schedule, present)
     block = allocated_body(block, updates)
     block = block.replace_where(present, **{name: updates.schedule[name] for name in SCHEDULE_FIELDS
                                             if name in state.layout})
-    state = clear_rows_body(state.with_record_block(block), updates)
+    state = state.with_record_block(block)
+    if moving:
+        state = clear_rows_body(state, updates)
     rows = jnp.broadcast_to(row_index(updates.schedule["entry_rows"], state.num_rows)[:, None], columns.shape)
     state = write_data_body(state, updates, rows, columns, updates.schedule["draft_token_ids"])
-    if "output_bin_counts" in state.layout:
+    if "output_bin_counts" in state.layout and _entries(updates.add):
         state = admit_sampling_body(state, updates)
     if "lora_slots" in state.layout:
         state = state.replace_where(updates.has_lora_slots == 1, lora_slots=updates.lora_slots)
     return state.with_error_bits(errors)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfig) -> ServingState:
+@functools.partial(jax.jit, static_argnames=("config", "steady"), donate_argnames=("state",))
+def apply_packed(state: ServingState, packed: jax.Array, *, config: ServingConfig, steady: bool = False
+                 ) -> ServingState:
     """`apply_updates_body` of one packed buffer (`jaxprep.serving.update_packing.pack_step`); one
-    executable per buffer length of the ladder."""
-    return apply_updates_body(state, unpack_updates(packed, config))
+    executable per buffer length of the ladder. ``steady``: the program for buffers that finish, add and
+    resume no row (`update_packing.is_steady`; any other is refused whole, `unpack_updates`)."""
+    return apply_updates_body(state, unpack_updates(packed, config, steady))
 
 
 def column(state: ServingState, records: jax.Array, name: str) -> jax.Array:

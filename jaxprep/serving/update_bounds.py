@@ -53,7 +53,7 @@ def verdict(faults: list[jax.Array]) -> jax.Array:
     # [[F, T], [F]] -> True
     ```
     """
-    return jnp.any(jnp.concatenate([jnp.reshape(fault, (-1,)) for fault in faults]))
+    return jnp.any(jax.lax.optimization_barrier(jnp.concatenate([jnp.reshape(fault, (-1,)) for fault in faults])))
 
 
 def flag_faults(head: dict) -> list[jax.Array]:

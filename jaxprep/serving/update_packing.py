@@ -176,6 +176,26 @@ class PackedStep:
     def buffers(self) -> tuple[np.ndarray, ...]:
         return (*self.before, self.step)
 
+    @property
+    def steady(self) -> bool:
+        """Whether the step's buffer is steady (`is_steady`): a steady executable may apply it."""
+        return is_steady(self.step)
+
+
+STEADY_COUNTS = tuple(HEADER.index(name) for name in ("n_finish", "n_add", "n_resume"))
+"""The header words a steady buffer holds 0 in (`is_steady`)."""
+
+
+def is_steady(buffer: np.ndarray) -> bool:
+    """Whether a host buffer finishes, adds and resumes no row (the common decode step): what a steady
+    executable (`unpack_updates` with ``steady``) takes.
+
+    ```
+    # header [1, 0, 0, 0, 0, 64, 1, ...] (a dense schedule alone) -> True; n_add 2 -> False
+    ```
+    """
+    return not any(buffer[i] for i in STEADY_COUNTS)
+
 
 NO_ENTRIES = np.zeros(0, np.int64)
 NO_ENTRIES.flags.writeable = False
@@ -582,15 +602,18 @@ class SectionSizes:
 
 
 @functools.lru_cache(maxsize=256)
-def section_sizes(config: ServingConfig, words: int) -> SectionSizes:
+def section_sizes(config: ServingConfig, words: int, steady: bool = False) -> SectionSizes:
+    """``steady``: the finish, add and resume sections are read at size 0 (`unpack_updates`)."""
     lay, rows, body = payload_layout(config), config.max_num_reqs, max(words - HEADER_WORDS, 0)
 
-    def fit(entry_words: int, cap: int = rows) -> int:  # at least 1: a zero-size section would not trace
+    def fit(entry_words: int, cap: int = rows) -> int:  # at least 1 where a section is read at all
         return max(min(cap, body // entry_words), 1)
 
-    return SectionSizes(finish=fit(1), add=fit(len(lay.add_fields)), resume=fit(len(resume_fields(config))),
-                        segments=fit(len(SEGMENT_FIELDS) + 1, body), schedule=fit(len(lay.schedule_fields) - 1),
-                        data=fit(1, body))
+    moving = dict(finish=0, add=0, resume=0) if steady else dict(
+        finish=fit(1), add=fit(len(lay.add_fields)), resume=fit(len(resume_fields(config))))
+    return SectionSizes(**moving, segments=fit(len(SEGMENT_FIELDS) + 1, body),
+                        schedule=fit(len(lay.schedule_fields) - 1), data=fit(1, body))
+
 
 
 @jax.tree_util.register_dataclass
@@ -621,14 +644,19 @@ class DeviceUpdates:
     entry_scheduled: jax.Array  # [sizes.schedule] each schedule entry's num_scheduled_tokens (0 past the count)
 
 
-def unpack_updates(blob: jax.Array, config: ServingConfig) -> DeviceUpdates:
+def unpack_updates(blob: jax.Array, config: ServingConfig, steady: bool = False) -> DeviceUpdates:
     """The `DeviceUpdates` of a packed buffer (traced; every read is a clamped gather, all sections in one), with
     its two verdicts: ``bad_counts`` (the header and the layout) and ``value_faults`` (`update_bounds`). Raises
     `InvalidUpdateError` at trace time (on the host, before anything runs) for a buffer that is not
-    1-D int32 with at least the header's words."""
+    1-D int32 with at least the header's words.
+
+    ``steady``: a program for the common decode step (`is_steady`): the finish, add and resume sections are read
+    at size 0, so nothing of theirs is traced (their records, data runs, faults and writes: about a third of the
+    update's kernels); a buffer that has any of them is refused whole, its counts past their sizes
+    (``packed_counts``), as any buffer whose header claims more than its sizes."""
     lay = payload_layout(config)
     blob = _checked_blob(blob)
-    sizes = section_sizes(config, blob.shape[0])
+    sizes = section_sizes(config, blob.shape[0], steady)
     head = dict(zip(HEADER, blob[:HEADER_WORDS]))
     tables, valid = _read_sections(blob, head, lay, resume_fields(config), sizes)
     finish = tables["finish"]["row"]

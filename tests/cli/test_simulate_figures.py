@@ -56,9 +56,11 @@ def two_runs(tmp_path_factory):
 def test_the_cache_serves_the_second_warmup(two_runs):
     cache_home, first, second = two_runs
     assert first["compile_cache"] == second["compile_cache"] == str(cache_home / "jaxprep")
-    # the updates at 2 payload rungs + the step at buckets 8 and 16
-    assert first["warmup_compiles"] == 4 and first["warmup_cache_hits"] == 0, first
-    assert second["warmup_compiles"] == second["warmup_cache_hits"] == 4, second
+    # the updates at 2 payload rungs + the step at buckets 8 and 16 (+ the steady updates' program, applied apart
+    # on the CPU: --update-dispatch auto)
+    executables = 5 if first["update_dispatch"] == "separate" else 4
+    assert first["warmup_compiles"] == executables and first["warmup_cache_hits"] == 0, first
+    assert second["warmup_compiles"] == second["warmup_cache_hits"] == executables, second
     assert second["compiles_after_warmup"] == 0
     for name in ("step_us", "dispatch_us", "prepare_us"):
         assert 0 < second[f"{name}_median"] <= second[f"{name}_p99"]

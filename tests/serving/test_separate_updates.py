@@ -43,6 +43,26 @@ def test_the_tokens_are_the_fused_loops(name):
         assert other != fused
 
 
+def test_steady_buffers_go_to_the_steady_program(monkeypatch):
+    """Decode steps' buffers (no row finished, added or resumed: `update_packing.is_steady`) are applied by the
+    steady `apply_packed`, the others by the general one, and the warm-up compiled both (nothing after it)."""
+    from jaxprep.serving.host import batch as batch_module
+
+    keys, real_run = [], batch_module.run
+
+    def spy(table, key, *args, **static):
+        keys.append((key, key in table))
+        return real_run(table, key, *args, **static)
+
+    monkeypatch.setattr(batch_module, "run", spy)
+    config_args, workload_args = WORKLOADS["multi-step"]
+    workload = random_workload(3, num_requests=10, vocab_size=MODEL.vocab_size, arrival_spread=6, **workload_args)
+    served(make_config(**config_args), workload, separate=True)
+    applied = [key for key in keys if key[0][0] == "apply"]
+    assert {key for key, _ in applied} == {("apply", False), ("apply", True)}
+    assert all(warm for _, warm in applied)
+
+
 def test_speculative_decoding_too():
     config_args, workload_args = WORKLOADS["multi-step"]
     config = dataclasses.replace(make_config(**config_args), num_speculative_tokens=2,
@@ -93,6 +113,9 @@ def test_the_warmup_compiles_one_step_per_bucket():
     assert steps == [("run_step", MODEL, bucket) for bucket in reversed(buckets)]
     assert not [e for e in separate._warmup_executables() if e.key[0] == "serve_step"]
     assert separate.num_executables == len(list(separate._warmup_executables()))
+    # and the steady updates' own program, which the fused engine does not compile
+    assert [e.key for e in separate._warmup_executables() if e.key[0] == "apply"] == [("apply", False), ("apply", True)]
+    assert [e.key for e in fused._warmup_executables() if e.key[0] == "apply"] == [("apply", False)]
     assert fused.num_executables - separate.num_executables == len(buckets) * (len(
-        [e for e in fused._warmup_executables() if e.key[0] == "serve_step"]) // len(buckets) - 1)
+        [e for e in fused._warmup_executables() if e.key[0] == "serve_step"]) // len(buckets) - 1) - 1
     assert "without its updates" in separate.warmup_plan() and "without" not in fused.warmup_plan()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -161,7 +162,8 @@ class ServingBatch:
                cache_dir: str | os.PathLike | None = None) -> float:
         """Compiles what a step driven from outside can use, so no update or step compiles later; returns
         seconds. Per step payload rung (`step_payload_buckets`) and token bucket a step can reach
-        (`PrepConfig.reachable_buckets`) the door's step (`update_and_prepare`); the updates sent alone or
+        (`PrepConfig.reachable_buckets`) the door's step (`update_and_prepare`), and its steady program at the
+        buckets of a decode step (`steady_buckets`); the updates sent alone or
         first (`transitions.apply_packed` at the top payload rung, `widen_packed` for each smaller rung);
         `prepare` per bucket. One pool compiles them all, the largest first, while the next is lowered
         (`jaxprep.executables.warm`: from disk without tracing, where the persistent compilation cache is on
@@ -175,30 +177,34 @@ class ServingBatch:
         start = time.perf_counter()
         buckets, steps = self.config.prep.reachable_buckets, step_payload_buckets(self.config)
         updates = payload_buckets(self.config)
-        why = (f"the update and the step at {describe_buckets(buckets)} x {counted(len(steps), 'update size')}, the "
-               f"updates alone at the top of {counted(len(updates), 'size')} (a widening for each other) and "
-               f"prepare_padded at each bucket")
+        why = (f"the update and the step at {describe_buckets(buckets)} x {counted(len(steps), 'update size')}, each "
+               f"for any update and at a decode's buckets for steady ones, the updates alone at the top of "
+               f"{counted(len(updates), 'size')} (a widening for each other) and prepare_padded at each bucket")
         self.executables.update(warm(self._warmup_executables(), threads, on_compiled, why=why, cache_dir=cache_dir))
         return time.perf_counter() - start
 
     def _warmup_executables(self):
         config, buckets = self.config, self.config.prep.reachable_buckets[::-1]
-        for words in step_payload_buckets(config):
-            for bucket in buckets:
-                yield Executable(("door", bucket, words), update_and_prepare_buffer, (self.state, _empty(words)),
-                                 dict(config=config, num_tokens_padded=bucket),
-                                 f"update and prepare at {bucket} tokens, updates of {words} words")
+        for steady in (False, True):  # any update, then the steady ones' smaller programs at a decode's buckets
+            for words in step_payload_buckets(config):
+                for bucket in (b for b in buckets if not steady or b in steady_buckets(config)):
+                    yield Executable(("door", bucket, words, steady), update_and_prepare_buffer,
+                                     (self.state, _empty(words)), dict(config=config, num_tokens_padded=bucket,
+                                                                       steady=steady),
+                                     f"update and prepare at {bucket} tokens, {'steady ' if steady else ''}updates "
+                                     f"of {words} words")
         yield from self.update_executables(_empty)
         for bucket in buckets:
             yield Executable(("prepare", bucket), prepare_padded, (self.state.batch,),
                              dict(config=config.prep, num_tokens_padded=bucket), f"prepare_padded at {bucket} tokens")
 
     def update_executables(self, empty):
-        """What `apply_buffer` runs; ``empty(words)``: a buffer of that length."""
-        return update_executables(self.state, self.config, empty)
+        """What `apply_buffer` runs; ``empty(words)``: a buffer of that length. With ``separate_updates`` also the
+        steady program, which applies the common step's buffer (`update_packing.is_steady`)."""
+        return update_executables(self.state, self.config, empty, steady=self.separate_updates)
 
-    def _apply(self, buffer) -> None:
-        self.state = apply_buffer(self.executables, self.state, buffer, self.config)
+    def _apply(self, buffer, steady: bool = False) -> None:
+        self.state = apply_buffer(self.executables, self.state, buffer, self.config, steady=steady)
 
     def prepare(self, num_tokens_padded: int):
         """The step's `StepInputs` from the current state (`prepare_padded`, ``config.prep``)."""
@@ -224,9 +230,11 @@ class ServingBatch:
         the leading buffers (if any), then the one call; the caller keeps the checked mirror."""
         for buffer in packed.before:
             self._apply(buffer)
-        self.state, step = run(self.executables, ("door", num_tokens_padded, packed.step.shape[-1]),
+        # a decode step: the smaller program (`update_packing.is_steady`, `steady_buckets`)
+        steady = num_tokens_padded in steady_buckets(self.config) and packed.steady
+        self.state, step = run(self.executables, ("door", num_tokens_padded, packed.step.shape[-1], steady),
                                update_and_prepare_buffer, self.state, packed.step, config=self.config,
-                               num_tokens_padded=num_tokens_padded)
+                               num_tokens_padded=num_tokens_padded, steady=steady)
         return step
 
     def record_sampled(self, idx_mapping, sampled_token_ids, num_sampled) -> None:
@@ -324,7 +332,7 @@ class ServingBatch:
         for buffer in packed.before:
             self._apply(buffer)
         if self.separate_updates:
-            self._apply(packed.step)
+            self._apply(packed.step, packed.steady)
             self.state, kv_cache, tokens = run(self.executables, ("run_step", model, num_tokens_padded), run_step,
                                                self.state, kv_cache, params, np.int32(decode_steps), config=self.config,
                                                model=model, num_tokens_padded=num_tokens_padded)
@@ -336,24 +344,49 @@ class ServingBatch:
         return rows, kv_cache, tokens
 
 
+@functools.lru_cache(maxsize=64)
+def steady_buckets(config: ServingConfig) -> tuple[int, ...]:
+    """The token buckets the door's step has a steady program at (`update_and_prepare_buffer`'s ``steady``): those
+    a decode step of every row can use, up to the first holding max_num_reqs x (1 + num_speculative_tokens)
+    tokens. A steady step above them (a chunked prefill going on) takes the general program, where the prepare's
+    work outweighs the update's.
+
+    ```
+    # 16 rows, no drafts, buckets (8, 16, 32, 64) -> (8, 16); 16 rows, 3 drafts -> (8, 16, 32, 64)
+    ```
+    """
+    prep = config.prep
+    decode = min(prep.max_num_reqs * (1 + config.num_speculative_tokens), prep.max_tokens_per_step)
+    return tuple(b for b in prep.reachable_buckets if b <= prep.bucket_for(decode))
+
+
 def apply_buffer(executables: dict, state: ServingState, buffer, config: ServingConfig, apply=None,
-                 **static) -> ServingState:
+                 steady: bool = False, **static) -> ServingState:
     """One packed buffer of any rung applied by ONE executable, ``apply`` (default `transitions.apply_packed`;
     ``static``: its other static arguments) at the top rung of `payload_buckets`: a shorter buffer is sent as it
     is and widened on the device first (`widen_packed`, a copy per rung). ``executables``: the owner's warm-up
-    table (`update_executables`)."""
+    table (`update_executables`). ``steady``: a steady buffer (`update_packing.is_steady`), applied by
+    `transitions.apply_packed`'s steady program (the default ``apply`` only)."""
     words = buffer.shape[-1]
     if words < payload_buckets(config)[-1]:
         buffer = run(executables, ("widen", words), widen_packed, buffer, config=config)
-    return run(executables, ("apply",), apply or transitions.apply_packed, state, buffer, config=config, **static)
+    if steady:
+        return run(executables, ("apply", True), transitions.apply_packed, state, buffer, config=config, steady=True)
+    return run(executables, ("apply", False), apply or transitions.apply_packed, state, buffer, config=config,
+               **static)
 
 
-def update_executables(state: ServingState, config: ServingConfig, empty, apply=None, **static):
-    """The executables `apply_buffer` runs, for a warm-up: ``apply`` at the top payload rung, then `widen_packed`
-    for each smaller rung; ``empty(words)``: a buffer of that length (sharded as the live ones are)."""
+def update_executables(state: ServingState, config: ServingConfig, empty, apply=None, steady: bool = False,
+                       **static):
+    """The executables `apply_buffer` runs, for a warm-up: ``apply`` at the top payload rung (and with ``steady``
+    `transitions.apply_packed`'s steady program), then `widen_packed` for each smaller rung; ``empty(words)``: a
+    buffer of that length (sharded as the live ones are)."""
     rungs = payload_buckets(config)
-    yield Executable(("apply",), apply or transitions.apply_packed, (state, empty(rungs[-1])),
+    yield Executable(("apply", False), apply or transitions.apply_packed, (state, empty(rungs[-1])),
                      dict(config=config, **static), f"state updates of {rungs[-1]} words")
+    if steady:
+        yield Executable(("apply", True), transitions.apply_packed, (state, empty(rungs[-1])),
+                         dict(config=config, steady=True), f"steady state updates of {rungs[-1]} words")
     for words in rungs[:-1]:
         yield Executable(("widen", words), widen_packed, (empty(words),), dict(config=config),
                          f"updates of {words} words widened to {rungs[-1]}")

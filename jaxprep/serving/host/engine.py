@@ -163,7 +163,7 @@ class Engine:
         steps = "without its updates" if separate else f"x {rungs}"
         return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} {steps}, and the state "
                 f"updates alone at the top of {counted(len(payload_buckets(self.config)), 'size')} (a widening for "
-                f"each other){', applied before each step' if separate else ''}")
+                f"each other){', applied before each step (the steady ones by a smaller program)' if separate else ''}")
 
     @property
     def num_executables(self) -> int:
@@ -171,8 +171,9 @@ class Engine:
         and token bucket a step can reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step
         sends first, one executable at the top payload rung and a widening of each smaller rung
         (`batch.apply_buffer`). (`prep_timing` compiles its twin apart.)"""
-        rungs = 1 if self.batch.separate_updates else len(step_payload_buckets(self.config))
-        return len(payload_buckets(self.config)) + len(self.config.prep.reachable_buckets) * rungs
+        separate = self.batch.separate_updates  # and the steady updates' program (`batch.update_executables`)
+        rungs = 1 if separate else len(step_payload_buckets(self.config))
+        return len(payload_buckets(self.config)) + int(separate) + len(self.config.prep.reachable_buckets) * rungs
 
     def _warmup_executables(self):
         """The executables of `warmup`, the largest first: the steps (the largest buckets first; with
