@@ -14,6 +14,7 @@ import pytest
 from jaxprep.compilation import count_compiles
 from jaxprep.serving import Engine, check_against_dense, random_workload
 from jaxprep.serving.spec_decode.ngram import NgramConfig
+from jaxprep.serving.update_packing import step_payload_buckets
 from support.loop_workloads import MODEL, WORKLOADS, make_config
 
 
@@ -59,8 +60,11 @@ def test_steady_buffers_go_to_the_steady_program(monkeypatch):
     workload = random_workload(3, num_requests=10, vocab_size=MODEL.vocab_size, arrival_spread=6, **workload_args)
     served(make_config(**config_args), workload, separate=True)
     applied = [key for key in keys if key[0][0] == "apply"]
-    assert {key for key, _ in applied} == {("apply", False), ("apply", True)}
+    assert {key[:2] for key, _ in applied} == {("apply", False), ("apply", True)}
     assert all(warm for _, warm in applied)
+    # a steady buffer goes at its own rung, unwidened (a widening before an apply is the general program's)
+    before = {keys[i - 1][0][0] for i, (key, _) in enumerate(keys) if key[0] == "apply" and key[1]}
+    assert "widen" not in before and any(key[0] == "widen" for key, _ in keys)
 
 
 def test_speculative_decoding_too():
@@ -114,8 +118,9 @@ def test_the_warmup_compiles_one_step_per_bucket():
     assert not [e for e in separate._warmup_executables() if e.key[0] == "serve_step"]
     assert separate.num_executables == len(list(separate._warmup_executables()))
     # and the steady updates' own program, which the fused engine does not compile
-    assert [e.key for e in separate._warmup_executables() if e.key[0] == "apply"] == [("apply", False), ("apply", True)]
+    steady = [("apply", True, words) for words in step_payload_buckets(config)]
+    assert [e.key for e in separate._warmup_executables() if e.key[0] == "apply"] == [("apply", False), *steady]
     assert [e.key for e in fused._warmup_executables() if e.key[0] == "apply"] == [("apply", False)]
     assert fused.num_executables - separate.num_executables == len(buckets) * (len(
-        [e for e in fused._warmup_executables() if e.key[0] == "serve_step"]) // len(buckets) - 1) - 1
+        [e for e in fused._warmup_executables() if e.key[0] == "serve_step"]) // len(buckets) - 1) - len(steady)
     assert "without its updates" in separate.warmup_plan() and "without" not in fused.warmup_plan()

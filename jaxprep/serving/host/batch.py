@@ -365,28 +365,30 @@ def apply_buffer(executables: dict, state: ServingState, buffer, config: Serving
     """One packed buffer of any rung applied by ONE executable, ``apply`` (default `transitions.apply_packed`;
     ``static``: its other static arguments) at the top rung of `payload_buckets`: a shorter buffer is sent as it
     is and widened on the device first (`widen_packed`, a copy per rung). ``executables``: the owner's warm-up
-    table (`update_executables`). ``steady``: a steady buffer (`update_packing.is_steady`), applied by
-    `transitions.apply_packed`'s steady program (the default ``apply`` only)."""
+    table (`update_executables`). ``steady``: a steady buffer (`update_packing.is_steady`) of a step rung
+    (`step_payload_buckets`: a step's own buffer) is applied at its rung by `transitions.apply_packed`'s steady
+    program, without the widening (the default ``apply`` only)."""
     words = buffer.shape[-1]
+    if steady and words in step_payload_buckets(config):
+        return run(executables, ("apply", True, words), transitions.apply_packed, state, buffer, config=config,
+                   steady=True)
     if words < payload_buckets(config)[-1]:
         buffer = run(executables, ("widen", words), widen_packed, buffer, config=config)
-    if steady:
-        return run(executables, ("apply", True), transitions.apply_packed, state, buffer, config=config, steady=True)
     return run(executables, ("apply", False), apply or transitions.apply_packed, state, buffer, config=config,
                **static)
 
 
 def update_executables(state: ServingState, config: ServingConfig, empty, apply=None, steady: bool = False,
                        **static):
-    """The executables `apply_buffer` runs, for a warm-up: ``apply`` at the top payload rung (and with ``steady``
-    `transitions.apply_packed`'s steady program), then `widen_packed` for each smaller rung; ``empty(words)``: a
-    buffer of that length (sharded as the live ones are)."""
+    """The executables `apply_buffer` runs, for a warm-up: ``apply`` at the top payload rung, with ``steady``
+    `transitions.apply_packed`'s steady program at each step rung, then `widen_packed` for each smaller rung;
+    ``empty(words)``: a buffer of that length (sharded as the live ones are)."""
     rungs = payload_buckets(config)
     yield Executable(("apply", False), apply or transitions.apply_packed, (state, empty(rungs[-1])),
                      dict(config=config, **static), f"state updates of {rungs[-1]} words")
-    if steady:
-        yield Executable(("apply", True), transitions.apply_packed, (state, empty(rungs[-1])),
-                         dict(config=config, steady=True), f"steady state updates of {rungs[-1]} words")
+    for words in step_payload_buckets(config) if steady else ():
+        yield Executable(("apply", True, words), transitions.apply_packed, (state, empty(words)),
+                         dict(config=config, steady=True), f"steady state updates of {words} words")
     for words in rungs[:-1]:
         yield Executable(("widen", words), widen_packed, (empty(words),), dict(config=config),
                          f"updates of {words} words widened to {rungs[-1]}")

@@ -170,10 +170,12 @@ class Engine:
         """What `warmup` compiles: per step payload rung (`step_payload_buckets`; one with ``separate_updates``)
         and token bucket a step can reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step
         sends first, one executable at the top payload rung and a widening of each smaller rung
-        (`batch.apply_buffer`). (`prep_timing` compiles its twin apart.)"""
-        separate = self.batch.separate_updates  # and the steady updates' program (`batch.update_executables`)
-        rungs = 1 if separate else len(step_payload_buckets(self.config))
-        return len(payload_buckets(self.config)) + int(separate) + len(self.config.prep.reachable_buckets) * rungs
+        (`batch.apply_buffer`); with ``separate_updates`` the steady updates' program at each step rung.
+        (`prep_timing` compiles its twin apart.)"""
+        separate = self.batch.separate_updates  # and the steady updates' program per step rung (`update_executables`)
+        steps = len(step_payload_buckets(self.config))
+        return (len(payload_buckets(self.config)) + separate * steps
+                + len(self.config.prep.reachable_buckets) * (1 if separate else steps))
 
     def _warmup_executables(self):
         """The executables of `warmup`, the largest first: the steps (the largest buckets first; with
