@@ -177,7 +177,7 @@ def write_data_body(state: ServingState, updates: DeviceUpdates, draft_rows: jax
         rows.insert(0, jnp.where(inside, row, num_rows))
         columns.insert(0, data_columns)
         words.insert(0, jnp.where(kind == IS_TOKEN_IDS, (value != 0).astype(jnp.int32), value))
-    if rows[0].shape[0] + rows[-1].shape[0]:
+    if sum(part.shape[0] for part in rows):  # a steady program without drafts writes no token
         state = state.write_array(state_layout.TOKENS, jnp.concatenate(rows), jnp.concatenate(columns),
                                   jnp.concatenate(words))
     table_kinds = tuple((TABLE + t, name, 0) for t, name in enumerate(layout.table_fields))

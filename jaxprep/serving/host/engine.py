@@ -174,7 +174,7 @@ class Engine:
         (`prep_timing` compiles its twin apart.)"""
         separate = self.batch.separate_updates  # and the steady updates' program per step rung (`update_executables`)
         steps = len(step_payload_buckets(self.config))
-        return (len(payload_buckets(self.config)) + separate * steps
+        return (len(payload_buckets(self.config)) + (steps if separate else 0)
                 + len(self.config.prep.reachable_buckets) * (1 if separate else steps))
 
     def _warmup_executables(self):
