@@ -29,42 +29,41 @@ def served(config, workload, *, separate: bool, seed: int = 0) -> tuple[Engine, 
     return engine, {request.request_id: request.output_token_ids for request in finished}, compiles.compiles
 
 
-@pytest.mark.parametrize("name", list(WORKLOADS))
-def test_the_tokens_are_the_fused_loops(name):
-    config_args, workload_args = WORKLOADS[name]
-    config = make_config(**config_args)
-    workload = random_workload(3, num_requests=10, vocab_size=MODEL.vocab_size, arrival_spread=6, **workload_args)
-    _, fused, _ = served(config, workload, separate=False)
-    engine, separate, compiled = served(config, workload, separate=True)
-    assert separate == fused
-    assert compiled == 0
-    assert check_against_dense(engine.params, MODEL, engine.finished, config.max_model_len).passed
-    if name == next(iter(WORKLOADS)):  # negative control (once): other weights give other tokens, and it is seen
-        _, other, _ = served(config, workload, separate=True, seed=1)
-        assert other != fused
-
-
-def test_steady_buffers_go_to_the_steady_program(monkeypatch):
-    """Decode steps' buffers (no row finished, added or resumed: `update_packing.is_steady`) are applied by the
-    steady `apply_packed`, the others by the general one, and the warm-up compiled both (nothing after it)."""
+def spied_keys(monkeypatch) -> list:
+    """The keys of every `executables.run` of `ServingBatch` from now on (the list fills as they run)."""
     from jaxprep.serving.host import batch as batch_module
 
     keys, real_run = [], batch_module.run
 
     def spy(table, key, *args, **static):
-        keys.append((key, key in table))
+        keys.append(key)
         return real_run(table, key, *args, **static)
 
     monkeypatch.setattr(batch_module, "run", spy)
-    config_args, workload_args = WORKLOADS["multi-step"]
+    return keys
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_the_tokens_are_the_fused_loops(name, monkeypatch):
+    config_args, workload_args = WORKLOADS[name]
+    config = make_config(**config_args)
     workload = random_workload(3, num_requests=10, vocab_size=MODEL.vocab_size, arrival_spread=6, **workload_args)
-    served(make_config(**config_args), workload, separate=True)
-    applied = [key for key in keys if key[0][0] == "apply"]
-    assert {key[:2] for key, _ in applied} == {("apply", False), ("apply", True)}
-    assert all(warm for _, warm in applied)
-    # a steady buffer goes at its own rung, unwidened (a widening before an apply is the general program's)
-    before = {keys[i - 1][0][0] for i, (key, _) in enumerate(keys) if key[0] == "apply" and key[1]}
-    assert "widen" not in before and any(key[0] == "widen" for key, _ in keys)
+    _, fused, _ = served(config, workload, separate=False)
+    keys = spied_keys(monkeypatch)
+    engine, separate, compiled = served(config, workload, separate=True)
+    assert separate == fused
+    assert compiled == 0
+    # decode steps' buffers (no row finished, added or resumed: `update_packing.is_steady`) went to the steady
+    # `apply_packed`, unwidened, the others to the general one after a widening; all compiled by the warm-up
+    applied = [i for i, key in enumerate(keys) if key[0] == "apply"]
+    assert {keys[i][:2] for i in applied} == {("apply", False), ("apply", True)}
+    assert all(keys[i - 1][0] != "widen" for i in applied if keys[i][1] and i)
+    assert any(keys[i - 1][0] == "widen" for i in applied if not keys[i][1])
+    assert all(key in engine.batch.executables for key in keys)
+    assert check_against_dense(engine.params, MODEL, engine.finished, config.max_model_len).passed
+    if name == next(iter(WORKLOADS)):  # negative control (once): other weights give other tokens, and it is seen
+        _, other, _ = served(config, workload, separate=True, seed=1)
+        assert other != fused
 
 
 def test_speculative_decoding_too():

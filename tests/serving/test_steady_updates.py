@@ -5,8 +5,8 @@ Checked: on random steady updates of three configurations (plain; spec decode wi
 two KV groups, M-RoPE, prompt embeddings, LoRA slots, grammar rows, a Mamba table), the steady door step leaves
 the state and prepares the step bit for bit as the general program does; a buffer that finishes, adds or
 resumes a row is refused whole by the steady program (the ``packed_counts`` bit, nothing else written), which
-the general program applies (the control); the door routes each buffer to its program (the separate-updates
-engine's routing: tests/serving/test_separate_updates.py).
+the general program applies (the control); the warmed door routes each buffer to its program and compiles
+nothing (the separate-updates engine's routing: tests/serving/test_separate_updates.py).
 """
 
 from __future__ import annotations
@@ -188,15 +188,15 @@ def test_is_steady_reads_the_three_counts():
         assert not batch.pack(updates).steady, what
 
 
-def test_the_door_routes_each_buffer_to_its_program(monkeypatch):
-    """Steady at a decode's buckets (`steady_buckets`: 5 rows, no drafts -> bucket 8 only): the steady program;
-    a steady chunk of 12 tokens (bucket 16) and an update that finishes a row: the general one."""
-    config, rng = CONFIGS["plain"], np.random.default_rng(5)
+def test_the_warmed_door_routes_each_buffer_to_its_program_and_compiles_nothing(monkeypatch):
+    """After the warm-up (the door's step for any update at every bucket and step rung, the steady one at a
+    decode's buckets: 5 rows, no drafts -> bucket 8 only), steady steps of up to 8 tokens take the steady program;
+    a steady chunk of 12 tokens (bucket 16), an admission and a finish take the general one; nothing compiles.
+    Without a warm-up (the control) every buffer takes the general program: no second program on first use."""
+    from jaxprep import count_compiles
+
+    config, rng = CONFIGS["plain"], np.random.default_rng(9)
     assert steady_buckets(config) == (8,) and config.prep.reachable_buckets[:2] == (8, 16)
-    batch = ServingBatch(config)
-    batch.apply_updates(StepUpdates.build(config, add=[dict(row=r, token_ids=rng.integers(0, VOCAB, 20),
-                                                            block_ids=[4 * r + b + 1 for b in range(5)])
-                                                       for r in range(5)]))
     keys, real_run = [], batch_module.run
 
     def spy(table, key, *args, **static):
@@ -204,30 +204,27 @@ def test_the_door_routes_each_buffer_to_its_program(monkeypatch):
         return real_run(table, key, *args, **static)
 
     monkeypatch.setattr(batch_module, "run", spy)
-    for scheduled, finish in (([1, 1, 1, 1, 1, 0], ()), ([4, 4, 4, 0, 0, 0], ()), ([1, 0, 0, 0, 0, 0], (4,))):
-        updates = StepUpdates.build(config, finish=finish, num_scheduled_tokens=scheduled)
-        batch.update_and_prepare(updates, config.prep.bucket_for(sum(scheduled)))
-    assert [key[1:] for key in keys if key[0] == "door"] == [(8, 64, True), (16, 64, False), (8, 64, False)]
-    assert not [key for key in keys if key[0] == "apply"]
-
-
-def test_the_door_compiles_nothing_after_its_warmup():
-    """The warm-up compiles the door's step for any update at every bucket and step rung, and the steady one at a
-    decode's buckets: decode steps, a steady chunk above them, an admission and a finish compile nothing after it."""
-    from jaxprep import count_compiles
-
-    config, rng = CONFIGS["plain"], np.random.default_rng(9)
-    batch = ServingBatch(config)
-    batch.warmup()
-    steady = [key for key in batch.executables if key[0] == "door" and key[-1]]
-    assert steady and {key[1] for key in steady} == set(steady_buckets(config))
-    with count_compiles() as compiles:
-        batch.update_and_prepare(StepUpdates.build(config, add=[dict(row=r, token_ids=rng.integers(0, VOCAB, 20),
-                                                                     block_ids=[4 * r + b + 1 for b in range(5)])
-                                                                for r in range(5)],
-                                                   num_scheduled_tokens=[4, 4, 4, 4, 4, 0]), 32)
-        for scheduled in ([1, 1, 1, 1, 1, 0], [4, 4, 4, 0, 0, 0], [1, 2, 1, 1, 1, 0]):
-            batch.update_and_prepare(StepUpdates.build(config, num_scheduled_tokens=scheduled),
-                                     config.prep.bucket_for(sum(scheduled)))
-        batch.update_and_prepare(StepUpdates.build(config, finish=[4], num_scheduled_tokens=[1, 1, 1, 1, 0, 0]), 8)
-    assert compiles.compiles == 0
+    add = StepUpdates.build(config, add=[dict(row=r, token_ids=rng.integers(0, VOCAB, 20),
+                                              block_ids=[4 * r + b + 1 for b in range(5)]) for r in range(5)],
+                            num_scheduled_tokens=[4, 4, 4, 4, 4, 0])
+    steps = [(add, 32)] + [(StepUpdates.build(config, finish=finish, num_scheduled_tokens=scheduled),
+                            config.prep.bucket_for(sum(scheduled)))
+                           for scheduled, finish in (([1, 1, 1, 1, 1, 0], ()), ([4, 4, 4, 0, 0, 0], ()),
+                                                     ([1, 2, 1, 1, 1, 0], ()), ([1, 1, 1, 1, 0, 0], (4,)))]
+    routes = {}
+    for warmed in (True, False):
+        batch = ServingBatch(config)
+        if warmed:
+            batch.warmup()
+            steady = [key for key in batch.executables if key[0] == "door" and key[-1]]
+            assert steady and {key[1] for key in steady} == set(steady_buckets(config))
+        keys.clear()
+        with count_compiles() as compiles:
+            for updates, bucket in steps:
+                batch.update_and_prepare(updates, bucket)
+        routes[warmed] = [key[1:] for key in keys if key[0] == "door"]
+        if warmed:
+            assert compiles.compiles == 0
+        assert {key for key in keys if key[0] == "apply"} == {("apply", False)}  # the admission's leading buffers
+    assert routes[True] == [(32, 64, False), (8, 64, True), (16, 64, False), (8, 64, True), (8, 64, False)]
+    assert routes[False] == [(32, 64, False), (8, 64, False), (16, 64, False), (8, 64, False), (8, 64, False)]

@@ -43,7 +43,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxprep  # noqa: E402
+from jaxprep.executables import warm  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
+from jaxprep.serving.host import batch as batch_module  # noqa: E402
 from jaxprep.serving.host.vllm import VllmAdapter  # noqa: E402
 from support.vllm_scheduler import (  # noqa: E402
     WORKLOADS,
@@ -294,10 +296,12 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     scheduler, requests, runner = make_scheduler(work), Requests(work), V1Runner(work)
     label = f"{work.name} [{'V2' if scheduler.use_v2_model_runner else 'V1'}]"
     adapter, cmp = VllmAdapter(serving_config(work), async_scheduling=work.async_scheduling), Comparison(label)
+    warm_steady_programs(adapter)
     async_drafts = work.async_scheduling and work.num_speculative_tokens > 0
     device_drafts: dict[str, list[int]] = {}  # V2's req_states.draft_tokens: each request's last proposals
     stats = dict(steps=0, preempted=0, resumed=0, resent=0, drafts=0, rejected=0, prefix_hits=0, max_admissions=0,
                  lora=0)
+    DOOR_CALLS.clear()
     pending = None
     for number in range(work.num_steps):
         for request in requests.arrivals(number):
@@ -343,10 +347,34 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     errors = adapter.batch.errors()
     if any(errors.values()):
         cmp.mismatches.append(f"[{label}] device error bits {errors}")
+    stats["steady"] = sum(key[-1] for key in DOOR_CALLS)  # steps the steady program applied
     report["workloads"][label] = dict(stats, v2_mode=scheduler.use_v2_model_runner, compared=sorted(cmp.compared),
                                       h2d_bytes=adapter.batch.h2d_bytes, changed_words=adapter.batch.changed_words,
                                       seconds=round(time.perf_counter() - started, 1))
     report["mismatches"] += cmp.mismatches[:40]
+
+
+DOOR_CALLS: list[tuple] = []
+"""The keys of the door's calls in the running workload (`count_door_calls`)."""
+
+
+def count_door_calls() -> None:
+    """Records every door call's key in `DOOR_CALLS` (``key[-1]``: the steady program)."""
+    real_run = batch_module.run
+
+    def run(table, key, *args, **static):
+        if key[0] == "door":
+            DOOR_CALLS.append(key)
+        return real_run(table, key, *args, **static)
+
+    batch_module.run = run
+
+
+def warm_steady_programs(adapter: VllmAdapter) -> None:
+    """Compiles the door's steady programs as `ServingBatch.warmup` does (the general ones compile on first use):
+    the batch sends a steady step to its program only where the warm-up compiled it."""
+    steady = [e for e in adapter.batch._warmup_executables() if e.key[0] == "door" and e.key[-1]]
+    adapter.batch.executables.update(warm(steady, why="the door's steady programs"))
 
 
 def negative_controls(caught: dict, label: str, number: int, adapter, step, ours: dict, vllm: dict, v2) -> None:
@@ -393,6 +421,7 @@ def main() -> int:
     if args[:1] == ["--modes"]:
         modes, args = args[1].split(","), args[2:]
     report = {"workloads": {}, "mismatches": [], "caught": {}}
+    count_door_calls()
     for mode in modes:
         for work in WORKLOADS:
             if not args or work.name in args:

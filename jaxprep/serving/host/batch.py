@@ -230,9 +230,10 @@ class ServingBatch:
         the leading buffers (if any), then the one call; the caller keeps the checked mirror."""
         for buffer in packed.before:
             self._apply(buffer)
-        # a decode step: the smaller program (`update_packing.is_steady`, `steady_buckets`)
-        steady = num_tokens_padded in steady_buckets(self.config) and packed.steady
-        self.state, step = run(self.executables, ("door", num_tokens_padded, packed.step.shape[-1], steady),
+        # a decode step: the smaller program, where the warm-up compiled it (`is_steady`, `steady_buckets`)
+        key = ("door", num_tokens_padded, packed.step.shape[-1])
+        steady = packed.steady and (*key, True) in self.executables
+        self.state, step = run(self.executables, (*key, steady),
                                update_and_prepare_buffer, self.state, packed.step, config=self.config,
                                num_tokens_padded=num_tokens_padded, steady=steady)
         return step
@@ -347,16 +348,16 @@ class ServingBatch:
 @functools.lru_cache(maxsize=64)
 def steady_buckets(config: ServingConfig) -> tuple[int, ...]:
     """The token buckets the door's step has a steady program at (`update_and_prepare_buffer`'s ``steady``): those
-    a decode step of every row can use, up to the first holding max_num_reqs x (1 + num_speculative_tokens)
-    tokens. A steady step above them (a chunked prefill going on) takes the general program, where the prepare's
-    work outweighs the update's.
+    a decode step of every row can use, up to the first holding max_num_reqs x (1 + K) tokens (K:
+    `state.draft_width`). A steady step above them (a chunked prefill going on) takes the general program, where
+    the prepare's work outweighs the update's.
 
     ```
     # 16 rows, no drafts, buckets (8, 16, 32, 64) -> (8, 16); 16 rows, 3 drafts -> (8, 16, 32, 64)
     ```
     """
     prep = config.prep
-    decode = min(prep.max_num_reqs * (1 + config.num_speculative_tokens), prep.max_tokens_per_step)
+    decode = min(prep.max_num_reqs * (1 + draft_width(config)), prep.max_tokens_per_step)
     return tuple(b for b in prep.reachable_buckets if b <= prep.bucket_for(decode))
 
 
@@ -367,9 +368,10 @@ def apply_buffer(executables: dict, state: ServingState, buffer, config: Serving
     is and widened on the device first (`widen_packed`, a copy per rung). ``executables``: the owner's warm-up
     table (`update_executables`). ``steady``: a steady buffer (`update_packing.is_steady`) of a step rung
     (`step_payload_buckets`: a step's own buffer) is applied at its rung by `transitions.apply_packed`'s steady
-    program, without the widening (the default ``apply`` only)."""
+    program, without the widening, where the warm-up compiled it (the default ``apply`` only; else as any
+    buffer: a loop without a warm-up compiles one update program)."""
     words = buffer.shape[-1]
-    if steady and words in step_payload_buckets(config):
+    if steady and ("apply", True, words) in executables:
         return run(executables, ("apply", True, words), transitions.apply_packed, state, buffer, config=config,
                    steady=True)
     if words < payload_buckets(config)[-1]:
