@@ -160,6 +160,7 @@ def mrv2_us(config: ServingConfig, recorded: list, timed: np.ndarray) -> str:
     except Exception as error:  # missing sources: the finding
         return f"{type(error).__name__}: {error}"[:120]
     adapter, times = adapter_bench.VllmAdapter(config), []
+    adapter.batch.steady_programs = True  # as the timed replays (`bench_vllm_adapter.replay_jaxprep`)
     for (so, _), keep in zip(recorded, timed):
         step = adapter.step(so)
         if not keep:

@@ -137,6 +137,7 @@ def replay_jaxprep(config: ServingConfig, recorded: list, finish=None, host: lis
     ``block_until_ready``), seconds; the fake model's tokens recorded between steps, untimed. ``host``: a
     list that gets each step's host phases (translate + checks + pack, `phase_clock`), seconds."""
     adapter, times, clock = VllmAdapter(config), [], phase_clock()
+    adapter.batch.steady_programs = True  # as after `ServingBatch.warmup`: each program compiles on first use here
     outputs = copy.deepcopy([so for so, _ in recorded])
     with contextlib.nullcontext() if host is None else clock.timing():
         for so, (_, sampled) in zip(outputs, recorded):

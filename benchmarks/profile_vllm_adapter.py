@@ -68,6 +68,7 @@ def step_calls(adapter: VllmAdapter, so) -> tuple[int, object]:
 def replay(config, recorded: list, count_calls: bool = False) -> list:
     """Per step: its phases ({phase: seconds}), or with ``count_calls`` its function calls."""
     adapter, out, clock = VllmAdapter(config), [], phase_clock()
+    adapter.batch.steady_programs = True  # as after `ServingBatch.warmup` (bench_vllm_adapter.replay_jaxprep)
     outputs = copy.deepcopy([so for so, _ in recorded])
     with contextlib.nullcontext() if count_calls else clock.timing():
         for so, (_, sampled) in zip(outputs, recorded):

@@ -269,7 +269,7 @@ def test_the_runs_cover_issue_21s_workloads(parity_report):
     assert total(v1, "preempted") > 0 and total(v1, "resumed") > 0  # V1: resumed_req_ids + all_token_ids
     assert total(v2, "preempted") > 0 and total(v2, "resent") > 0  # V2: preempted requests re-sent as new
     assert total(runs, "drafts") > 0 and total(runs, "prefix_hits") > 0 and total(runs, "lora") > 0
-    # the door's steady program (warmed, as `ServingBatch.warmup` does) applied decode steps of every workload
+    # the door's steady program (`steady_programs`, as after a warm-up) applied decode steps of every workload
     assert all(run["steady"] > 0 for run in runs.values())
     for group in (v1, v2):  # async scheduling with drafts, some of them rejected
         assert any("async" in name and run["drafts"] and run["rejected"] for name, run in group.items())

@@ -43,7 +43,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxprep  # noqa: E402
-from jaxprep.executables import warm  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
 from jaxprep.serving.host import batch as batch_module  # noqa: E402
 from jaxprep.serving.host.vllm import VllmAdapter  # noqa: E402
@@ -296,7 +295,7 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     scheduler, requests, runner = make_scheduler(work), Requests(work), V1Runner(work)
     label = f"{work.name} [{'V2' if scheduler.use_v2_model_runner else 'V1'}]"
     adapter, cmp = VllmAdapter(serving_config(work), async_scheduling=work.async_scheduling), Comparison(label)
-    warm_steady_programs(adapter)
+    adapter.batch.steady_programs = True  # as after `ServingBatch.warmup`; each compiles on first use here
     async_drafts = work.async_scheduling and work.num_speculative_tokens > 0
     device_drafts: dict[str, list[int]] = {}  # V2's req_states.draft_tokens: each request's last proposals
     stats = dict(steps=0, preempted=0, resumed=0, resent=0, drafts=0, rejected=0, prefix_hits=0, max_admissions=0,
@@ -368,13 +367,6 @@ def count_door_calls() -> None:
         return real_run(table, key, *args, **static)
 
     batch_module.run = run
-
-
-def warm_steady_programs(adapter: VllmAdapter) -> None:
-    """Compiles the door's steady programs as `ServingBatch.warmup` does (the general ones compile on first use):
-    the batch sends a steady step to its program only where the warm-up compiled it."""
-    steady = [e for e in adapter.batch._warmup_executables() if e.key[0] == "door" and e.key[-1]]
-    adapter.batch.executables.update(warm(steady, why="the door's steady programs"))
 
 
 def negative_controls(caught: dict, label: str, number: int, adapter, step, ours: dict, vllm: dict, v2) -> None:

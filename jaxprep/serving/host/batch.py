@@ -92,6 +92,9 @@ class ServingBatch:
         self.h2d_bytes = 0  # bytes of the update buffers sent, all calls together
         self.changed_words = 0  # state entries those updates wrote
         self.executables: dict = {}  # what a warm-up compiled or loaded, by key (`jaxprep.executables.run`)
+        # steady buffers go to their own programs (`update_packing.is_steady`): set by the warm-up that compiles
+        # them; a batch driven without one compiles the general program alone (set it to compile each on first use)
+        self.steady_programs = False
 
     # --- updates ---------------------------------------------------------------------------
 
@@ -181,6 +184,7 @@ class ServingBatch:
                f"for any update and at a decode's buckets for steady ones, the updates alone at the top of "
                f"{counted(len(updates), 'size')} (a widening for each other) and prepare_padded at each bucket")
         self.executables.update(warm(self._warmup_executables(), threads, on_compiled, why=why, cache_dir=cache_dir))
+        self.steady_programs = True
         return time.perf_counter() - start
 
     def _warmup_executables(self):
@@ -230,10 +234,9 @@ class ServingBatch:
         the leading buffers (if any), then the one call; the caller keeps the checked mirror."""
         for buffer in packed.before:
             self._apply(buffer)
-        # a decode step: the smaller program, where the warm-up compiled it (`is_steady`, `steady_buckets`)
-        key = ("door", num_tokens_padded, packed.step.shape[-1])
-        steady = packed.steady and (*key, True) in self.executables
-        self.state, step = run(self.executables, (*key, steady),
+        # a decode step: the smaller program (`steady_programs`, `update_packing.is_steady`, `steady_buckets`)
+        steady = self.steady_programs and packed.steady and num_tokens_padded in steady_buckets(self.config)
+        self.state, step = run(self.executables, ("door", num_tokens_padded, packed.step.shape[-1], steady),
                                update_and_prepare_buffer, self.state, packed.step, config=self.config,
                                num_tokens_padded=num_tokens_padded, steady=steady)
         return step
@@ -333,7 +336,7 @@ class ServingBatch:
         for buffer in packed.before:
             self._apply(buffer)
         if self.separate_updates:
-            self._apply(packed.step, packed.steady)
+            self._apply(packed.step, self.steady_programs and packed.steady)
             self.state, kv_cache, tokens = run(self.executables, ("run_step", model, num_tokens_padded), run_step,
                                                self.state, kv_cache, params, np.int32(decode_steps), config=self.config,
                                                model=model, num_tokens_padded=num_tokens_padded)
@@ -368,10 +371,9 @@ def apply_buffer(executables: dict, state: ServingState, buffer, config: Serving
     is and widened on the device first (`widen_packed`, a copy per rung). ``executables``: the owner's warm-up
     table (`update_executables`). ``steady``: a steady buffer (`update_packing.is_steady`) of a step rung
     (`step_payload_buckets`: a step's own buffer) is applied at its rung by `transitions.apply_packed`'s steady
-    program, without the widening, where the warm-up compiled it (the default ``apply`` only; else as any
-    buffer: a loop without a warm-up compiles one update program)."""
+    program, without the widening (the default ``apply`` only)."""
     words = buffer.shape[-1]
-    if steady and ("apply", True, words) in executables:
+    if steady and words in step_payload_buckets(config):
         return run(executables, ("apply", True, words), transitions.apply_packed, state, buffer, config=config,
                    steady=True)
     if words < payload_buckets(config)[-1]:

@@ -152,6 +152,7 @@ class Engine:
         start = time.perf_counter()
         self.batch.executables.update(warm(self._warmup_executables(), threads, on_compiled, why=self.warmup_plan(),
                                            cache_dir=cache_dir))
+        self.batch.steady_programs = True  # compiled with the rest (`batch.update_executables`)
         return time.perf_counter() - start
 
     def warmup_plan(self) -> str:
