@@ -13,9 +13,11 @@ import pytest
 
 from jaxprep.compilation import count_compiles
 from jaxprep.serving import Engine, check_against_dense, random_workload
+from jaxprep.serving.host import batch as batch_module
 from jaxprep.serving.spec_decode.ngram import NgramConfig
 from jaxprep.serving.update_packing import step_payload_buckets
 from support.loop_workloads import MODEL, WORKLOADS, make_config
+from support.run_keys import recording_run
 
 
 def served(config, workload, *, separate: bool, seed: int = 0) -> tuple[Engine, dict, int]:
@@ -29,27 +31,14 @@ def served(config, workload, *, separate: bool, seed: int = 0) -> tuple[Engine, 
     return engine, {request.request_id: request.output_token_ids for request in finished}, compiles.compiles
 
 
-def spied_keys(monkeypatch) -> list:
-    """The keys of every `executables.run` of `ServingBatch` from now on (the list fills as they run)."""
-    from jaxprep.serving.host import batch as batch_module
-
-    keys, real_run = [], batch_module.run
-
-    def spy(table, key, *args, **static):
-        keys.append(key)
-        return real_run(table, key, *args, **static)
-
-    monkeypatch.setattr(batch_module, "run", spy)
-    return keys
-
-
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_the_tokens_are_the_fused_loops(name, monkeypatch):
     config_args, workload_args = WORKLOADS[name]
     config = make_config(**config_args)
     workload = random_workload(3, num_requests=10, vocab_size=MODEL.vocab_size, arrival_spread=6, **workload_args)
     _, fused, _ = served(config, workload, separate=False)
-    keys = spied_keys(monkeypatch)
+    keys = []
+    monkeypatch.setattr(batch_module, "run", recording_run(keys))
     engine, separate, compiled = served(config, workload, separate=True)
     assert separate == fused
     assert compiled == 0

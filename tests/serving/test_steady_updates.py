@@ -25,6 +25,7 @@ from jaxprep.serving.state import ERROR_BITS
 from jaxprep.serving.step import update_and_prepare_buffer
 from jaxprep.serving.transitions import apply_packed
 from jaxprep.serving.update_packing import HEADER, HEADER_WORDS, SEGMENT_FIELDS, is_steady, payload_buckets
+from support.run_keys import recording_run
 
 VOCAB = 64
 
@@ -197,13 +198,8 @@ def test_the_warmed_door_routes_each_buffer_to_its_program_and_compiles_nothing(
 
     config, rng = CONFIGS["plain"], np.random.default_rng(9)
     assert steady_buckets(config) == (8,) and config.prep.reachable_buckets[:2] == (8, 16)
-    keys, real_run = [], batch_module.run
-
-    def spy(table, key, *args, **static):
-        keys.append(key)
-        return real_run(table, key, *args, **static)
-
-    monkeypatch.setattr(batch_module, "run", spy)
+    keys = []
+    monkeypatch.setattr(batch_module, "run", recording_run(keys))
     add = StepUpdates.build(config, add=[dict(row=r, token_ids=rng.integers(0, VOCAB, 20),
                                               block_ids=[4 * r + b + 1 for b in range(5)]) for r in range(5)],
                             num_scheduled_tokens=[4, 4, 4, 4, 4, 0])

@@ -46,6 +46,7 @@ import jaxprep  # noqa: E402
 from jaxprep.serving import ServingConfig  # noqa: E402
 from jaxprep.serving.host import batch as batch_module  # noqa: E402
 from jaxprep.serving.host.vllm import VllmAdapter  # noqa: E402
+from support.run_keys import recording_run  # noqa: E402
 from support.vllm_scheduler import (  # noqa: E402
     WORKLOADS,
     Requests,
@@ -300,7 +301,7 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     device_drafts: dict[str, list[int]] = {}  # V2's req_states.draft_tokens: each request's last proposals
     stats = dict(steps=0, preempted=0, resumed=0, resent=0, drafts=0, rejected=0, prefix_hits=0, max_admissions=0,
                  lora=0)
-    DOOR_CALLS.clear()
+    RUN_KEYS.clear()
     pending = None
     for number in range(work.num_steps):
         for request in requests.arrivals(number):
@@ -346,27 +347,15 @@ def run_workload(work: Workload, v2_mode: bool, report: dict) -> None:
     errors = adapter.batch.errors()
     if any(errors.values()):
         cmp.mismatches.append(f"[{label}] device error bits {errors}")
-    stats["steady"] = sum(key[-1] for key in DOOR_CALLS)  # steps the steady program applied
+    stats["steady"] = sum(key[0] == "door" and key[-1] for key in RUN_KEYS)  # steps the steady program applied
     report["workloads"][label] = dict(stats, v2_mode=scheduler.use_v2_model_runner, compared=sorted(cmp.compared),
                                       h2d_bytes=adapter.batch.h2d_bytes, changed_words=adapter.batch.changed_words,
                                       seconds=round(time.perf_counter() - started, 1))
     report["mismatches"] += cmp.mismatches[:40]
 
 
-DOOR_CALLS: list[tuple] = []
-"""The keys of the door's calls in the running workload (`count_door_calls`)."""
-
-
-def count_door_calls() -> None:
-    """Records every door call's key in `DOOR_CALLS` (``key[-1]``: the steady program)."""
-    real_run = batch_module.run
-
-    def run(table, key, *args, **static):
-        if key[0] == "door":
-            DOOR_CALLS.append(key)
-        return real_run(table, key, *args, **static)
-
-    batch_module.run = run
+RUN_KEYS: list[tuple] = []
+"""The executable keys `ServingBatch` ran in the running workload (`support.run_keys.recording_run`)."""
 
 
 def negative_controls(caught: dict, label: str, number: int, adapter, step, ours: dict, vllm: dict, v2) -> None:
@@ -413,7 +402,7 @@ def main() -> int:
     if args[:1] == ["--modes"]:
         modes, args = args[1].split(","), args[2:]
     report = {"workloads": {}, "mismatches": [], "caught": {}}
-    count_door_calls()
+    batch_module.run = recording_run(RUN_KEYS)
     for mode in modes:
         for work in WORKLOADS:
             if not args or work.name in args:
