@@ -148,6 +148,37 @@ def step_payload_buckets(config: ServingConfig) -> tuple[int, ...]:
     return tuple(b for b in buckets if b < steady) + (next(b for b in buckets if b >= steady),)
 
 
+@functools.lru_cache(maxsize=64)
+def bulk_words(config: ServingConfig) -> int:
+    """The length of the leading buffers (`PackedStep.before`) of an update that the top rung of
+    `payload_buckets` cannot hold: the ladder continued past its top to the rung that holds a whole step's
+    admission (max_num_reqs add records, max_num_batched_tokens tokens of data and their blocks in every
+    table), so that such a step sends one buffer (`transitions.apply_packed` at this length, one call), not
+    one per top rung; never below the top rung (then there is no bulk rung).
+
+    ```
+    # 64 rows, 6 add fields, 1024 tokens a step, blocks of 16, top rung 336:
+    #   10 + 64 * 6 + 1024 + (64 + 64) = 1546 words -> the rung 1728 (336, 512, 768, 1152, 1728)
+    ```
+    """
+    lay, prep = payload_layout(config), config.prep
+    per_token = 1 + (3 if prep.features.mrope else 0) + (1 if prep.features.prompt_embeds else 0)
+    budget = prep.max_num_batched_tokens
+    admission = (HEADER_WORDS + prep.max_num_reqs * len(lay.add_fields) + per_token * budget
+                 + lay.num_tables * (-(-budget // prep.block_size) + prep.max_num_reqs))
+    rung = payload_buckets(config)[-1]
+    while rung < admission:
+        rung = -(-rung * 3 // 2 // 16) * 16
+    return rung
+
+
+def bulk_rungs(config: ServingConfig) -> tuple[int, ...]:
+    """The leading buffers' rung past the top of `payload_buckets` (`bulk_words`), or none where the top holds
+    a step's admission: the one more update program a warm-up compiles (`batch.update_executables`)."""
+    bulk = bulk_words(config)
+    return (bulk,) if bulk > payload_buckets(config)[-1] else ()
+
+
 def packed_size(config: ServingConfig) -> int:
     """The smallest buffer: an empty update."""
     return payload_buckets(config)[0]
@@ -262,18 +293,21 @@ class _Ladder(NamedTuple):
     layout: Layout
     buckets: tuple[int, ...]  # `payload_buckets`
     step_words: int  # the serving step's top rung (`step_payload_buckets`)
+    leading: tuple[int, ...]  # the leading buffers' rungs: `payload_buckets`, then `bulk_rungs`
 
 
 @last_config
 @functools.lru_cache(maxsize=64)
 def _ladder(config: ServingConfig) -> _Ladder:
-    return _Ladder(payload_layout(config), payload_buckets(config), step_payload_buckets(config)[-1])
+    buckets = payload_buckets(config)
+    return _Ladder(payload_layout(config), buckets, step_payload_buckets(config)[-1], buckets + bulk_rungs(config))
 
 
 def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     """``columns`` as buffers of the ladder: one, when it fits the serving step's rungs
-    (`step_payload_buckets`); else the sections before the schedule greedily in buffers of the top rung (a
-    split falls between entries, or between appended segments), applied first, and the schedule alone last."""
+    (`step_payload_buckets`); else the sections before the schedule greedily in buffers of at most `bulk_words`
+    (a split falls between entries, or between appended segments; each at the smallest rung that holds it, the
+    bulk rung above the top), applied first, and the schedule alone last."""
     ladder = _ladder(config)
     lay = ladder.layout
     section = None if columns.schedule is None else _schedule_section(columns.schedule, lay)
@@ -285,8 +319,8 @@ def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     if HEADER_WORDS + content <= ladder.step_words:
         step = _encode(ladder.buckets, columns, section, columns.decode_steps)
         return PackedStep(before=(), step=step, content_words=content, changed_words=changed)
-    parts = _split(ladder.buckets[-1], columns, _item_words(lay, columns))
-    before = tuple(_encode(ladder.buckets, part, None, 1) for part in parts)
+    parts = _split(ladder.leading[-1], columns, _item_words(lay, columns))
+    before = tuple(_encode(ladder.leading, part, None, 1) for part in parts)
     step = _encode(ladder.buckets, empty_columns(config), section, columns.decode_steps)
     return PackedStep(before=before, step=step, content_words=content, changed_words=changed)
 
@@ -302,7 +336,7 @@ def _item_words(lay: Layout, columns: UpdateColumns) -> np.ndarray:
 
 
 def _split(top: int, columns: UpdateColumns, items: np.ndarray) -> list[UpdateColumns]:
-    """The items greedily into buffers of ``top`` words (the top rung), in order (an item that fills one alone
+    """The items greedily into buffers of ``top`` words (`bulk_words`), in order (an item that fills one alone
     goes alone).
 
     ```

@@ -14,9 +14,18 @@ from hypothesis import strategies as st
 from jaxprep import FeatureConfig, LoRAConfig, PrepConfig, SamplingConfig
 from jaxprep.serving import ServingBatch, ServingConfig, StepUpdates, pack_step, payload_buckets
 from jaxprep.serving import reference as ref
+from jaxprep.serving.host import batch as batch_module
 from jaxprep.serving.state import ERROR_BITS
 from jaxprep.serving.transitions import apply_packed
-from jaxprep.serving.update_packing import HEADER, HEADER_WORDS, payload_layout, section_sizes, unpack_updates
+from jaxprep.serving.update_packing import (
+    HEADER,
+    HEADER_WORDS,
+    bulk_rungs,
+    payload_layout,
+    section_sizes,
+    unpack_updates,
+)
+from support.run_keys import recording_run
 
 VOCAB = 64
 ROWS = 24
@@ -82,8 +91,9 @@ def test_every_packed_buffer_fits_the_sizes_of_its_rung(seed, rich):
     config, rng = (RICH if rich else PLAIN), np.random.default_rng(seed)
     lay = payload_layout(config)
     packed = pack_step(config, random_updates(config, rng), rng.integers(0, 3, (ROWS, lay.num_tables)))
+    assert len(packed.step) in payload_buckets(config)
     for buffer in packed.buffers:
-        assert len(buffer) in payload_buckets(config)
+        assert len(buffer) in payload_buckets(config) + bulk_rungs(config)  # a leading buffer may be of the bulk rung
         head, sizes = header(buffer), section_sizes(config, len(buffer))
         for count, section in COUNTS.items():
             assert 0 <= head[count] <= getattr(sizes, section), (count, head, sizes)
@@ -127,9 +137,9 @@ def test_unpacked_shapes_follow_the_rung():
 
 
 def test_small_rungs_apply_updates_like_the_reference():
-    """7 adds in one update (17 add fields: the 64-word rung reads 3 add entries, the 96-word top rung
-    5; the update is split over buffers of both); every step against the NumPy oracle (sampling rows and
-    penalty bins included), with a negative control."""
+    """Adds in buffers of the small rungs (17 add fields: the 64-word rung reads 3 add entries, the 96-word top
+    rung 5): 2 adds at the 64-word rung, 4 at the 96-word one, then a finish, 2 adds and an append; every step
+    against the NumPy oracle (sampling rows and penalty bins included), with a negative control."""
     rng = np.random.default_rng(3)
     batch = ServingBatch(PLAIN)
     expected = {name: value.copy() for name, value in batch.state.to_numpy().items()}
@@ -139,8 +149,9 @@ def test_small_rungs_apply_updates_like_the_reference():
                     prompt_len=n - 1)
 
     steps = [dict(add=[request(r, 2) for r in range(2)], num_scheduled_tokens=[2, 2] + [0] * (ROWS - 2)),
-             dict(add=[request(r, 3) for r in range(2, 9)], append={0: [9]}),
-             dict(finish=[1, 4], add=[request(1, 5), request(4, 2)], num_scheduled_tokens=[1] * 9 + [0] * (ROWS - 9))]
+             dict(add=[request(r, 3) for r in range(2, 6)]),
+             dict(finish=[1, 4], add=[request(1, 5), request(4, 2)], append={0: [9]},
+                  num_scheduled_tokens=[1] * 6 + [0] * (ROWS - 6))]
     buffers = []  # (n_add, sizes.add) of each buffer
     for step in steps:
         updates = StepUpdates.build(PLAIN, **step)
@@ -157,6 +168,42 @@ def test_small_rungs_apply_updates_like_the_reference():
     shifted[2, int(np.argmax(shifted[2]))] += 1
     with pytest.raises(AssertionError):
         np.testing.assert_array_equal(batch.state.to_numpy()["output_bin_counts"], shifted)
+
+
+def test_a_large_admission_goes_in_bulk_buffers_and_applies_like_the_reference(monkeypatch):
+    """Every row admitted at once, 12-16 tokens each (~900 words: past the 96-word top rung, which holds
+    5 add records): the leading buffers are of the bulk rung (`bulk_rungs`: 768 words), two of them, not the
+    ten top-rung buffers a split at the top would take, each applied by the bulk rung's program in one call;
+    the state is the NumPy reference's after it and after a decode step; negative control: a changed token is
+    seen."""
+    rng = np.random.default_rng(5)
+    (bulk,) = bulk_rungs(PLAIN)
+    assert bulk == 768 and payload_buckets(PLAIN)[-1] == 96
+    batch = ServingBatch(PLAIN)
+    expected = {name: value.copy() for name, value in batch.state.to_numpy().items()}
+    adds = [dict(row=r, token_ids=rng.integers(0, VOCAB, int(rng.integers(12, 17))),
+                 block_ids=list(rng.integers(1, 128, 4)), prompt_len=11) for r in range(ROWS)]
+    steps = [StepUpdates.build(PLAIN, add=adds, num_scheduled_tokens=[2] * ROWS),
+             StepUpdates.build(PLAIN, append={3: [9]}, num_scheduled_tokens=[1] * ROWS)]
+    packed = batch.pack(steps[0])
+    assert [len(b) for b in packed.before] == [bulk, bulk] and len(packed.step) in payload_buckets(PLAIN)
+    assert sum(header(b)["n_add"] for b in packed.before) == ROWS
+    keys = []
+    monkeypatch.setattr(batch_module, "run", recording_run(keys))
+    for updates in steps:
+        batch.apply_updates(updates)
+        expected = ref.apply_updates(expected, updates)
+    assert keys.count(("apply", False, bulk)) == 2  # one call per bulk buffer, no widening before it
+    assert keys[:2] == [("apply", False, bulk)] * 2
+    got = batch.state.to_numpy()
+    for name, value in expected.items():
+        if not name.startswith("_"):
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert not any(batch.errors().values())
+    changed = expected["token_ids"].copy()
+    changed[ROWS - 1, 0] += 1
+    with pytest.raises(AssertionError):
+        np.testing.assert_array_equal(got["token_ids"], changed)
 
 
 def busy_batch() -> ServingBatch:

@@ -34,6 +34,7 @@ from jaxprep.serving.step import AppendedTokens, run_step, serve_step, update_an
 from jaxprep.serving.update_packing import (
     PackedStep,
     UpdateColumns,
+    bulk_rungs,
     pack_columns,
     pack_step,
     payload_buckets,
@@ -167,7 +168,8 @@ class ServingBatch:
         seconds. Per step payload rung (`step_payload_buckets`) and token bucket a step can reach
         (`PrepConfig.reachable_buckets`) the door's step (`update_and_prepare`), and its steady program at the
         buckets of a decode step (`steady_buckets`); the updates sent alone or
-        first (`transitions.apply_packed` at the top payload rung, `widen_packed` for each smaller rung);
+        first (`transitions.apply_packed` at the top payload rung, `widen_packed` for each smaller rung, and at
+        the bulk rung of a large update's leading buffers, `update_packing.bulk_rungs`);
         `prepare` per bucket. One pool compiles them all, the largest first, while the next is lowered
         (`jaxprep.executables.warm`: from disk without tracing, where the persistent compilation cache is on
         and holds them). What it compiles is logged on ``jaxprep.warmup`` (INFO; `jaxprep.compilation`).
@@ -182,7 +184,8 @@ class ServingBatch:
         updates = payload_buckets(self.config)
         why = (f"the update and the step at {describe_buckets(buckets)} x {counted(len(steps), 'update size')}, each "
                f"for any update and at a decode's buckets for steady ones, the updates alone at the top of "
-               f"{counted(len(updates), 'size')} (a widening for each other) and prepare_padded at each bucket")
+               f"{counted(len(updates), 'size')} (a widening for each other){_bulk_words(self.config)} and "
+               f"prepare_padded at each bucket")
         self.executables.update(warm(self._warmup_executables(), threads, on_compiled, why=why, cache_dir=cache_dir))
         self.steady_programs = True
         return time.perf_counter() - start
@@ -368,7 +371,8 @@ def apply_buffer(executables: dict, state: ServingState, buffer, config: Serving
                  steady: bool = False, **static) -> ServingState:
     """One packed buffer of any rung applied by ONE executable, ``apply`` (default `transitions.apply_packed`;
     ``static``: its other static arguments) at the top rung of `payload_buckets`: a shorter buffer is sent as it
-    is and widened on the device first (`widen_packed`, a copy per rung). ``executables``: the owner's warm-up
+    is and widened on the device first (`widen_packed`, a copy per rung); a large update's leading buffer at the
+    bulk rung (`update_packing.bulk_rungs`) by ``apply`` at that rung. ``executables``: the owner's warm-up
     table (`update_executables`). ``steady``: a steady buffer (`update_packing.is_steady`) of a step rung
     (`step_payload_buckets`: a step's own buffer) is applied at its rung by `transitions.apply_packed`'s steady
     program, without the widening (the default ``apply`` only)."""
@@ -376,7 +380,11 @@ def apply_buffer(executables: dict, state: ServingState, buffer, config: Serving
     if steady and words in step_payload_buckets(config):
         return run(executables, ("apply", True, words), transitions.apply_packed, state, buffer, config=config,
                    steady=True)
-    if words < payload_buckets(config)[-1]:
+    top = payload_buckets(config)[-1]
+    if words > top:  # a leading buffer of a large update, at the bulk rung (`update_packing.bulk_rungs`)
+        return run(executables, ("apply", False, words), apply or transitions.apply_packed, state, buffer,
+                   config=config, **static)
+    if words < top:
         buffer = run(executables, ("widen", words), widen_packed, buffer, config=config)
     return run(executables, ("apply", False), apply or transitions.apply_packed, state, buffer, config=config,
                **static)
@@ -384,18 +392,27 @@ def apply_buffer(executables: dict, state: ServingState, buffer, config: Serving
 
 def update_executables(state: ServingState, config: ServingConfig, empty, apply=None, steady: bool = False,
                        **static):
-    """The executables `apply_buffer` runs, for a warm-up: ``apply`` at the top payload rung, with ``steady``
+    """The executables `apply_buffer` runs, for a warm-up: ``apply`` at the top payload rung and at the bulk rung
+    (`update_packing.bulk_rungs`), with ``steady``
     `transitions.apply_packed`'s steady program at each step rung, then `widen_packed` for each smaller rung;
     ``empty(words)``: a buffer of that length (sharded as the live ones are)."""
     rungs = payload_buckets(config)
     yield Executable(("apply", False), apply or transitions.apply_packed, (state, empty(rungs[-1])),
                      dict(config=config, **static), f"state updates of {rungs[-1]} words")
+    for bulk in bulk_rungs(config):
+        yield Executable(("apply", False, bulk), apply or transitions.apply_packed, (state, empty(bulk)),
+                         dict(config=config, **static), f"a large update's leading buffers of {bulk} words")
     for words in step_payload_buckets(config) if steady else ():
         yield Executable(("apply", True, words), transitions.apply_packed, (state, empty(words)),
                          dict(config=config, steady=True), f"steady state updates of {words} words")
     for words in rungs[:-1]:
         yield Executable(("widen", words), widen_packed, (empty(words),), dict(config=config),
                          f"updates of {words} words widened to {rungs[-1]}")
+
+
+def _bulk_words(config: ServingConfig) -> str:
+    """The bulk rung in the warm-up's words: ", the leading buffers of a large update at 1728 words" or ""."""
+    return "".join(f", a large update's leading buffers at {words} words" for words in bulk_rungs(config))
 
 
 def _empty(words: int) -> np.ndarray:

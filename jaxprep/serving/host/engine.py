@@ -22,7 +22,7 @@ from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput, 
 from jaxprep.serving.host.scheduler_columns import scheduler_columns
 from jaxprep.serving.state import StepUpdates
 from jaxprep.serving.step import run_step, serve_step, update_and_prepare_donated
-from jaxprep.serving.update_packing import PackedStep, payload_buckets, step_payload_buckets
+from jaxprep.serving.update_packing import PackedStep, bulk_rungs, payload_buckets, step_payload_buckets
 
 
 @dataclasses.dataclass
@@ -164,18 +164,20 @@ class Engine:
         steps = "without its updates" if separate else f"x {rungs}"
         return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} {steps}, and the state "
                 f"updates alone at the top of {counted(len(payload_buckets(self.config)), 'size')} (a widening for "
-                f"each other){', applied before each step (the steady ones by a smaller program)' if separate else ''}")
+                f"each other){', applied before each step (the steady ones by a smaller program)' if separate else ''}"
+                f"{''.join(f', and a large update at {words} words' for words in bulk_rungs(self.config))}")
 
     @property
     def num_executables(self) -> int:
         """What `warmup` compiles: per step payload rung (`step_payload_buckets`; one with ``separate_updates``)
         and token bucket a step can reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step
         sends first, one executable at the top payload rung and a widening of each smaller rung
-        (`batch.apply_buffer`); with ``separate_updates`` the steady updates' program at each step rung.
+        (`batch.apply_buffer`), and one at the bulk rung of a large update (`update_packing.bulk_rungs`); with
+        ``separate_updates`` the steady updates' program at each step rung.
         (`prep_timing` compiles its twin apart.)"""
         separate = self.batch.separate_updates  # and the steady updates' program per step rung (`update_executables`)
         steps = len(step_payload_buckets(self.config))
-        return (len(payload_buckets(self.config)) + (steps if separate else 0)
+        return (len(payload_buckets(self.config)) + len(bulk_rungs(self.config)) + (steps if separate else 0)
                 + len(self.config.prep.reachable_buckets) * (1 if separate else steps))
 
     def _warmup_executables(self):
