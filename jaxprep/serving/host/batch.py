@@ -32,12 +32,16 @@ from jaxprep.serving.state import (
 )
 from jaxprep.serving.step import AppendedTokens, run_step, serve_step, update_and_prepare_buffer
 from jaxprep.serving.update_packing import (
+    HEADER_WORDS,
+    SEGMENT_FIELDS,
     PackedStep,
     UpdateColumns,
     bulk_rungs,
     pack_columns,
     pack_step,
+    pad_to,
     payload_buckets,
+    payload_layout,
     step_payload_buckets,
     widen_packed,
 )
@@ -165,9 +169,9 @@ class ServingBatch:
     def warmup(self, threads: int | None = None, on_compiled=None, *,
                cache_dir: str | os.PathLike | None = None) -> float:
         """Compiles what a step driven from outside can use, so no update or step compiles later; returns
-        seconds. Per step payload rung (`step_payload_buckets`) and token bucket a step can reach
-        (`PrepConfig.reachable_buckets`) the door's step (`update_and_prepare`), and its steady program at the
-        buckets of a decode step (`steady_buckets`); the updates sent alone or
+        seconds. Per token bucket a step can reach (`PrepConfig.reachable_buckets`) and each of its door rungs
+        (`door_rungs`: one or two step payload rungs) the door's step (`update_and_prepare`), and its steady
+        program at the buckets of a decode step (`steady_buckets`); the updates sent alone or
         first (`transitions.apply_packed` at the top payload rung, `widen_packed` for each smaller rung, and at
         the bulk rung of a large update's leading buffers, `update_packing.bulk_rungs`);
         `prepare` per bucket. One pool compiles them all, the largest first, while the next is lowered
@@ -180,10 +184,11 @@ class ServingBatch:
           cache_dir: turn on JAX's persistent compilation cache there first (`jaxprep.use_compile_cache`).
         """
         start = time.perf_counter()
-        buckets, steps = self.config.prep.reachable_buckets, step_payload_buckets(self.config)
-        updates = payload_buckets(self.config)
-        why = (f"the update and the step at {describe_buckets(buckets)} x {counted(len(steps), 'update size')}, each "
-               f"for any update and at a decode's buckets for steady ones, the updates alone at the top of "
+        buckets, updates = self.config.prep.reachable_buckets, payload_buckets(self.config)
+        doors = sum(len(door_rungs(self.config, bucket)) for bucket in buckets)
+        why = (f"the update and the step at {describe_buckets(buckets)}, {counted(doors, 'door program')} (one or "
+               f"two update sizes each), each for any update and at a decode's buckets for steady ones, the updates "
+               f"alone at the top of "
                f"{counted(len(updates), 'size')} (a widening for each other){_bulk_words(self.config)} and "
                f"prepare_padded at each bucket")
         self.executables.update(warm(self._warmup_executables(), threads, on_compiled, why=why, cache_dir=cache_dir))
@@ -194,7 +199,8 @@ class ServingBatch:
         config, buckets = self.config, self.config.prep.reachable_buckets[::-1]
         for steady in (False, True):  # any update, then the steady ones' smaller programs at a decode's buckets
             for words in step_payload_buckets(config):
-                for bucket in (b for b in buckets if not steady or b in steady_buckets(config)):
+                for bucket in (b for b in buckets if (not steady or b in steady_buckets(config))
+                               and words in door_rungs(config, b)):
                     yield Executable(("door", bucket, words, steady), update_and_prepare_buffer,
                                      (self.state, _empty(words)), dict(config=config, num_tokens_padded=bucket,
                                                                        steady=steady),
@@ -239,8 +245,9 @@ class ServingBatch:
             self._apply(buffer)
         # a decode step: the smaller program (`steady_programs`, `update_packing.is_steady`, `steady_buckets`)
         steady = self.steady_programs and packed.steady and num_tokens_padded in steady_buckets(self.config)
-        self.state, step = run(self.executables, ("door", num_tokens_padded, packed.step.shape[-1], steady),
-                               update_and_prepare_buffer, self.state, packed.step, config=self.config,
+        buffer = door_buffer(self.config, num_tokens_padded, packed.step)
+        self.state, step = run(self.executables, ("door", num_tokens_padded, len(buffer), steady),
+                               update_and_prepare_buffer, self.state, buffer, config=self.config,
                                num_tokens_padded=num_tokens_padded, steady=steady)
         return step
 
@@ -365,6 +372,34 @@ def steady_buckets(config: ServingConfig) -> tuple[int, ...]:
     prep = config.prep
     decode = min(prep.max_num_reqs * (1 + draft_width(config)), prep.max_tokens_per_step)
     return tuple(b for b in prep.reachable_buckets if b <= prep.bucket_for(decode))
+
+
+@functools.lru_cache(maxsize=256)
+def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
+    """The step payload rungs (`step_payload_buckets`) the door's step is compiled at for ``bucket``: the smallest
+    that holds a step of n = min(bucket, max_num_reqs) scheduled rows (n sparse schedule entries with their
+    drafts, an appended block in every table for each, the LoRA slots), and the top one. A step's buffer is
+    padded on the host to the first of them that holds it (`door_buffer`), so a warm-up compiles at most two
+    door programs per bucket, not one per rung (at 256 requests 28 in place of 140, `ServingBatch.warmup`);
+    the device reads a buffer only as far as its header counts, so the padding changes nothing but the
+    sections' static sizes.
+
+    ```
+    # 256 rows, rungs (64, 96, 144, 224, 336, 512, 768), 2 schedule fields, 1 table:
+    #   bucket 8: 10 + 8 * 2 + 8 * 5 = 66 words -> (96, 768); bucket 256 -> (768,)
+    ```
+    """
+    lay, rungs = payload_layout(config), step_payload_buckets(config)
+    n = min(bucket, config.max_num_reqs)
+    words = (HEADER_WORDS + n * len(lay.schedule_fields) + n * lay.num_tables * (len(SEGMENT_FIELDS) + 1)
+             + lay.max_loras)
+    return tuple(sorted({next((r for r in rungs if r >= words), rungs[-1]), rungs[-1]}))
+
+
+def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray) -> np.ndarray:
+    """A step's buffer padded with zeros to the first of ``bucket``'s `door_rungs` that holds it."""
+    words = next(r for r in door_rungs(config, bucket) if r >= len(buffer))
+    return pad_to(buffer, words)
 
 
 def apply_buffer(executables: dict, state: ServingState, buffer, config: ServingConfig, apply=None,

@@ -1,0 +1,135 @@
+"""The door's step is compiled at no more than two payload rungs per token bucket (`batch.door_rungs`): the
+smallest rung that holds a step of min(bucket, max_num_reqs) scheduled rows and the top step rung; a step's buffer
+is padded on the host to the first of them that holds it (`batch.door_buffer`).
+
+Checked: the rungs of a 256-row configuration, worked out by hand; a buffer padded to a larger rung leaves the
+state and prepares the step bit for bit as at its own rung (general and steady programs, updates that add,
+finish and append, and steady ones), with a negative control; the door's steps of a run use only the executables
+a warm-up lists (so none compiles after it), and the warm-up lists one door program per bucket and door rung.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxprep import FeatureConfig, PrepConfig
+from jaxprep.serving import ServingBatch, ServingConfig, StepUpdates
+from jaxprep.serving.host import batch as batch_module
+from jaxprep.serving.host.batch import door_buffer, door_rungs, steady_buckets
+from jaxprep.serving.step import update_and_prepare_buffer
+from jaxprep.serving.update_packing import is_steady, pad_to, step_payload_buckets
+from support.run_keys import recording_run
+
+VOCAB = 64
+
+
+def _config(rows: int, max_model_len: int, budget: int, drafts: int = 0) -> ServingConfig:
+    prep = PrepConfig(max_num_reqs=rows, max_model_len=max_model_len, max_num_batched_tokens=budget, block_size=4,
+                      num_blocks=8 * rows + 8, features=FeatureConfig(num_speculative_tokens=drafts))
+    return ServingConfig(prep=prep, num_speculative_tokens=drafts, vocab_size=VOCAB)
+
+
+def test_the_rungs_of_each_bucket_worked_out():
+    """256 rows, one table: a step of n rows takes 10 header words, n sparse schedule entries (row, count: 2
+    words; with 2 drafts 5) and n one-block segments (kind, row, column, length, the id: 5 words)."""
+    config = _config(256, 256, 1024)
+    assert step_payload_buckets(config) == (64, 96, 144, 224, 336, 512, 768)
+    expected = {8: (96, 768),  # 10 + 16 + 40 = 66
+                16: (144, 768),  # 122
+                32: (336, 768),  # 234
+                64: (512, 768),  # 458
+                96: (768,), 256: (768,), 1024: (768,)}  # 682 and more: the top alone
+    assert {bucket: door_rungs(config, bucket) for bucket in expected} == expected
+    assert door_rungs(_config(256, 256, 1024, drafts=2), 16)[0] == 224  # 5 schedule fields: 10 + 80 + 80 = 170
+    buffer = np.arange(70, dtype=np.int32)
+    assert len(door_buffer(config, 8, buffer)) == 96 and len(door_buffer(config, 8, buffer[:20])) == 96
+    assert len(door_buffer(config, 8, np.zeros(200, np.int32))) == 768
+    assert len(door_buffer(config, 1024, buffer)) == 768
+
+
+def _batch(config: ServingConfig, rng) -> ServingBatch:
+    batch = ServingBatch(config)
+    rows = config.max_num_reqs - 2
+    adds = [dict(row=r, token_ids=rng.integers(0, VOCAB, int(rng.integers(10, 17))),
+                 block_ids=[int(b) for b in rng.choice(np.arange(1, 8 * config.max_num_reqs), 3, replace=False)])
+            for r in range(rows)]
+    batch.apply_updates(StepUpdates.build(config, add=adds))
+    return batch
+
+
+def _updates(config: ServingConfig, batch: ServingBatch, decoding: int = 6) -> dict[str, StepUpdates]:
+    """A steady update (``decoding`` rows decode, one gets a block) and a general one (a row finishes, one joins)."""
+    rows = config.max_num_reqs
+    busy = np.flatnonzero(batch.rows.num_tokens > 0)
+    decode = np.zeros(rows, np.int64)
+    decode[busy[:decoding]] = 1
+    free = np.flatnonzero(batch.rows.num_tokens == 0)
+    admit = decode.copy()
+    admit[free[0]] = 2
+    joining = dict(row=int(free[0]), token_ids=[5, 6, 7], block_ids=[int(8 * rows - 2)])
+    return {"steady": StepUpdates.build(config, append={int(busy[0]): [int(8 * rows - 1)]},
+                                        num_scheduled_tokens=decode),
+            "general": StepUpdates.build(config, finish=[int(busy[-1])], num_scheduled_tokens=admit, add=[joining])}
+
+
+@pytest.mark.parametrize("kind", ["steady", "general"])
+def test_a_padded_buffer_does_what_it_does_at_its_own_rung(kind):
+    config = _config(64, 32, 128)
+    rng = np.random.default_rng(7)
+    batch = _batch(config, rng)
+    updates = _updates(config, batch)[kind]
+    buffer = batch.pack(updates).step
+    assert len(buffer) == 64 and is_steady(buffer) == (kind == "steady")
+    bucket = config.prep.bucket_for(int(np.asarray(updates.schedule.num_scheduled_tokens).sum()))
+    padded = door_buffer(config, bucket, buffer)
+    assert len(padded) > len(buffer)
+    outputs = []
+    for blob in (buffer, padded):
+        state = jax.tree.map(lambda a: a.copy(), batch.state)
+        state, step = update_and_prepare_buffer(state, blob, config=config, num_tokens_padded=bucket,
+                                                steady=kind == "steady")
+        outputs.append((state.to_numpy(), _step_words(step)))
+    (own_state, own_step), (padded_state, padded_step) = outputs
+    assert not own_state["errors"].any()
+    for name, value in own_state.items():
+        np.testing.assert_array_equal(padded_state[name], value, err_msg=name)
+    np.testing.assert_array_equal(padded_step, own_step)
+    # negative control: the padding's words are never read as content, but a changed content word is seen
+    changed = pad_to(buffer, len(padded)).copy()
+    changed[np.flatnonzero(buffer)[-1]] += 1  # the last content word: a block id
+    state, step = update_and_prepare_buffer(jax.tree.map(lambda a: a.copy(), batch.state), changed, config=config,
+                                            num_tokens_padded=bucket, steady=kind == "steady")
+    assert not (np.array_equal(_step_words(step), own_step)
+                and all(np.array_equal(v, own_state[k]) for k, v in state.to_numpy().items()))
+
+
+def test_a_run_uses_only_the_warm_ups_door_programs(monkeypatch):
+    """Steps of several buckets, steady and not, through `update_and_prepare`: each door call's key is one the
+    warm-up lists (each door rung of its bucket), and the warm-up lists one per bucket and rung, no more."""
+    config = _config(64, 32, 128)
+    batch = _batch(config, np.random.default_rng(3))
+    batch.steady_programs = True  # as after the warm-up
+    warmed = [e.key for e in batch._warmup_executables() if e.key[0] == "door"]
+    buckets = config.prep.reachable_buckets
+    expected = [(b, w, s) for s in (False, True) for b in buckets for w in door_rungs(config, b)
+                if not s or b in steady_buckets(config)]
+    assert sorted(key[1:] for key in warmed) == sorted(expected)
+    assert len(warmed) < len(step_payload_buckets(config)) * (len(buckets) + len(steady_buckets(config)))
+    keys = []
+    monkeypatch.setattr(batch_module, "run", recording_run(keys))
+    for decoding in (6, 20, 60):  # buckets 8, 32, 64
+        for updates in _updates(config, batch, decoding).values():
+            scheduled = int(np.asarray(updates.schedule.num_scheduled_tokens).sum())
+            batch.update_and_prepare(updates, config.prep.bucket_for(scheduled))
+    doors = [key for key in keys if key[0] == "door"]
+    assert {key[3] for key in doors} == {False, True} and {key[1] for key in doors} == {8, 32, 64}
+    assert all(key in warmed for key in doors), (doors, warmed)
+    assert not any(batch.errors().values())
+
+
+def _step_words(step) -> np.ndarray:
+    """The prepared step's words and extras, flat (what the bit-for-bit comparisons compare)."""
+    return np.concatenate([np.asarray(step.words).ravel(),
+                           *(np.asarray(leaf).ravel().view(np.int32) for leaf in jax.tree.leaves(step.extras))])
