@@ -377,12 +377,12 @@ def steady_buckets(config: ServingConfig) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=256)
 def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
     """The step payload rungs (`step_payload_buckets`) the door's step is compiled at for ``bucket``: the smallest
-    that holds a step of n = min(bucket, max_num_reqs) scheduled rows (n sparse schedule entries with their
-    drafts, an appended block in every table for each, the LoRA slots), and the top one. A step's buffer is
-    padded on the host to the first of them that holds it (`door_buffer`), so a warm-up compiles at most two
-    door programs per bucket, not one per rung (at 256 requests 28 in place of 140, `ServingBatch.warmup`);
-    the device reads a buffer only as far as its header counts, so the padding changes nothing but the
-    sections' static sizes.
+    that holds a step of as many scheduled rows as the bucket has tokens (max_num_reqs at most), each a sparse
+    schedule entry with its drafts and an appended block in every table, with the LoRA slots; and the top one.
+    A step's buffer is padded on the host to the first of them that holds it (`door_buffer`), so a warm-up
+    compiles at most two door programs per bucket, not one per rung (at 256 requests 28 in place of 140,
+    `ServingBatch.warmup`); the device reads a buffer only as far as its header counts, so the padding changes
+    nothing but the sections' static sizes.
 
     ```
     # 256 rows, rungs (64, 96, 144, 224, 336, 512, 768), 2 schedule fields, 1 table:
