@@ -129,13 +129,23 @@ def payload_buckets(config: ServingConfig) -> tuple[int, ...]:
     1.5x its content) up to the first that holds the largest single item (one request of
     max_model_len tokens with all its blocks and feature rows, or a full schedule)."""
     lay, rows = payload_layout(config), config.max_num_reqs
-    per_token = 1 + (3 if config.prep.features.mrope else 0) + (1 if config.prep.features.prompt_embeds else 0)
-    one_request = len(lay.add_fields) + per_token * config.max_model_len + sum(table_widths(config))
+    one_request = len(lay.add_fields) + _words_per_token(config) * config.max_model_len + sum(table_widths(config))
     largest = HEADER_WORDS + max(one_request, rows * len(lay.schedule_fields), rows, lay.max_loras)
     buckets = [SMALLEST_BUCKET]
     while buckets[-1] < largest:
-        buckets.append(-(-buckets[-1] * 3 // 2 // 16) * 16)
+        buckets.append(_next_rung(buckets[-1]))
     return tuple(buckets)
+
+
+def _next_rung(words: int) -> int:
+    """The ladder's rung after ``words``: x1.5, rounded up to a multiple of 16."""
+    return -(-words * 3 // 2 // 16) * 16
+
+
+def _words_per_token(config: ServingConfig) -> int:
+    """Data words per added token: its id, its three M-RoPE positions and its ``is_token_ids`` flag where on."""
+    features = config.prep.features
+    return 1 + (3 if features.mrope else 0) + (1 if features.prompt_embeds else 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,34 +159,27 @@ def step_payload_buckets(config: ServingConfig) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def bulk_words(config: ServingConfig) -> int:
-    """The length of the leading buffers (`PackedStep.before`) of an update that the top rung of
+def bulk_rungs(config: ServingConfig) -> tuple[int, ...]:
+    """The bulk rung, the length of the leading buffers (`PackedStep.before`) of an update that the top rung of
     `payload_buckets` cannot hold: the ladder continued past its top to the rung that holds a whole step's
     admission (max_num_reqs add records, max_num_batched_tokens tokens of data and their blocks in every
     table), so that such a step sends one buffer (`transitions.apply_packed` at this length, one call), not
-    one per top rung; never below the top rung (then there is no bulk rung).
+    one per top rung; none where the top rung holds the admission. The one more update program a warm-up
+    compiles (`batch.update_executables`).
 
     ```
     # 64 rows, 6 add fields, 1024 tokens a step, blocks of 16, top rung 336:
-    #   10 + 64 * 6 + 1024 + (64 + 64) = 1546 words -> the rung 1728 (336, 512, 768, 1152, 1728)
+    #   10 + 64 * 6 + 1024 + (64 + 64) = 1546 words -> (1728,) (336, 512, 768, 1152, 1728)
     ```
     """
     lay, prep = payload_layout(config), config.prep
-    per_token = 1 + (3 if prep.features.mrope else 0) + (1 if prep.features.prompt_embeds else 0)
     budget = prep.max_num_batched_tokens
-    admission = (HEADER_WORDS + prep.max_num_reqs * len(lay.add_fields) + per_token * budget
+    admission = (HEADER_WORDS + prep.max_num_reqs * len(lay.add_fields) + _words_per_token(config) * budget
                  + lay.num_tables * (-(-budget // prep.block_size) + prep.max_num_reqs))
-    rung = payload_buckets(config)[-1]
+    top = rung = payload_buckets(config)[-1]
     while rung < admission:
-        rung = -(-rung * 3 // 2 // 16) * 16
-    return rung
-
-
-def bulk_rungs(config: ServingConfig) -> tuple[int, ...]:
-    """The leading buffers' rung past the top of `payload_buckets` (`bulk_words`), or none where the top holds
-    a step's admission: the one more update program a warm-up compiles (`batch.update_executables`)."""
-    bulk = bulk_words(config)
-    return (bulk,) if bulk > payload_buckets(config)[-1] else ()
+        rung = _next_rung(rung)
+    return (rung,) if rung > top else ()
 
 
 def packed_size(config: ServingConfig) -> int:
@@ -305,9 +308,9 @@ def _ladder(config: ServingConfig) -> _Ladder:
 
 def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     """``columns`` as buffers of the ladder: one, when it fits the serving step's rungs
-    (`step_payload_buckets`); else the sections before the schedule greedily in buffers of at most `bulk_words`
-    (a split falls between entries, or between appended segments; each at the smallest rung that holds it, the
-    bulk rung above the top), applied first, and the schedule alone last."""
+    (`step_payload_buckets`); else the sections before the schedule greedily in buffers of at most the bulk rung
+    (`bulk_rungs`; a split falls between entries, or between appended segments; each at the smallest rung that
+    holds it, the bulk rung above the top), applied first, and the schedule alone last."""
     ladder = _ladder(config)
     lay = ladder.layout
     section = None if columns.schedule is None else _schedule_section(columns.schedule, lay)
@@ -336,8 +339,8 @@ def _item_words(lay: Layout, columns: UpdateColumns) -> np.ndarray:
 
 
 def _split(top: int, columns: UpdateColumns, items: np.ndarray) -> list[UpdateColumns]:
-    """The items greedily into buffers of ``top`` words (`bulk_words`), in order (an item that fills one alone
-    goes alone).
+    """The items greedily into buffers of ``top`` words (the bulk rung, `bulk_rungs`), in order (an item that
+    fills one alone goes alone).
 
     ```
     # top 64, header 10, item words [30, 30, 30] -> [[30], [30], [30]]; [20, 20, 20] -> [[20, 20], [20]]
