@@ -5,21 +5,30 @@ is padded on the host to the first of them that holds it (`batch.door_buffer`).
 Checked: the rungs of a 256-row configuration, worked out by hand; a buffer padded to a larger rung leaves the
 state and prepares the step bit for bit as at its own rung (general and steady programs, updates that add,
 finish and append, and steady ones), with a negative control; the door's steps of a run use only the executables
-a warm-up lists (so none compiles after it), and the warm-up lists one door program per bucket and door rung.
+a warm-up lists (so none compiles after it), and the warm-up lists one door program per bucket and door rung;
+the `Engine`'s fused serving step likewise (one program per bucket and door rung, nothing compiled after the
+warm-up, the tokens checked against the dense model and the data-parallel engine's).
 """
 
 from __future__ import annotations
+
+import copy
 
 import jax
 import numpy as np
 import pytest
 
 from jaxprep import FeatureConfig, PrepConfig
-from jaxprep.serving import ServingBatch, ServingConfig, StepUpdates
+from jaxprep.compilation import count_compiles
+from jaxprep.serving import Engine, ServingBatch, ServingConfig, StepUpdates, check_against_dense, random_workload
 from jaxprep.serving.host import batch as batch_module
+from jaxprep.serving.host import sharded as sharded_module
 from jaxprep.serving.host.batch import door_buffer, door_rungs, steady_buckets
+from jaxprep.serving.host.dp_engine import DataParallelEngine
 from jaxprep.serving.step import update_and_prepare_buffer
 from jaxprep.serving.update_packing import is_steady, pad_to, step_payload_buckets
+from jaxprep.sharding import data_mesh
+from support.loop_workloads import MODEL, make_config
 from support.run_keys import recording_run
 
 VOCAB = 64
@@ -133,3 +142,43 @@ def _step_words(step) -> np.ndarray:
     """The prepared step's words and extras, flat (what the bit-for-bit comparisons compare)."""
     return np.concatenate([np.asarray(step.words).ravel(),
                            *(np.asarray(leaf).ravel().view(np.int32) for leaf in jax.tree.leaves(step.extras))])
+
+
+ENGINE_CONFIG = make_config(budget=32, block_size=4, num_blocks=264, max_num_reqs=32, max_model_len=32,
+                            decode_steps=1)
+"""32 rows: step rungs (64, 96); a step of 8 rows may need 66 words, so every bucket's door rung is 96."""
+
+
+def test_the_engines_serving_step_runs_at_the_door_rungs(monkeypatch):
+    """The fused `serve_step` (`Engine`, and `DataParallelEngine` on a one-device mesh) at the door rungs too: the
+    warm-up lists one step program per bucket and door rung (3, not 6), a run pads its 64-word buffers to 96 and
+    compiles nothing after the warm-up; the greedy tokens pass the dense recomputation and the sharded engine's
+    equal them."""
+    assert step_payload_buckets(ENGINE_CONFIG) == (64, 96)
+    buckets = ENGINE_CONFIG.prep.reachable_buckets
+    assert all(door_rungs(ENGINE_CONFIG, b) == (96,) for b in buckets)
+    workload = random_workload(5, num_requests=12, vocab_size=MODEL.vocab_size, prompt_len=(2, 10),
+                               max_tokens=(2, 6), arrival_spread=3)
+    sizes, real_door_buffer = [], batch_module.door_buffer
+    monkeypatch.setattr(batch_module, "door_buffer", lambda c, b, buffer: sizes.append(len(buffer)) or
+                        real_door_buffer(c, b, buffer))
+    engine = Engine(ENGINE_CONFIG, MODEL, seed=0)
+    warmed = [e.key for e in engine._warmup_executables()]
+    assert sorted(key[2:] for key in warmed if key[0] == "serve_step") == [(b, 96) for b in buckets]
+    assert engine.num_executables == len(warmed) and "3 programs" in engine.warmup_plan()
+    engine.warmup()
+    keys = []
+    monkeypatch.setattr(batch_module, "run", recording_run(keys))
+    engine.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
+    with count_compiles() as compiles:
+        finished = engine.run()
+    assert compiles.compiles == 0 and len(finished) == len(workload.requests)
+    assert 64 in sizes and {key[3] for key in keys if key[0] == "serve_step"} == {96}
+    assert check_against_dense(engine.params, MODEL, finished, ENGINE_CONFIG.max_model_len).passed
+    sharded = DataParallelEngine(ENGINE_CONFIG, MODEL, data_mesh(1), seed=0)
+    shard_keys = []
+    monkeypatch.setattr(sharded_module, "run", recording_run(shard_keys))
+    sharded.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
+    tokens = {r.request_id: r.output_token_ids for r in sharded.run()}
+    assert tokens == {r.request_id: r.output_token_ids for r in finished}
+    assert {key for key in shard_keys if key[0] == "serve_step"} <= set(warmed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -30,6 +31,7 @@ def served(engine: Engine) -> list[list[int]]:
 
 @pytest.fixture
 def cache(tmp_path):
+    jax.clear_caches()  # a test file run before this one in the process may have traced the same programs
     use_compile_cache(tmp_path)  # turned off again after the test (conftest)
     return tmp_path
 

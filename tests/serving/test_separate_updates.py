@@ -109,6 +109,10 @@ def test_the_warmup_compiles_one_step_per_bucket():
     steady = [("apply", True, words) for words in step_payload_buckets(config)]
     assert [e.key for e in separate._warmup_executables() if e.key[0] == "apply"] == [("apply", False), *steady]
     assert [e.key for e in fused._warmup_executables() if e.key[0] == "apply"] == [("apply", False)]
-    assert fused.num_executables - separate.num_executables == len(buckets) * (len(
-        [e for e in fused._warmup_executables() if e.key[0] == "serve_step"]) // len(buckets) - 1) - len(steady)
+    serve = [e.key for e in fused._warmup_executables() if e.key[0] == "serve_step"]
+    assert fused.num_executables == len(list(fused._warmup_executables()))
+    assert fused.num_executables - separate.num_executables == len(serve) - len(buckets) - len(steady)
+    for bucket in buckets:  # the fused step at the bucket's door rungs: the top step rung and at most one other
+        rungs = [key[3] for key in serve if key[2] == bucket]
+        assert 1 <= len(rungs) <= 2 and rungs[-1] == step_payload_buckets(config)[-1], (bucket, rungs)
     assert "without its updates" in separate.warmup_plan() and "without" not in fused.warmup_plan()

@@ -351,9 +351,9 @@ class ServingBatch:
                                                self.state, kv_cache, params, np.int32(decode_steps), config=self.config,
                                                model=model, num_tokens_padded=num_tokens_padded)
             return rows, kv_cache, tokens
-        self.state, kv_cache, tokens = run(self.executables, ("serve_step", model, num_tokens_padded,
-                                                              packed.step.shape[-1]),
-                                           serve_step, self.state, kv_cache, params, packed.step, config=self.config,
+        buffer = door_buffer(self.config, num_tokens_padded, packed.step)  # at most two programs per bucket
+        self.state, kv_cache, tokens = run(self.executables, ("serve_step", model, num_tokens_padded, len(buffer)),
+                                           serve_step, self.state, kv_cache, params, buffer, config=self.config,
                                            model=model, num_tokens_padded=num_tokens_padded)
         return rows, kv_cache, tokens
 
@@ -381,8 +381,8 @@ def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
     schedule entry with its drafts and an appended block in every table, with the LoRA slots; and the top one.
     A step's buffer is padded on the host to the first of them that holds it (`door_buffer`), so a warm-up
     compiles at most two door programs per bucket, not one per rung (at 256 requests 28 in place of 140,
-    `ServingBatch.warmup`); the device reads a buffer only as far as its header counts, so the padding changes
-    nothing but the sections' static sizes.
+    `ServingBatch.warmup`), and the `Engine`'s fused serving step likewise (`serve`); the device reads a buffer
+    only as far as its header counts, so the padding changes nothing but the sections' static sizes.
 
     ```
     # 256 rows, rungs (64, 96, 144, 224, 336, 512, 768), 2 schedule fields, 1 table:
@@ -396,10 +396,14 @@ def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
     return tuple(sorted({next((r for r in rungs if r >= words), rungs[-1]), rungs[-1]}))
 
 
+def door_words(config: ServingConfig, bucket: int, words: int) -> int:
+    """The first of ``bucket``'s `door_rungs` that holds a step's buffer of ``words`` words."""
+    return next(r for r in door_rungs(config, bucket) if r >= words)
+
+
 def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray) -> np.ndarray:
     """A step's buffer padded with zeros to the first of ``bucket``'s `door_rungs` that holds it."""
-    words = next(r for r in door_rungs(config, bucket) if r >= len(buffer))
-    return pad_to(buffer, words)
+    return pad_to(buffer, door_words(config, bucket, len(buffer)))
 
 
 def apply_buffer(executables: dict, state: ServingState, buffer, config: ServingConfig, apply=None,

@@ -43,8 +43,8 @@ class DataParallelEngine(Engine):
         """Every rank's `StepUpdates` (what `ShardedServingBatch` checks and packs, rank by rank)."""
         return [scheduler_updates(self.config, out) for out in outs]
 
-    def _pack(self, updates: list[StepUpdates]):
-        return self.batch.packed(updates)
+    def _pack(self, updates: list[StepUpdates], bucket: int):
+        return self.batch.packed(updates, bucket)
 
     def _apply_updates(self, updates: list[StepUpdates]) -> None:
         self.batch.apply_updates(updates)

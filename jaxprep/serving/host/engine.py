@@ -16,7 +16,7 @@ from jaxprep.models.tiny import KVCache, ServingModel, init_params
 from jaxprep.serving._values import integer
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import column_checks, dp_policy
-from jaxprep.serving.host.batch import ColumnsUpdate, ServingBatch
+from jaxprep.serving.host.batch import ColumnsUpdate, ServingBatch, door_rungs
 from jaxprep.serving.host.dispatch_log import DispatchRecord, dispatch_record
 from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput, StepTokens, step_tokens
 from jaxprep.serving.host.scheduler_columns import scheduler_columns
@@ -156,12 +156,12 @@ class Engine:
         return time.perf_counter() - start
 
     def warmup_plan(self) -> str:
-        """What `warmup` compiles, in words: the serving step at each token bucket a step can reach and step
-        payload size (each bucket once with ``separate_updates``), and the state updates alone at the top
-        payload size (a widening for each other)."""
+        """What `warmup` compiles, in words: the serving step at each token bucket a step can reach and its door
+        rungs (`batch.door_rungs`: one or two step payload sizes; each bucket once with ``separate_updates``), and
+        the state updates alone at the top payload size (a widening for each other)."""
         separate = self.batch.separate_updates
-        rungs = counted(len(step_payload_buckets(self.config)), "update size")
-        steps = "without its updates" if separate else f"x {rungs}"
+        steps = "without its updates" if separate else \
+            f"({counted(self._num_steps, 'program')}: one or two update sizes each)"
         return (f"the serving step at {describe_buckets(self.config.prep.reachable_buckets)} {steps}, and the state "
                 f"updates alone at the top of {counted(len(payload_buckets(self.config)), 'size')} (a widening for "
                 f"each other){', applied before each step (the steady ones by a smaller program)' if separate else ''}"
@@ -169,28 +169,36 @@ class Engine:
 
     @property
     def num_executables(self) -> int:
-        """What `warmup` compiles: per step payload rung (`step_payload_buckets`; one with ``separate_updates``)
-        and token bucket a step can reach (`PrepConfig.reachable_buckets`) the step; the updates a crowded step
-        sends first, one executable at the top payload rung and a widening of each smaller rung
-        (`batch.apply_buffer`), and one at the bulk rung of a large update (`update_packing.bulk_rungs`); with
-        ``separate_updates`` the steady updates' program at each step rung.
+        """What `warmup` compiles: per token bucket a step can reach (`PrepConfig.reachable_buckets`) the step
+        at each of its door rungs (`batch.door_rungs`; once, without its updates, with ``separate_updates``); the
+        updates a crowded step sends first, one executable at the top payload rung and a widening of each smaller
+        rung (`batch.apply_buffer`), and one at the bulk rung of a large update (`update_packing.bulk_rungs`);
+        with ``separate_updates`` the steady updates' program at each step rung (`step_payload_buckets`).
         (`prep_timing` compiles its twin apart.)"""
         separate = self.batch.separate_updates  # and the steady updates' program per step rung (`update_executables`)
-        steps = len(step_payload_buckets(self.config))
-        return (len(payload_buckets(self.config)) + len(bulk_rungs(self.config)) + (steps if separate else 0)
-                + len(self.config.prep.reachable_buckets) * (1 if separate else steps))
+        return (len(payload_buckets(self.config)) + len(bulk_rungs(self.config))
+                + (len(step_payload_buckets(self.config)) if separate else 0) + self._num_steps)
+
+    @property
+    def _num_steps(self) -> int:
+        """The serving step's executables: one per bucket with ``separate_updates``, else one per door rung."""
+        buckets = self.config.prep.reachable_buckets
+        if self.batch.separate_updates:
+            return len(buckets)
+        return sum(len(door_rungs(self.config, bucket)) for bucket in buckets)
 
     def _warmup_executables(self):
-        """The executables of `warmup`, the largest first: the steps (the largest buckets first; with
-        ``separate_updates`` each bucket's once, without its updates), the updates at the top rung, then the
-        widening of each smaller rung."""
+        """The executables of `warmup`, the largest first: the steps (the largest buckets first, each at its door
+        rungs; with ``separate_updates`` each bucket's once, without its updates), the updates at the top rung,
+        then the widening of each smaller rung."""
         buckets = tuple(reversed(self.config.prep.reachable_buckets))
         if self.batch.separate_updates:
             yield from map(self._bare_step_executable, buckets)
         else:
             for words in step_payload_buckets(self.config):
                 packed = self._empty_buffers(words)
-                yield from (self._step_executable(packed, bucket) for bucket in buckets)
+                yield from (self._step_executable(packed, bucket) for bucket in buckets
+                            if words in door_rungs(self.config, bucket))
         yield from self.batch.update_executables(self._empty_buffers)
 
     def add_request(self, request: Request) -> None:
@@ -205,7 +213,7 @@ class Engine:
             raise RuntimeError("the scheduler found nothing to run (a request cannot fit the KV cache?)")
         bucket = dp_policy.coordinate(self.config.prep, self.schedulers, outs)  # every rank pads to it
         updates = self._rank_updates(outs)
-        packed = self._pack(updates)
+        packed = self._pack(updates, bucket)
         if self.time_prep:  # replayed after the loop, on a donated copy of the state (`prep_timing`)
             self.prep_replay.append((packed, bucket))
         dispatched = time.perf_counter()
@@ -334,7 +342,9 @@ class Engine:
 
     # --- device hooks: one rank on one device ---------------------------------------------------
 
-    def _pack(self, updates: list[StepUpdates]) -> PackedStep:
+    def _pack(self, updates: list[StepUpdates], bucket: int) -> PackedStep:
+        """The step's packed updates; ``bucket``: its token bucket (`ServingBatch.serve` pads the step's buffer to
+        one of its door rungs, `batch.door_rungs`; the sharded batch pads while it stacks the ranks)."""
         return self.batch.pack(updates[0])
 
     def _empty_buffers(self, words: int):

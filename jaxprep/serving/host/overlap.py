@@ -96,7 +96,7 @@ class AsyncEngine(Engine):
         predicted = predicted_tokens(self.config, out)
         self.scheduler.after_schedule(out, predicted)
         self.kv_cache, tokens = self.batch.dispatch(self.kv_cache, self.params, updates, predicted, model=self.model,
-                                                    num_tokens_padded=bucket, packed=self._pack([updates]))
+                                                    num_tokens_padded=bucket, packed=self._pack([updates], bucket))
         return out, tokens, bucket, predicted
 
     def _resolve(self, in_flight, tokens: np.ndarray) -> list[Request]:

@@ -28,7 +28,7 @@ from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import checks
-from jaxprep.serving.host.batch import advance_rows, apply_buffer, update_executables
+from jaxprep.serving.host.batch import advance_rows, apply_buffer, door_words, update_executables
 from jaxprep.serving.state import ServingState, StepUpdates
 from jaxprep.serving.step import serve_body, update_and_prepare_body
 from jaxprep.serving.transitions import apply_updates_body
@@ -124,20 +124,24 @@ class ShardedServingBatch:
         self.separate_updates = False  # every rank's updates travel with its step (`ServingBatch`'s option)
         self.executables: dict = {}  # what a warm-up compiled or loaded, by key (`jaxprep.executables.run`)
 
-    def packed(self, updates: list[StepUpdates]) -> ShardedPacked:
+    def packed(self, updates: list[StepUpdates], num_tokens_padded: int | None = None) -> ShardedPacked:
         """Every rank's packed updates: the buffers applied before the step (as many as the rank
-        that needs most; an empty buffer for the others) and the step's, each one array sharded by rank."""
+        that needs most; an empty buffer for the others) and the step's, each one array sharded by rank.
+        ``num_tokens_padded``: the step's bucket, whose door rungs (`batch.door_rungs`) the step's buffers are
+        padded to, as `serve` runs them (None: to the longest rank's rung, for `apply_updates`)."""
         packs = [pack_step(self.config, u, rows.table_blocks) for u, rows in zip(updates, self.rows, strict=True)]
         depth = max(len(p.before) for p in packs)
         before = [self._stacked([p.before[i] if i < len(p.before) else p.step[:0] for p in packs])
                   for i in range(depth)]
-        step = self._stacked([p.step for p in packs])
+        step = self._stacked([p.step for p in packs], num_tokens_padded)
         self.h2d_bytes += sum(b.size * 4 for b in before) + step.size * 4
         self.changed_words += sum(p.changed_words for p in packs)
         return ShardedPacked(before=tuple(before), step=step)
 
-    def _stacked(self, buffers: list[np.ndarray]) -> jax.Array:
+    def _stacked(self, buffers: list[np.ndarray], bucket: int | None = None) -> jax.Array:
         words = max(64, max(len(b) for b in buffers))
+        if bucket is not None:  # a step's buffers: at one of the bucket's two door rungs
+            words = door_words(self.config, bucket, words)
         stacked = np.stack([pad_to(b, words) for b in buffers]).astype(np.int32)
         return put_global(stacked, NamedSharding(self.mesh, ROWS))
 
@@ -158,7 +162,7 @@ class ShardedServingBatch:
                                   self.config)
             except checks.InvalidUpdateError as error:
                 raise checks.InvalidUpdateError(f"rank {rank}: {error}") from None
-        packed = self.packed(updates) if packed is None else packed
+        packed = self.packed(updates, num_tokens_padded) if packed is None else packed
         for buffer in packed.before:
             self.state = self._apply(buffer)
         key = ("serve_step", model, num_tokens_padded, packed.step.shape[-1])
