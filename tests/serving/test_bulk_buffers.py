@@ -6,15 +6,11 @@ recomputation. Negative control: other weights give other tokens, and the compar
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
-from jaxprep.compilation import count_compiles
 from jaxprep.serving import Engine, check_against_dense, random_workload, update_packing
-from jaxprep.serving.host import batch as batch_module
 from support.loop_workloads import MODEL, make_config
-from support.run_keys import recording_run
+from support.run_keys import run_after_warmup
 
 # 16 rows, max_model_len 32: the top rung (96 words) holds one request of 32 tokens; the first step admits 16
 # requests of 2-6 tokens at once (~180 words)
@@ -29,15 +25,10 @@ def served(separate: bool, monkeypatch, *, top_only: bool = False, seed: int = 0
         monkeypatch.setattr(update_packing, "_ladder", lambda config: ladder(config)._replace(
             leading=ladder(config).buckets))
     engine = Engine(CONFIG, MODEL, seed=seed, separate_updates=separate)
-    engine.warmup()
-    keys = []
-    monkeypatch.setattr(batch_module, "run", recording_run(keys))
-    engine.submit(copy.deepcopy(WORKLOAD.requests), WORKLOAD.arrival_steps)
-    with count_compiles() as compiles:
-        finished = engine.run()
+    finished, compiles, keys = run_after_warmup(engine, WORKLOAD, monkeypatch)
     monkeypatch.undo()
     assert len(finished) == len(WORKLOAD.requests)
-    return engine, {r.request_id: r.output_token_ids for r in finished}, compiles.compiles, keys
+    return engine, {r.request_id: r.output_token_ids for r in finished}, compiles, keys
 
 
 @pytest.mark.parametrize("separate", [False, True])

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from jaxprep import FeatureConfig, PrepConfig
-from jaxprep.compilation import count_compiles
 from jaxprep.serving import Engine, ServingBatch, ServingConfig, StepUpdates, check_against_dense, random_workload
 from jaxprep.serving.host import batch as batch_module
 from jaxprep.serving.host import sharded as sharded_module
@@ -29,7 +28,7 @@ from jaxprep.serving.step import update_and_prepare_buffer
 from jaxprep.serving.update_packing import is_steady, pad_to, step_payload_buckets
 from jaxprep.sharding import data_mesh
 from support.loop_workloads import MODEL, make_config
-from support.run_keys import recording_run
+from support.run_keys import recording_run, run_after_warmup
 
 VOCAB = 64
 
@@ -166,13 +165,8 @@ def test_the_engines_serving_step_runs_at_the_door_rungs(monkeypatch):
     warmed = [e.key for e in engine._warmup_executables()]
     assert sorted(key[2:] for key in warmed if key[0] == "serve_step") == [(b, 96) for b in buckets]
     assert engine.num_executables == len(warmed) and "3 programs" in engine.warmup_plan()
-    engine.warmup()
-    keys = []
-    monkeypatch.setattr(batch_module, "run", recording_run(keys))
-    engine.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
-    with count_compiles() as compiles:
-        finished = engine.run()
-    assert compiles.compiles == 0 and len(finished) == len(workload.requests)
+    finished, compiles, keys = run_after_warmup(engine, workload, monkeypatch)
+    assert compiles == 0 and len(finished) == len(workload.requests)
     assert 64 in sizes and {key[3] for key in keys if key[0] == "serve_step"} == {96}
     assert check_against_dense(engine.params, MODEL, finished, ENGINE_CONFIG.max_model_len).passed
     sharded = DataParallelEngine(ENGINE_CONFIG, MODEL, data_mesh(1), seed=0)
