@@ -104,7 +104,7 @@ def test_fused_update_dispatch_gives_the_same_tokens(checked_run):
     assert summary["update_dispatch"] == "fused" and summary["check_passed"] is True
     for name in ("steps", "dispatches", "scheduled_tokens", "output_tokens", "preemptions", "check_tokens"):
         assert summary[name] == default[name], name
-    assert "the 2 token buckets 8, 16 x 1 update size" in fused.stderr
+    assert "the 2 token buckets 8, 16 (2 programs: one or two update sizes each)" in fused.stderr
 
 
 def test_each_printed_rate_is_its_printed_tokens_over_its_printed_seconds(checked_run):
