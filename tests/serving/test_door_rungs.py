@@ -55,6 +55,7 @@ def test_the_rungs_of_each_bucket_worked_out():
     assert len(door_buffer(config, 8, buffer)) == 96 and len(door_buffer(config, 8, buffer[:20])) == 96
     assert len(door_buffer(config, 8, np.zeros(200, np.int32))) == 768
     assert len(door_buffer(config, 1024, buffer)) == 768
+    assert len(door_buffer(config, 8, np.zeros(1000, np.int32))) == 1000  # past the top: as it is, no error
 
 
 def _batch(config: ServingConfig, rng) -> ServingBatch:

@@ -397,8 +397,9 @@ def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
 
 
 def door_words(config: ServingConfig, bucket: int, words: int) -> int:
-    """The first of ``bucket``'s `door_rungs` that holds a step's buffer of ``words`` words."""
-    return next(r for r in door_rungs(config, bucket) if r >= words)
+    """The first of ``bucket``'s `door_rungs` that holds a step's buffer of ``words`` words (``words`` itself for a
+    buffer longer than the top step rung, which `pack_step` never makes: it goes as it is)."""
+    return next((r for r in door_rungs(config, bucket) if r >= words), words)
 
 
 def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray) -> np.ndarray:
