@@ -185,7 +185,7 @@ class ServingBatch:
         """
         start = time.perf_counter()
         buckets, updates = self.config.prep.reachable_buckets, payload_buckets(self.config)
-        doors = sum(len(door_rungs(self.config, bucket)) for bucket in buckets)
+        doors = sum(map(len, door_programs(self.config, buckets).values()))
         why = (f"the update and the step at {describe_buckets(buckets)}, {counted(doors, 'door program')} (one or "
                f"two update sizes each), each for any update and at a decode's buckets for steady ones, the updates "
                f"alone at the top of "
@@ -198,9 +198,9 @@ class ServingBatch:
     def _warmup_executables(self):
         config, buckets = self.config, self.config.prep.reachable_buckets[::-1]
         for steady in (False, True):  # any update, then the steady ones' smaller programs at a decode's buckets
-            for words in step_payload_buckets(config):
-                for bucket in (b for b in buckets if (not steady or b in steady_buckets(config))
-                               and words in door_rungs(config, b)):
+            at = tuple(b for b in buckets if not steady or b in steady_buckets(config))
+            for words, door_buckets in door_programs(config, at).items():
+                for bucket in door_buckets:
                     yield Executable(("door", bucket, words, steady), update_and_prepare_buffer,
                                      (self.state, _empty(words)), dict(config=config, num_tokens_padded=bucket,
                                                                        steady=steady),
@@ -394,6 +394,13 @@ def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
     words = (HEADER_WORDS + n * len(lay.schedule_fields) + n * lay.num_tables * (len(SEGMENT_FIELDS) + 1)
              + lay.max_loras)
     return tuple(sorted({next((r for r in rungs if r >= words), rungs[-1]), rungs[-1]}))
+
+
+def door_programs(config: ServingConfig, buckets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """The door programs a warm-up compiles at ``buckets``: per step payload rung (`step_payload_buckets`, rung by
+    rung), the buckets, in their order, whose `door_rungs` include it."""
+    return {words: tuple(b for b in buckets if words in door_rungs(config, b))
+            for words in step_payload_buckets(config)}
 
 
 def door_words(config: ServingConfig, bucket: int, words: int) -> int:

@@ -16,7 +16,7 @@ from jaxprep.models.tiny import KVCache, ServingModel, init_params
 from jaxprep.serving._values import integer
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import column_checks, dp_policy
-from jaxprep.serving.host.batch import ColumnsUpdate, ServingBatch, door_rungs
+from jaxprep.serving.host.batch import ColumnsUpdate, ServingBatch, door_programs
 from jaxprep.serving.host.dispatch_log import DispatchRecord, dispatch_record
 from jaxprep.serving.host.scheduler import Request, Scheduler, SchedulerOutput, StepTokens, step_tokens
 from jaxprep.serving.host.scheduler_columns import scheduler_columns
@@ -185,7 +185,7 @@ class Engine:
         buckets = self.config.prep.reachable_buckets
         if self.batch.separate_updates:
             return len(buckets)
-        return sum(len(door_rungs(self.config, bucket)) for bucket in buckets)
+        return sum(map(len, door_programs(self.config, buckets).values()))
 
     def _warmup_executables(self):
         """The executables of `warmup`, the largest first: the steps (the largest buckets first, each at its door
@@ -195,10 +195,9 @@ class Engine:
         if self.batch.separate_updates:
             yield from map(self._bare_step_executable, buckets)
         else:
-            for words in step_payload_buckets(self.config):
+            for words, door_buckets in door_programs(self.config, buckets).items():
                 packed = self._empty_buffers(words)
-                yield from (self._step_executable(packed, bucket) for bucket in buckets
-                            if words in door_rungs(self.config, bucket))
+                yield from (self._step_executable(packed, bucket) for bucket in door_buckets)
         yield from self.batch.update_executables(self._empty_buffers)
 
     def add_request(self, request: Request) -> None:
