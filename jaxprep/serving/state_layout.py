@@ -100,6 +100,11 @@ class StateLayout:
         return dict(self.widths)[array]
 
     @functools.cached_property
+    def array_widths(self) -> tuple[int, ...]:
+        """Each array's width, in `ARRAYS` order."""
+        return tuple(width for _, width in self.widths)
+
+    @functools.cached_property
     def record_fields(self) -> tuple[str, ...]:
         """The fields of the row record, in column order (each one column wide)."""
         return tuple(name for name, p in self.placements if p.array == ROWS and p.stop <= self.record_width)

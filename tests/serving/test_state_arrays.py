@@ -187,3 +187,25 @@ def test_the_doors_call_passes_eight_arrays():
     blob = np.zeros(step_payload_buckets(config)[-1], np.int32)
     out = jax.eval_shape(lambda s, b: update_and_prepare_buffer(s, b, config=config, num_tokens_padded=8), state, blob)
     assert len(jax.tree.leaves((state, blob))) + len(jax.tree.leaves(out)) == 8
+
+
+def test_a_state_of_the_wrong_shape_or_dtype_is_refused_naming_the_array():
+    """Built directly, or rebuilt by JAX from arrays a caller changed (`jax.tree.map`), a state whose arrays do
+    not match its layout raises, naming the array and the shape it needed; a jitted call's state rebuilds."""
+    state = ServingState.empty(PLAIN)
+    rows, width = state.tables.shape
+    with pytest.raises(ValueError, match=rf"ServingState.tables has shape \({rows}, {width + 1}\).*\[{rows}, {width}\]"):
+        ServingState(tokens=state.tokens, tables=jnp.zeros((rows, width + 1), jnp.int32), rows=state.rows,
+                     layout=state.layout)
+    with pytest.raises(ValueError, match=r"ServingState.rows has shape .* and dtype int64"):
+        ServingState(tokens=state.tokens, tables=state.tables, rows=np.zeros(state.rows.shape, np.int64),
+                     layout=state.layout)
+    with pytest.raises(ValueError, match=rf"ServingState.tokens has shape \({rows}, 1\)"):
+        jax.tree.map(lambda array: array[:, :1], state)  # every array one column wide
+    with pytest.raises(ValueError, match=r"ServingState.tokens has shape \(\)"):
+        jax.tree.map(lambda array: array[0, 0], state)
+    rebuilt = jax.jit(lambda s: s)(state)
+    assert rebuilt.layout is state.layout and type(rebuilt) is ServingState
+    assert all(np.array_equal(getattr(rebuilt, name), getattr(state, name)) for name in ARRAYS)
+    assert [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]] == \
+        [f".{name}" for name in ARRAYS]

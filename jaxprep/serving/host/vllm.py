@@ -213,6 +213,7 @@ class VllmAdapter:
         # common steps read as columns (`vllm_columns`), where the configuration allows
         self._columns = ColumnReader(config) if column_checks.covers(config) else None
         self._recorded = True  # the last prepared step's samples were recorded (none prepared yet)
+        self._ordered = (None, False)  # (rows, whether they ascend) of the last read-only rows asked (`_in_row_order`)
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -245,7 +246,7 @@ class VllmAdapter:
             self._last = None
             return AdapterStep(buffer=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
         req_ids, rows = list(plan.scheduled), plan.scheduled_rows
-        if rows is None or len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # already in row order: no sort
+        if rows is None or not self._in_row_order(rows):  # already in row order: no sort
             req_ids.sort(key=self.rows.__getitem__)
         grammar = plan.grammar or (None, None, None)
         self._recorded = False
@@ -254,6 +255,16 @@ class VllmAdapter:
                                  num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
                                  num_acceptable_drafts=grammar[2])
         return self._last
+
+    def _in_row_order(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` ascend; the answer for a read-only array kept for the next step (a decode step of the
+        same requests hands the same array again, `vllm_columns.ColumnReader`)."""
+        held, ascending = self._ordered
+        if rows is not held:
+            ascending = len(rows) < 2 or bool((rows[1:] > rows[:-1]).all())
+            if not rows.flags.writeable:
+                self._ordered = (rows, ascending)
+        return ascending
 
     def record_sampled(self, sampled_token_ids, num_sampled, draft_token_ids=None) -> None:
         """Records the last step's samples on the device: ``sampled_token_ids`` [R_pad, n] and
