@@ -194,7 +194,8 @@ def test_a_state_of_the_wrong_shape_or_dtype_is_refused_naming_the_array():
     not match its layout raises, naming the array and the shape it needed; a jitted call's state rebuilds."""
     state = ServingState.empty(PLAIN)
     rows, width = state.tables.shape
-    with pytest.raises(ValueError, match=rf"ServingState.tables has shape \({rows}, {width + 1}\).*\[{rows}, {width}\]"):
+    wider = rf"ServingState.tables has shape \({rows}, {width + 1}\).*\[{rows}, {width}\]"
+    with pytest.raises(ValueError, match=wider):
         ServingState(tokens=state.tokens, tables=jnp.zeros((rows, width + 1), jnp.int32), rows=state.rows,
                      layout=state.layout)
     with pytest.raises(ValueError, match=r"ServingState.rows has shape .* and dtype int64"):
