@@ -66,6 +66,7 @@ class ColumnReader:
         self.plain = plain_arrays(config)  # a schedule's drafts, draft ids and grammar rows: none (`plain_schedule`)
         self._running = (None, None, None)  # (request map, req_ids, rows) of the last decode step read
         self._scheduled = (None, NO_ENTRIES, None)  # (rows, counts, Schedule) of the last step read
+        self._held_counts = (None, None)  # (values, (counts, total)) of the last num_scheduled_tokens read (`_counts`)
 
     def read(self, scheduler_output, requests: RequestMap, mirror: HostRows) -> CommonStep | None:
         """``scheduler_output`` as `UpdateColumns`, on ``requests`` (changed only on its copies); None, with
@@ -74,13 +75,12 @@ class ColumnReader:
         cached, scheduled, spec = so.scheduled_cached_reqs, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
         if type(scheduled) is not dict or type(spec) is not dict or spec or cached.resumed_req_ids:
             return None
-        req_ids, total = cached.req_ids, so.total_num_scheduled_tokens
-        counts, computed = _int64(list(scheduled.values())), _int64(cached.num_computed_tokens)
-        news = so.scheduled_new_reqs
+        req_ids, total, news = cached.req_ids, so.total_num_scheduled_tokens, so.scheduled_new_reqs
+        counts, computed = self._counts(list(scheduled.values())), _int64(cached.num_computed_tokens)
         if counts is None or computed is None or not len(computed) == len(cached.new_block_ids) == len(req_ids) \
-                or len(news) + len(req_ids) != len(scheduled) or type(total) is not int \
-                or total != int(np.add.reduce(counts)) or np.count_nonzero(counts < 1):
+                or len(news) + len(req_ids) != len(scheduled) or type(total) is not int or total != counts[1]:
             return None
+        counts = counts[0]
         finish = _finished(requests, so) if so.finished_req_ids or so.preempted_req_ids else []
         add = self._added(requests, news) if news else self.none_added
         running = None if add is None else self._running_rows(requests.rows, req_ids, computed, mirror)
@@ -97,6 +97,21 @@ class ColumnReader:
                                 resume_data_len=NO_ENTRIES, segments=segments[0], segment_data=segments[1], lora=None,
                                 schedule=self._schedule(rows, counts), decode_steps=1, changed_words=changed)
         return CommonStep(columns=columns, requests=requests, scheduled_rows=rows, total=total)
+
+    def _counts(self, values: list) -> tuple[np.ndarray, int] | None:
+        """``num_scheduled_tokens``' values as int64 [n] (read-only) and their total; None for values NumPy does not
+        read as int64 (`_int64`) or a count below 1 (vLLM schedules none of those). The last step's again where
+        the values are its values, all Python ints (a decode step of the same requests: no NumPy call)."""
+        held, answer = self._held_counts
+        if values == held and set(map(type, values)) == {int}:  # equal and ints (1.0 == 1 and True == 1: types too)
+            return answer
+        counts = _int64(values)
+        if counts is None or np.count_nonzero(counts < 1):
+            return None
+        counts.flags.writeable = False
+        answer = (counts, int(np.add.reduce(counts)))
+        self._held_counts = (values, answer)
+        return answer
 
     def _added(self, requests: RequestMap, news: list):
         """New requests admitted in the lowest free rows: their records [fields, A] (`PLAIN_ADD_FIELDS`, the
@@ -191,7 +206,7 @@ class ColumnReader:
         step's again where its rows (the same array, `_running_rows`') and counts are this one's: a decode step
         of the same requests (packing keeps a read-only schedule's section, `update_packing.pack_columns`)."""
         last_rows, last_counts, last = self._scheduled
-        if rows is last_rows and not np.count_nonzero(counts != last_counts):
+        if rows is last_rows and (counts is last_counts or not np.count_nonzero(counts != last_counts)):
             return last
         scheduled = np.zeros(self.max_num_reqs, np.int64)
         scheduled[rows] = counts
