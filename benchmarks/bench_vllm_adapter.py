@@ -83,11 +83,13 @@ def workload(size: int, steps: int) -> Workload:
                     arrivals_per_step=size, prompt_lens=(16, 32), max_tokens=(200, 200))
 
 
-def serving_config(work: Workload) -> ServingConfig:
-    prep = jaxprep.PrepConfig(max_num_reqs=work.max_num_seqs, max_model_len=work.max_model_len,
+def serving_config(work: Workload, package=jaxprep) -> ServingConfig:
+    """The workload's configuration; ``package``: a jaxprep package to build it from (ab_vllm_adapter.py's other
+    checkout)."""
+    prep = package.PrepConfig(max_num_reqs=work.max_num_seqs, max_model_len=work.max_model_len,
                               max_num_batched_tokens=work.max_num_batched_tokens, block_size=work.block_size,
                               num_blocks=work.num_blocks)
-    return ServingConfig(prep=prep, vocab_size=1000)
+    return package.serving.ServingConfig(prep=prep, vocab_size=1000)
 
 
 def record_outputs(work: Workload) -> list[tuple]:
