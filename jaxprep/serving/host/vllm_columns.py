@@ -33,7 +33,7 @@ from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host.checks import HostRows
 from jaxprep.serving.host.column_checks import PLAIN_ADD_FIELDS, plain_arrays
 from jaxprep.serving.host.vllm_requests import Admission, RequestMap
-from jaxprep.serving.state import Schedule, num_kv_groups
+from jaxprep.serving.state import Schedule, draft_width, num_kv_groups
 from jaxprep.serving.update_packing import (
     NO_ENTRIES,
     RESUME_FIELDS,
@@ -59,6 +59,7 @@ class ColumnReader:
     def __init__(self, config: ServingConfig):
         self.max_num_reqs, self.max_model_len, self.groups = config.max_num_reqs, config.max_model_len, \
             num_kv_groups(config)
+        self.drafts = draft_width(config) > 0  # only then can a row wait for its drafts' outcome
         self.none_added = (empty_records(len(PLAIN_ADD_FIELDS) + self.groups), NO_ENTRIES, NO_ENTRIES)  # `_added`'s
         self.no_resumes = empty_records(len(RESUME_FIELDS) + self.groups)
         self.no_segments = empty_records(len(SEGMENT_FIELDS))
@@ -156,9 +157,10 @@ class ColumnReader:
                 return None
             rows.flags.writeable = False  # kept for the next step: read only
             self._running = (row_of, list(req_ids), rows)
-        if np.count_nonzero((mirror.pending_drafts[rows] >= 0) | (mirror.num_computed_tokens[rows] != computed)):
-            return None
-        return rows
+        differ = mirror.num_computed_tokens[rows] != computed
+        if self.drafts:  # without drafts no row is ever pending (a row's drafts are what makes it so)
+            differ |= mirror.pending_drafts[rows] >= 0
+        return None if np.count_nonzero(differ) else rows
 
     def _appended(self, new_block_ids: list, rows: np.ndarray, table_blocks: np.ndarray):
         """``CachedRequestData.new_block_ids`` (None, or one list per group, per running request) as segments
