@@ -117,7 +117,6 @@ class AdapterStep:
       buffer: the prepared step at ``num_tokens_padded`` tokens, as one buffer; ``None`` when the output
         scheduled nothing (vLLM sends such a step to report finished requests).
       req_ids: batch row -> request id, vLLM's ``ModelRunnerOutput.req_ids``.
-      req_id_to_index: request id -> batch row, vLLM's ``ModelRunnerOutput.req_id_to_index``.
       num_tokens_padded: the bucket of ``PrepConfig.token_buckets`` the step was prepared at (0: nothing
         scheduled).
       grammar_bitmask: the ``GrammarOutput``'s bitmask ``[G * (1 + K), words]`` int32, rows in its
@@ -128,10 +127,15 @@ class AdapterStep:
 
     buffer: StepBuffer | None
     req_ids: list[str]
-    req_id_to_index: dict[str, int]
     num_tokens_padded: int
     grammar_bitmask: np.ndarray | None = None
     num_acceptable_drafts: list[int] | None = None
+
+    @functools.cached_property
+    def req_id_to_index(self) -> dict[str, int]:
+        """request id -> batch row, vLLM's ``ModelRunnerOutput.req_id_to_index`` (built on first use: a loop that
+        reads the rows from ``req_ids`` alone never pays for it)."""
+        return dict(zip(self.req_ids, range(len(self.req_ids))))
 
     @functools.cached_property
     def inputs(self) -> StepInputs | None:
@@ -244,16 +248,14 @@ class VllmAdapter:
         self._verifying = plan.verifying
         if buffer is None:
             self._last = None
-            return AdapterStep(buffer=None, req_ids=[], req_id_to_index={}, num_tokens_padded=0)
+            return AdapterStep(buffer=None, req_ids=[], num_tokens_padded=0)
         req_ids, rows = list(plan.scheduled), plan.scheduled_rows
         if rows is None or not self._in_row_order(rows):  # already in row order: no sort
             req_ids.sort(key=self.rows.__getitem__)
         grammar = plan.grammar or (None, None, None)
         self._recorded = False
-        self._last = AdapterStep(buffer=buffer, req_ids=req_ids,
-                                 req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
-                                 num_tokens_padded=plan.num_tokens_padded, grammar_bitmask=grammar[1],
-                                 num_acceptable_drafts=grammar[2])
+        self._last = AdapterStep(buffer=buffer, req_ids=req_ids, num_tokens_padded=plan.num_tokens_padded,
+                                 grammar_bitmask=grammar[1], num_acceptable_drafts=grammar[2])
         return self._last
 
     def _in_row_order(self, rows: np.ndarray) -> bool:
@@ -326,7 +328,8 @@ class VllmAdapter:
         """vLLM's ``ModelRunnerOutput`` for ``step``: ``sampled_token_ids[i]`` the valid tokens of batch row i."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        return ModelRunnerOutput(req_ids=list(step.req_ids), req_id_to_index=dict(step.req_id_to_index),
+        req_ids = list(step.req_ids)
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
                                  sampled_token_ids=sampled_token_ids)
 
     # --- the translation ---------------------------------------------------------------------------
