@@ -5,28 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import sys
-from unittest import mock
 
 import pytest
 
 import jaxprep
 from jaxprep.serving.host.vllm import VllmAdapter
-
-BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks")
+from support.benchmark_modules import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def ab():
-    """The benchmark module, imported as under --default-runtime (bench_vllm_adapter.py's import would otherwise
-    set this process's JAX runtime for every later test)."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        with mock.patch.object(sys, "argv", ["ab_vllm_adapter.py", "--default-runtime"]):
-            return importlib.import_module("ab_vllm_adapter")
-    finally:
-        sys.path.remove(BENCHMARKS)
+    return import_benchmark("ab_vllm_adapter")
 
 
 def test_import_lines_are_renamed_and_nothing_else(ab):
