@@ -512,7 +512,7 @@ def check_bucket(rows: checks.HostRows, num_tokens_padded: int, config: ServingC
             or num_tokens_padded not in buckets:
         raise checks.InvalidUpdateError(f"num_tokens_padded={num_tokens_padded!r} is not one of "
                                         f"PrepConfig.token_buckets {buckets}")
-    total = int(rows.num_scheduled_tokens.sum())
+    total = int(np.add.reduce(rows.num_scheduled_tokens))
     if total > num_tokens_padded:
         raise checks.InvalidUpdateError(f"sum(num_scheduled_tokens)={total} exceeds num_tokens_padded="
                                         f"{num_tokens_padded}")
