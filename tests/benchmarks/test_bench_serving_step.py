@@ -10,13 +10,19 @@ null block), is refused by the check's validation; a sampled token only the base
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+from unittest import mock
+
 import numpy as np
 import pytest
 
 from jaxprep import BatchState
 from jaxprep.reference import pad_reference, prepare_reference
 from jaxprep.validate import InvalidBatchError
-from support.benchmark_modules import import_benchmark
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks")
 
 SHAPES = {  # make_batch's arguments, a mixed step and a decode step
     "mixed": dict(num_reqs=4, num_tokens=32, max_model_len=64, block_size=4, decode_only=False),
@@ -27,7 +33,14 @@ STEPS = 8  # enough for rows to cross blocks and restart as new requests at both
 
 @pytest.fixture(scope="module")
 def bench():
-    return import_benchmark("bench_serving_step")
+    """The benchmark module, imported as under --default-runtime: its import would otherwise set this
+    process's JAX runtime (PJRT_NPROC, synchronous dispatch) for every later test."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        with mock.patch.object(sys, "argv", ["bench_serving_step.py", "--default-runtime"]):
+            return importlib.import_module("bench_serving_step")
+    finally:
+        sys.path.remove(BENCHMARKS)
 
 
 def batch(bench, shape: str):
