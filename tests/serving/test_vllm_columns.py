@@ -316,6 +316,35 @@ def test_a_decode_step_costs_the_same_calls_at_any_batch_size(with_blocks):
         assert general[1] > general[0] + 7, general
 
 
+@pytest.mark.parametrize("value", [1.0, True, np.int64(1)], ids=["float", "bool", "numpy int"])
+def test_a_count_equal_to_the_last_steps_but_not_an_int_is_read_as_before(value):
+    """The reader keeps the last step's counts for a decode step whose counts equal them; a count that equals its
+    int but is not one (``1.0``, ``True``, NumPy's int64), its total still the int, is read as it always was, by
+    NumPy: a float the common path declines and the general path refuses, naming the field; a bool or a NumPy
+    int among ints (NumPy reads them as int64) both paths take, to the same buffers."""
+    prep = jaxprep.PrepConfig(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64, block_size=4,
+                              num_blocks=512, token_buckets=(8, 64))
+    adapter = VllmAdapter(ServingConfig(prep=prep, vocab_size=VOCAB))
+    admit = [SimpleNamespace(req_id=f"r{i}", prompt_token_ids=[1, 2], prefill_token_ids=None,
+                             block_ids=([1 + i, 300 + i],), num_computed_tokens=1, sampling_params=None,
+                             lora_request=None) for i in range(4)]
+    first = SimpleNamespace(**{**vars(decode_output(0, False)), "scheduled_new_reqs": admit,
+                               "num_scheduled_tokens": {f"r{i}": 1 for i in range(4)}, "total_num_scheduled_tokens": 4})
+    record(adapter, adapter.step(first), {f"r{i}": [3] for i in range(4)})
+    so = decode_output(4, False)
+    record(adapter, adapter.step(so), {f"r{i}": [4] for i in range(4)})  # the reader now holds [1, 1, 1, 1]
+    so = decode_output(4, False)
+    so.scheduled_cached_reqs.num_computed_tokens = [3] * 4
+    assert both_paths(adapter, so).kind == "common"  # the same counts, ints: the reuse
+    so.num_scheduled_tokens["r2"] = value
+    paths = both_paths(adapter, so)
+    assert differences(paths) == []
+    if isinstance(value, float):
+        assert paths.kind == "refused" and "num_scheduled_tokens['r2']" in paths.error and paths.common is None
+    else:
+        assert paths.kind == "common"
+
+
 # --- vLLM's real scheduler ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
