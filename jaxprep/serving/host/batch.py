@@ -100,7 +100,6 @@ class ServingBatch:
         # steady buffers go to their own programs (`update_packing.is_steady`): set by the warm-up that compiles
         # them; a batch driven without one compiles the general program alone (set it to compile each on first use)
         self.steady_programs = False
-        self._doors: dict[tuple[int, int], tuple[int, bool]] = {}  # `dispatch_prepare`'s per (bucket, buffer length)
 
     # --- updates ---------------------------------------------------------------------------
 
@@ -244,15 +243,9 @@ class ServingBatch:
         the leading buffers (if any), then the one call; the caller keeps the checked mirror."""
         for buffer in packed.before:
             self._apply(buffer)
-        door = self._doors.get((num_tokens_padded, len(packed.step)))
-        if door is None:  # (`door_words`, whether the bucket is a decode step's), once per bucket and buffer length
-            door = self._doors[num_tokens_padded, len(packed.step)] = (
-                door_words(self.config, num_tokens_padded, len(packed.step)),
-                num_tokens_padded in steady_buckets(self.config))
-        words, steady_bucket = door
         # a decode step: the smaller program (`steady_programs`, `update_packing.is_steady`, `steady_buckets`)
-        steady = steady_bucket and self.steady_programs and packed.steady
-        buffer = pad_to(packed.step, words)  # `door_buffer`
+        steady = self.steady_programs and packed.steady and num_tokens_padded in steady_buckets(self.config)
+        buffer = door_buffer(self.config, num_tokens_padded, packed.step)
         self.state, step = run(self.executables, ("door", num_tokens_padded, len(buffer), steady),
                                update_and_prepare_buffer, self.state, buffer, config=self.config,
                                num_tokens_padded=num_tokens_padded, steady=steady)

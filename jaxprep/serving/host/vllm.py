@@ -135,7 +135,7 @@ class AdapterStep:
     def req_id_to_index(self) -> dict[str, int]:
         """request id -> batch row, vLLM's ``ModelRunnerOutput.req_id_to_index`` (built on first use: a loop that
         reads the rows from ``req_ids`` alone never pays for it)."""
-        return dict(zip(self.req_ids, range(len(self.req_ids))))
+        return _batch_rows(self.req_ids)
 
     @functools.cached_property
     def inputs(self) -> StepInputs | None:
@@ -328,8 +328,7 @@ class VllmAdapter:
         """vLLM's ``ModelRunnerOutput`` for ``step``: ``sampled_token_ids[i]`` the valid tokens of batch row i."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        req_ids = list(step.req_ids)
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=dict(zip(req_ids, range(len(req_ids)))),
+        return ModelRunnerOutput(req_ids=list(step.req_ids), req_id_to_index=_batch_rows(step.req_ids),
                                  sampled_token_ids=sampled_token_ids)
 
     # --- the translation ---------------------------------------------------------------------------
@@ -585,6 +584,11 @@ class VllmAdapter:
                 fail(f"{len(wanted)} adapters scheduled in one step, more than max_loras={len(slots)}")
             slots[free[0]] = lora_id
         return slots
+
+
+def _batch_rows(req_ids: list[str]) -> dict[str, int]:
+    """request id -> batch row (its place in ``req_ids``), a new dict each call."""
+    return dict(zip(req_ids, range(len(req_ids))))
 
 
 def _joins(scheduler_output, req_id) -> bool:
