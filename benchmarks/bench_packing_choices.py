@@ -1,6 +1,6 @@
 """Two packing choices of the door, each against what came before it: `VllmAdapter` on vLLM's scheduler, one process.
 
-    PYTHONPATH=. python benchmarks/bench_packing_choices.py [--choice leading|door] [--sizes 64,256,1024]
+    PYTHONPATH=. python benchmarks/bench_packing_choices.py [--choice leading|door|admissions] [--sizes 64,256,1024]
         [--steps 24] [--rounds 10]
 
 - ``--choice leading`` (default): a large update's leading buffers (`PackedStep.before`) cut at the bulk rung
@@ -9,7 +9,10 @@
   one widened);
 - ``--choice door``: the step's buffer padded to the first of its bucket's door rungs (`batch.door_rungs`: at
   most two per bucket, so the warm-up compiles at most two door programs per bucket) against the buffer at its
-  own rung (a door program per bucket and step rung).
+  own rung (a door program per bucket and step rung);
+- ``--choice admissions``: at the buckets that take a step's admissions whole (`batch.takes_admissions_whole`:
+  more tokens than the top step rung has words) the door's general program at the bulk rung, so an admission's
+  update and the step go in one call, against the top step rung there (a bulk `apply_packed`, then the door).
 
 Both sides replay bench_vllm_adapter.py's recorded ``SchedulerOutput``s (its workload: N requests at once,
 chunked prefills, then decodes) through ``VllmAdapter.step`` until the step is ready, alternating replay by
@@ -46,21 +49,27 @@ def top_ladder(config):
     return ladder._replace(leading=ladder.buckets)
 
 
-def own_rung(config, bucket, buffer):
+def own_rung(config, bucket, buffer, whole_admissions=False):
     """The step's buffer at its own rung, as before the door rungs."""
     return buffer
 
 
-def every_rung(config, bucket):
+def every_rung(config, bucket, whole_admissions=False):
     """Every step rung, as before the door rungs (the warm-up's door programs)."""
     return update_packing.step_payload_buckets(config)
+
+
+def step_rungs(config, bucket, whole_admissions=False):
+    """The door rungs without the bulk rung, as before a bucket took a step's admissions whole."""
+    return DOOR_RUNGS(config, bucket)
 
 
 def use(choice: str, after: bool) -> None:
     """The packing of ``choice``: as it is now (``after``) or as before it."""
     update_packing._ladder = BULK_LADDER if after or choice != "leading" else top_ladder
     batch_module.door_buffer = DOOR_BUFFER if after or choice != "door" else own_rung
-    batch_module.door_rungs = DOOR_RUNGS if after or choice != "door" else every_rung
+    batch_module.door_rungs = DOOR_RUNGS if after or choice not in ("door", "admissions") else \
+        every_rung if choice == "door" else step_rungs
 
 
 def replay(config, recorded: list) -> np.ndarray:
@@ -88,7 +97,7 @@ def warmup_size(config, after: bool, choice: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--choice", default="leading", choices=("leading", "door"))
+    parser.add_argument("--choice", default="leading", choices=("leading", "door", "admissions"))
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=10)

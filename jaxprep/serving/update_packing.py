@@ -284,10 +284,12 @@ def empty_columns(config: ServingConfig) -> UpdateColumns:
                          schedule=None, decode_steps=1, changed_words=0)
 
 
-def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np.ndarray) -> PackedStep:
+def pack_step(config: ServingConfig, updates: StepUpdates, num_blocks_before: np.ndarray,
+              step_words: int | None = None) -> PackedStep:
     """``updates`` (checked) as buffers of the ladder. ``num_blocks_before`` [max_num_reqs, tables]:
-    the rows' block counts before the update (`HostRows.table_blocks`), to place the appended blocks."""
-    return pack_columns(config, update_columns(config, updates, num_blocks_before))
+    the rows' block counts before the update (`HostRows.table_blocks`), to place the appended blocks.
+    ``step_words``: as in `pack_columns`."""
+    return pack_columns(config, update_columns(config, updates, num_blocks_before), step_words)
 
 
 class _Ladder(NamedTuple):
@@ -306,12 +308,18 @@ def _ladder(config: ServingConfig) -> _Ladder:
     return _Ladder(payload_layout(config), buckets, step_payload_buckets(config)[-1], buckets + bulk_rungs(config))
 
 
-def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
+def pack_columns(config: ServingConfig, columns: UpdateColumns, step_words: int | None = None) -> PackedStep:
     """``columns`` as buffers of the ladder: one, when it fits the serving step's rungs
     (`step_payload_buckets`); else the sections before the schedule greedily in buffers of at most the bulk rung
     (`bulk_rungs`; a split falls between entries, or between appended segments; each at the smallest rung that
-    holds it, the bulk rung above the top), applied first, and the schedule alone last."""
+    holds it, the bulk rung above the top), applied first, and the schedule alone last.
+
+    ``step_words``: the largest buffer the step that takes it runs at (default: the top step rung); where that is
+    the bulk rung (the door at a bucket that takes a step's admissions whole, `batch.door_rungs`), an update that
+    fits it, schedule included, goes as one buffer at the smallest rung of the ladder (bulk rung included) that
+    holds it."""
     ladder = _ladder(config)
+    whole = ladder.step_words if step_words is None else step_words
     lay = ladder.layout
     section = None if columns.schedule is None else _schedule_section(columns.schedule, lay)
     schedule_words = 0 if section is None else section[1]
@@ -319,8 +327,9 @@ def pack_columns(config: ServingConfig, columns: UpdateColumns) -> PackedStep:
     content = (len(columns.finish) + columns.add.size + columns.resume.size + columns.segments.size + schedule_words
                + (0 if columns.lora is None else lay.max_loras)
                + len(columns.add_data) + len(columns.resume_data) + len(columns.segment_data))
-    if HEADER_WORDS + content <= ladder.step_words:
-        step = _encode(ladder.buckets, columns, section, columns.decode_steps)
+    if HEADER_WORDS + content <= whole:  # the ladder's rungs up to the top step rung are its payload rungs
+        step = _encode(ladder.buckets if whole <= ladder.step_words else ladder.leading, columns, section,
+                       columns.decode_steps)
         return PackedStep(before=(), step=step, content_words=content, changed_words=changed)
     parts = _split(ladder.leading[-1], columns, _item_words(lay, columns))
     before = tuple(_encode(ladder.leading, part, None, 1) for part in parts)

@@ -22,10 +22,10 @@ from jaxprep import FeatureConfig, PrepConfig
 from jaxprep.serving import Engine, ServingBatch, ServingConfig, StepUpdates, check_against_dense, random_workload
 from jaxprep.serving.host import batch as batch_module
 from jaxprep.serving.host import sharded as sharded_module
-from jaxprep.serving.host.batch import door_buffer, door_rungs, steady_buckets
+from jaxprep.serving.host.batch import door_buffer, door_rungs, door_step_words, steady_buckets, takes_admissions_whole
 from jaxprep.serving.host.dp_engine import DataParallelEngine
 from jaxprep.serving.step import update_and_prepare_buffer
-from jaxprep.serving.update_packing import is_steady, pad_to, step_payload_buckets
+from jaxprep.serving.update_packing import bulk_rungs, is_steady, pad_to, step_payload_buckets
 from jaxprep.sharding import data_mesh
 from support.loop_workloads import MODEL, make_config
 from support.run_keys import recording_run, run_after_warmup
@@ -136,6 +136,52 @@ def test_a_run_uses_only_the_warm_ups_door_programs(monkeypatch):
     assert {key[3] for key in doors} == {False, True} and {key[1] for key in doors} == {8, 32, 64}
     assert all(key in warmed for key in doors), (doors, warmed)
     assert not any(batch.errors().values())
+
+
+def test_a_bucket_past_the_top_step_rung_takes_a_steps_admissions_whole(monkeypatch):
+    """64 rows, a budget of 512: buckets holding more tokens than the top step rung has words take a step's
+    admissions whole (the door's general program at the bulk rung, the top of its `door_rungs`). Four new
+    requests of 100 tokens each (400 words of prompt, more than the top step rung) at bucket 512: one door call,
+    nothing applied first; the state and the step equal the same update applied alone (a bulk
+    `apply_packed`, then the schedule) and then prepared (`prepare_padded`). Negative controls: packed without
+    the bucket the same update splits (so the test crosses the rung), and a changed prompt token is seen."""
+    config = _config(64, 256, 512)
+    top, bulk = step_payload_buckets(config)[-1], bulk_rungs(config)[0]
+    buckets = config.prep.reachable_buckets
+    assert [b for b in buckets if takes_admissions_whole(config, b)] == [b for b in buckets if b > top] != []
+    assert all(door_rungs(config, b, True) == tuple(r for r in door_rungs(config, b) if r < top) + (bulk,)
+               for b in buckets if b > top)
+    assert all(door_rungs(config, b, True) == door_rungs(config, b) for b in buckets if b <= top)
+    assert door_step_words(config, 512) == bulk and door_step_words(config, buckets[0]) == top
+
+    def admission(first_token: int) -> StepUpdates:
+        adds = [dict(row=r, token_ids=[first_token if r == 0 else 0] + [(t + r) % VOCAB for t in range(1, 100)],
+                     block_ids=list(range(1 + 25 * r, 26 + 25 * r))) for r in range(4)]
+        counts = np.zeros(config.max_num_reqs, np.int64)
+        counts[:4] = 100
+        return StepUpdates.build(config, add=adds, num_scheduled_tokens=counts)
+
+    updates = admission(7)
+    assert config.prep.bucket_for(400) == 512 > top
+    assert len(ServingBatch(config).pack(updates).before) == 1  # without the bucket: a bulk buffer, then the step
+    one_call = ServingBatch(config)
+    keys, applied = [], []
+    monkeypatch.setattr(batch_module, "run", recording_run(keys))
+    real_apply = batch_module.apply_buffer
+    monkeypatch.setattr(batch_module, "apply_buffer", lambda *a, **k: applied.append(len(a[2])) or real_apply(*a, **k))
+    step = one_call.update_and_prepare(updates, 512).to_numpy()
+    assert keys == [("door", 512, bulk, False)] and applied == []
+    two_calls = ServingBatch(config)
+    two_calls.apply_updates(updates)
+    assert applied == [bulk, step_payload_buckets(config)[0]]  # the bulk buffer, then the schedule alone
+    expected = jax.tree.map(np.asarray, two_calls.prepare(512))
+    for name, value in two_calls.state.to_numpy().items():
+        np.testing.assert_array_equal(one_call.state.to_numpy()[name], value, err_msg=name)
+    for got, want in zip(jax.tree.leaves(step), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not any(one_call.errors().values())
+    changed = ServingBatch(config).update_and_prepare(admission(8), 512).to_numpy()
+    assert not np.array_equal(changed.input_ids, step.input_ids)
 
 
 def _step_words(step) -> np.ndarray:

@@ -126,13 +126,17 @@ class ServingBatch:
     def schedule(self, payload: Schedule) -> None:
         self.apply_updates(_only(self.config, schedule=payload))
 
-    def pack(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate) -> PackedStep:
-        """``updates`` (checked by the caller) as the buffers to send; counts their bytes."""
+    def pack(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate,
+             num_tokens_padded: int | None = None) -> PackedStep:
+        """``updates`` (checked by the caller) as the buffers to send; counts their bytes. ``num_tokens_padded``:
+        the bucket the door prepares them at (`update_and_prepare`), whose top rung the step's buffer may fill
+        (`door_step_words`); None for updates applied alone or by the `Engine`'s serving step."""
         if isinstance(updates, CheckedUpdate):
             return self._counted(updates.packed)
+        words = None if num_tokens_padded is None else door_step_words(self.config, num_tokens_padded)
         if isinstance(updates, ColumnsUpdate):
-            return self._counted(pack_columns(self.config, updates.columns))
-        return self._counted(pack_step(self.config, updates, self.rows.table_blocks))
+            return self._counted(pack_columns(self.config, updates.columns, words))
+        return self._counted(pack_step(self.config, updates, self.rows.table_blocks, words))
 
     def _checked(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate
                  ) -> tuple[checks.HostRows, StepUpdates | ColumnsUpdate | CheckedUpdate]:
@@ -156,13 +160,17 @@ class ServingBatch:
 
     # --- an update read straight into columns (`UpdateColumns`) ----------------------------------
 
-    def check_columns(self, columns: UpdateColumns) -> CheckedUpdate | None:
+    def check_columns(self, columns: UpdateColumns, num_tokens_padded: int | None = None) -> CheckedUpdate | None:
         """``columns`` checked at once against the mirror (`column_checks.check_columns`) and packed, for
         `apply_updates` or `update_and_prepare` to send as they are; None, with nothing changed, if a bound breaks
         or the columns hold what that check does not cover: check the update the general way then, which names
-        the bound."""
+        the bound. ``num_tokens_padded``: the bucket `update_and_prepare` will prepare them at (packed for its door
+        rungs, as `pack` packs); None for `apply_updates`."""
         rows = column_checks.check_columns(self.rows, columns, self.config)
-        return None if rows is None else CheckedUpdate(pack_columns(self.config, columns), rows)
+        if rows is None:
+            return None
+        words = None if num_tokens_padded is None else door_step_words(self.config, num_tokens_padded)
+        return CheckedUpdate(pack_columns(self.config, columns, words), rows)
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
@@ -185,7 +193,7 @@ class ServingBatch:
         """
         start = time.perf_counter()
         buckets, updates = self.config.prep.reachable_buckets, payload_buckets(self.config)
-        doors = sum(map(len, door_programs(self.config, buckets).values()))
+        doors = sum(map(len, door_programs(self.config, buckets, whole_admissions=True).values()))
         why = (f"the update and the step at {describe_buckets(buckets)}, {counted(doors, 'door program')} (one or "
                f"two update sizes each), each for any update and at a decode's buckets for steady ones, the updates "
                f"alone at the top of "
@@ -199,7 +207,7 @@ class ServingBatch:
         config, buckets = self.config, self.config.prep.reachable_buckets[::-1]
         for steady in (False, True):  # any update, then the steady ones' smaller programs at a decode's buckets
             at = tuple(b for b in buckets if not steady or b in steady_buckets(config))
-            for words, door_buckets in door_programs(config, at).items():
+            for words, door_buckets in door_programs(config, at, whole_admissions=not steady).items():
                 for bucket in door_buckets:
                     yield Executable(("door", bucket, words, steady), update_and_prepare_buffer,
                                      (self.state, _empty(words)), dict(config=config, num_tokens_padded=bucket,
@@ -228,13 +236,14 @@ class ServingBatch:
                            num_tokens_padded: int) -> StepBuffer:
         """Checks ``updates``, then applies them and prepares the step in ONE jitted call (the state donated,
         `step.update_and_prepare_buffer`); returns the step as one `StepBuffer` (`StepBuffer.inputs` for its
-        `StepInputs`, `torch_bridge.to_torch` for torch). As in `serve`, an update too big for the step's
-        payload rungs (`step_payload_buckets`) sends its leading buffers first (`transitions.apply_packed`).
+        `StepInputs`, `torch_bridge.to_torch` for torch). An update too big for the bucket's door rungs
+        (`door_rungs`: the step payload rungs, and at a bucket that takes admissions whole the bulk rung) sends
+        its leading buffers first (`transitions.apply_packed`), as `serve` does past the step payload rungs.
         Raises `InvalidUpdateError` with nothing dispatched, also for a bucket that is not one of
         ``config.prep.token_buckets`` or that the scheduled total does not fit."""
         rows, updates = self._checked(updates)
         check_bucket(rows, num_tokens_padded, self.config)
-        step = self.dispatch_prepare(self.pack(updates), num_tokens_padded)
+        step = self.dispatch_prepare(self.pack(updates, num_tokens_padded), num_tokens_padded)
         self.rows = rows
         return step
 
@@ -245,7 +254,7 @@ class ServingBatch:
             self._apply(buffer)
         # a decode step: the smaller program (`steady_programs`, `update_packing.is_steady`, `steady_buckets`)
         steady = self.steady_programs and packed.steady and num_tokens_padded in steady_buckets(self.config)
-        buffer = door_buffer(self.config, num_tokens_padded, packed.step)
+        buffer = door_buffer(self.config, num_tokens_padded, packed.step, whole_admissions=not steady)
         self.state, step = run(self.executables, ("door", num_tokens_padded, len(buffer), steady),
                                update_and_prepare_buffer, self.state, buffer, config=self.config,
                                num_tokens_padded=num_tokens_padded, steady=steady)
@@ -375,7 +384,7 @@ def steady_buckets(config: ServingConfig) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
+def door_rungs(config: ServingConfig, bucket: int, whole_admissions: bool = False) -> tuple[int, ...]:
     """The step payload rungs (`step_payload_buckets`) the door's step is compiled at for ``bucket``: the smallest
     that holds a step of as many scheduled rows as the bucket has tokens (max_num_reqs at most), each a sparse
     schedule entry with its drafts and an appended block in every table, with the LoRA slots; and the top one.
@@ -383,6 +392,11 @@ def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
     compiles at most two door programs per bucket, not one per rung (at 256 requests 28 in place of 140,
     `ServingBatch.warmup`), and the `Engine`'s fused serving step likewise (`serve`); the device reads a buffer
     only as far as its header counts, so the padding changes nothing but the sections' static sizes.
+
+    ``whole_admissions`` (the door's general program, `ServingBatch.update_and_prepare`): at a bucket that takes
+    a step's admissions whole (`takes_admissions_whole`) the top rung is the bulk rung (`bulk_rungs`), so such a
+    step's update and the step go in one call, not a bulk `transitions.apply_packed` and the door; as many
+    programs as before.
 
     ```
     # 256 rows, rungs (64, 96, 144, 224, 336, 512, 768), 2 schedule fields, 1 table:
@@ -393,25 +407,47 @@ def door_rungs(config: ServingConfig, bucket: int) -> tuple[int, ...]:
     n = min(bucket, config.max_num_reqs)
     words = (HEADER_WORDS + n * len(lay.schedule_fields) + n * lay.num_tables * (len(SEGMENT_FIELDS) + 1)
              + lay.max_loras)
-    return tuple(sorted({next((r for r in rungs if r >= words), rungs[-1]), rungs[-1]}))
+    smallest, top = next((r for r in rungs if r >= words), rungs[-1]), rungs[-1]
+    if whole_admissions and takes_admissions_whole(config, bucket):
+        return (*((smallest,) if smallest < top else ()), bulk_rungs(config)[0])
+    return tuple(sorted({smallest, top}))
 
 
-def door_programs(config: ServingConfig, buckets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
-    """The door programs a warm-up compiles at ``buckets``: per step payload rung (`step_payload_buckets`, rung by
-    rung), the buckets, in their order, whose `door_rungs` include it."""
-    return {words: tuple(b for b in buckets if words in door_rungs(config, b))
-            for words in step_payload_buckets(config)}
+def takes_admissions_whole(config: ServingConfig, bucket: int) -> bool:
+    """Whether the door's general program at ``bucket`` runs at the bulk rung (`door_rungs`): where the bucket
+    holds more tokens than the top step rung has words, so a step that fills it with new requests' prompts
+    (a word per token) never fits that rung, and there is a bulk rung (`bulk_rungs`) to hold it.
+
+    ```
+    # 64 rows, step rungs (64, 96, 144), bulk rung 1728: buckets 192, 256, ..., 1024 -> True; 128 -> False
+    ```
+    """
+    return bucket > step_payload_buckets(config)[-1] and bool(bulk_rungs(config))
 
 
-def door_words(config: ServingConfig, bucket: int, words: int) -> int:
+def door_programs(config: ServingConfig, buckets: tuple[int, ...],
+                  whole_admissions: bool = False) -> dict[int, tuple[int, ...]]:
+    """The door programs a warm-up compiles at ``buckets``: per payload rung (`door_rungs`, rung by rung), the
+    buckets, in their order, whose `door_rungs` include it."""
+    rungs = {b: door_rungs(config, b, whole_admissions) for b in buckets}
+    return {words: tuple(b for b in buckets if words in rungs[b]) for words in sorted(set().union(*rungs.values()))}
+
+
+def door_words(config: ServingConfig, bucket: int, words: int, whole_admissions: bool = False) -> int:
     """The first of ``bucket``'s `door_rungs` that holds a step's buffer of ``words`` words (``words`` itself for a
-    buffer longer than the top step rung, which `pack_step` never makes: it goes as it is)."""
-    return next((r for r in door_rungs(config, bucket) if r >= words), words)
+    buffer longer than the top rung, which `pack_step` never makes: it goes as it is)."""
+    return next((r for r in door_rungs(config, bucket, whole_admissions) if r >= words), words)
 
 
-def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray) -> np.ndarray:
+def door_step_words(config: ServingConfig, bucket: int) -> int:
+    """The largest buffer the door's general program takes at ``bucket`` (its top `door_rungs`): what a step's update
+    is packed to fit whole (`update_packing.pack_columns`)."""
+    return door_rungs(config, bucket, True)[-1]
+
+
+def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray, whole_admissions: bool = False) -> np.ndarray:
     """A step's buffer padded with zeros to the first of ``bucket``'s `door_rungs` that holds it."""
-    return pad_to(buffer, door_words(config, bucket, len(buffer)))
+    return pad_to(buffer, door_words(config, bucket, len(buffer), whole_admissions))
 
 
 def apply_buffer(executables: dict, state: ServingState, buffer, config: ServingConfig, apply=None,

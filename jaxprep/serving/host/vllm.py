@@ -351,13 +351,16 @@ class VllmAdapter:
                                            or getattr(scheduler_output, "has_structured_output_requests", False)):
             return None
         step = self._columns.read(scheduler_output, RequestMap(self.rows, self.admitted, self._free), self.batch.rows)
-        checked = None if step is None else self.batch.check_columns(step.columns)
+        if step is None:
+            return None
+        prep = self.config.prep  # packed for the door at the step's bucket (a total past the budget: refused below)
+        padded = prep.bucket_for(step.total) if 0 < step.total <= prep.max_num_batched_tokens else None
+        checked = self.batch.check_columns(step.columns, padded)
         if checked is None:
             return None
-        total, prep = step.total, self.config.prep
         return _Plan(updates=None, checked=checked, requests=step.requests, lora_slots=None, verifying={},
-                     scheduled=scheduler_output.num_scheduled_tokens, total=total,
-                     num_tokens_padded=prep.bucket_for(total) if total else 0, grammar=None,
+                     scheduled=scheduler_output.num_scheduled_tokens, total=step.total,
+                     num_tokens_padded=prep.bucket_for(step.total) if step.total else 0, grammar=None,
                      scheduled_rows=step.scheduled_rows)
 
     def _general_plan(self, scheduler_output, grammar_output) -> _Plan:
