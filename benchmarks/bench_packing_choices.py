@@ -49,19 +49,20 @@ def top_ladder(config):
     return ladder._replace(leading=ladder.buckets)
 
 
-def own_rung(config, bucket, buffer, whole_admissions=False):
+def own_rung(config, bucket, buffer, steady=False):
     """The step's buffer at its own rung, as before the door rungs."""
     return buffer
 
 
-def every_rung(config, bucket, whole_admissions=False):
+def every_rung(config, bucket, steady=False):
     """Every step rung, as before the door rungs (the warm-up's door programs)."""
     return update_packing.step_payload_buckets(config)
 
 
-def step_rungs(config, bucket, whole_admissions=False):
-    """The door rungs without the bulk rung, as before a bucket took a step's admissions whole."""
-    return DOOR_RUNGS(config, bucket)
+def step_rungs(config, bucket, steady=False):
+    """The door rungs without the bulk rung (the steady programs' for every program), as before a bucket took a
+    step's admissions whole."""
+    return DOOR_RUNGS(config, bucket, steady=True)
 
 
 def use(choice: str, after: bool) -> None:

@@ -22,7 +22,13 @@ from jaxprep import FeatureConfig, PrepConfig
 from jaxprep.serving import Engine, ServingBatch, ServingConfig, StepUpdates, check_against_dense, random_workload
 from jaxprep.serving.host import batch as batch_module
 from jaxprep.serving.host import sharded as sharded_module
-from jaxprep.serving.host.batch import door_buffer, door_rungs, door_step_words, steady_buckets, takes_admissions_whole
+from jaxprep.serving.host.batch import (
+    door_buffer,
+    door_rungs,
+    door_step_words,
+    steady_buckets,
+    takes_admissions_whole,
+)
 from jaxprep.serving.host.dp_engine import DataParallelEngine
 from jaxprep.serving.step import update_and_prepare_buffer
 from jaxprep.serving.update_packing import bulk_rungs, is_steady, pad_to, step_payload_buckets
@@ -48,13 +54,17 @@ def test_the_rungs_of_each_bucket_worked_out():
                 16: (144, 768),  # 122
                 32: (336, 768),  # 234
                 64: (512, 768),  # 458
-                96: (768,), 256: (768,), 1024: (768,)}  # 682 and more: the top alone
-    assert {bucket: door_rungs(config, bucket) for bucket in expected} == expected
+                96: (768,), 256: (768,), 768: (768,), 1024: (768,)}  # 682 and more: the top alone
+    assert {bucket: door_rungs(config, bucket, steady=True) for bucket in expected} == expected
+    # the general programs: at 1024 tokens (more than the top rung's 768 words) the bulk rung holds a whole
+    # admission, 10 + 256 add records of 6 fields + 1024 tokens + 1024 / 4 + 256 blocks = 3082 words: the ladder
+    # past 768 by halves, 1152, 1728, 2592, 3888
+    assert {bucket: door_rungs(config, bucket) for bucket in expected} == {**expected, 1024: (3888,)}
     assert door_rungs(_config(256, 256, 1024, drafts=2), 16)[0] == 224  # 5 schedule fields: 10 + 80 + 80 = 170
     buffer = np.arange(70, dtype=np.int32)
     assert len(door_buffer(config, 8, buffer)) == 96 and len(door_buffer(config, 8, buffer[:20])) == 96
     assert len(door_buffer(config, 8, np.zeros(200, np.int32))) == 768
-    assert len(door_buffer(config, 1024, buffer)) == 768
+    assert len(door_buffer(config, 1024, buffer, steady=True)) == 768 and len(door_buffer(config, 1024, buffer)) == 3888
     assert len(door_buffer(config, 8, np.zeros(1000, np.int32))) == 1000  # past the top: as it is, no error
 
 
@@ -122,7 +132,7 @@ def test_a_run_uses_only_the_warm_ups_door_programs(monkeypatch):
     batch.steady_programs = True  # as after the warm-up
     warmed = [e.key for e in batch._warmup_executables() if e.key[0] == "door"]
     buckets = config.prep.reachable_buckets
-    expected = [(b, w, s) for s in (False, True) for b in buckets for w in door_rungs(config, b)
+    expected = [(b, w, s) for s in (False, True) for b in buckets for w in door_rungs(config, b, s)
                 if not s or b in steady_buckets(config)]
     assert sorted(key[1:] for key in warmed) == sorted(expected)
     assert len(warmed) < len(step_payload_buckets(config)) * (len(buckets) + len(steady_buckets(config)))
@@ -149,9 +159,9 @@ def test_a_bucket_past_the_top_step_rung_takes_a_steps_admissions_whole(monkeypa
     top, bulk = step_payload_buckets(config)[-1], bulk_rungs(config)[0]
     buckets = config.prep.reachable_buckets
     assert [b for b in buckets if takes_admissions_whole(config, b)] == [b for b in buckets if b > top] != []
-    assert all(door_rungs(config, b, True) == tuple(r for r in door_rungs(config, b) if r < top) + (bulk,)
+    assert all(door_rungs(config, b) == tuple(r for r in door_rungs(config, b, steady=True) if r < top) + (bulk,)
                for b in buckets if b > top)
-    assert all(door_rungs(config, b, True) == door_rungs(config, b) for b in buckets if b <= top)
+    assert all(door_rungs(config, b) == door_rungs(config, b, steady=True) for b in buckets if b <= top)
     assert door_step_words(config, 512) == bulk and door_step_words(config, buckets[0]) == top
 
     def admission(first_token: int) -> StepUpdates:
@@ -223,3 +233,42 @@ def test_the_engines_serving_step_runs_at_the_door_rungs(monkeypatch):
     tokens = {r.request_id: r.output_token_ids for r in sharded.run()}
     assert tokens == {r.request_id: r.output_token_ids for r in finished}
     assert {key for key in shard_keys if key[0] == "serve_step"} <= set(warmed)
+
+
+BULK_ENGINE_CONFIG = make_config(budget=128, block_size=4, num_blocks=72, max_num_reqs=4, max_model_len=64,
+                                 decode_steps=1)
+"""4 rows: one step rung (64 words), a bulk rung of 224; buckets 96 and 128 take a step's admissions whole."""
+
+
+def test_the_engines_serving_step_takes_a_steps_admissions_whole(monkeypatch):
+    """The fused `serve_step` at a bucket past the top step rung runs at the bulk rung (`door_rungs`), so a step
+    that admits long prompts there is one call: in a run after the warm-up, an update applied apart
+    (`apply_packed`) comes only before a step at a bucket of the step rung, steps at 96 and 128 tokens run at
+    the bulk rung, nothing compiles after the warm-up, and the greedy tokens pass the dense recomputation; the
+    data-parallel engine (one device) gives the same tokens with the warm-up's programs."""
+    config = BULK_ENGINE_CONFIG
+    buckets = config.prep.reachable_buckets
+    assert step_payload_buckets(config) == (64,) and bulk_rungs(config) == (224,)
+    assert {b: door_rungs(config, b) for b in buckets} == {8: (64,), 16: (64,), 32: (64,), 64: (64,), 96: (224,),
+                                                            128: (224,)}
+    workload = random_workload(11, num_requests=6, vocab_size=MODEL.vocab_size, prompt_len=(30, 56),
+                               max_tokens=(2, 5), arrival_spread=2)
+    engine = Engine(config, MODEL, seed=0)
+    warmed = [e.key for e in engine._warmup_executables()]
+    assert sorted(key[2:] for key in warmed if key[0] == "serve_step") == sorted(
+        (b, w) for b in buckets for w in door_rungs(config, b))
+    finished, compiles, keys = run_after_warmup(engine, workload, monkeypatch)
+    assert compiles == 0 and len(finished) == len(workload.requests)
+    steps = [(i, key) for i, key in enumerate(keys) if key[0] == "serve_step"]
+    assert {key[3] for _, key in steps if key[2] > 64} == {224}  # admissions whole at 96 and 128 tokens
+    applied_before = [next(key for j, key in steps if j > i) for i, key in enumerate(keys) if key[0] == "apply"]
+    assert all(key[2] <= 64 for key in applied_before), applied_before
+    assert check_against_dense(engine.params, MODEL, finished, config.max_model_len).passed
+    sharded = DataParallelEngine(config, MODEL, data_mesh(1), seed=0)
+    shard_keys = []
+    monkeypatch.setattr(sharded_module, "run", recording_run(shard_keys))
+    sharded.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
+    tokens = {r.request_id: r.output_token_ids for r in sharded.run()}
+    assert tokens == {r.request_id: r.output_token_ids for r in finished}
+    assert {key for key in shard_keys if key[0] == "serve_step"} <= set(warmed)
+    assert any(key[0] == "serve_step" and key[3] == 224 for key in shard_keys)

@@ -79,8 +79,8 @@ def test_updates_too_big_for_the_step_buffer_go_first():
     engine = Engine(config, MODEL, seed=4)
     first_buffers = []
     pack = engine.batch.pack
-    engine.batch.pack = lambda updates: (lambda packed: (first_buffers.append(len(packed.before)), packed)[1])(
-        pack(updates))
+    engine.batch.pack = lambda updates, *bucket: (lambda packed: (first_buffers.append(len(packed.before)),
+                                                                   packed)[1])(pack(updates, *bucket))
     engine.submit(workload.requests)
     finished = engine.run()
     assert sum(first_buffers) > 0 and len(finished) == 12

@@ -129,8 +129,8 @@ class ServingBatch:
     def pack(self, updates: StepUpdates | ColumnsUpdate | CheckedUpdate,
              num_tokens_padded: int | None = None) -> PackedStep:
         """``updates`` (checked by the caller) as the buffers to send; counts their bytes. ``num_tokens_padded``:
-        the bucket the door prepares them at (`update_and_prepare`), whose top rung the step's buffer may fill
-        (`door_step_words`); None for updates applied alone or by the `Engine`'s serving step."""
+        the bucket of the step that takes them (the door's `update_and_prepare`, the `Engine`'s `serve`), whose
+        top rung the step's buffer may fill (`door_step_words`); None for updates applied alone."""
         if isinstance(updates, CheckedUpdate):
             return self._counted(updates.packed)
         words = None if num_tokens_padded is None else door_step_words(self.config, num_tokens_padded)
@@ -178,8 +178,9 @@ class ServingBatch:
                cache_dir: str | os.PathLike | None = None) -> float:
         """Compiles what a step driven from outside can use, so no update or step compiles later; returns
         seconds. Per token bucket a step can reach (`PrepConfig.reachable_buckets`) and each of its door rungs
-        (`door_rungs`: one or two step payload rungs) the door's step (`update_and_prepare`), and its steady
-        program at the buckets of a decode step (`steady_buckets`); the updates sent alone or
+        (`door_rungs`: one or two payload rungs, the bulk rung on top where a bucket takes admissions whole) the
+        door's step (`update_and_prepare`), and its steady program at the buckets of a decode step
+        (`steady_buckets`, at the step rungs); the updates sent alone or
         first (`transitions.apply_packed` at the top payload rung, `widen_packed` for each smaller rung, and at
         the bulk rung of a large update's leading buffers, `update_packing.bulk_rungs`);
         `prepare` per bucket. One pool compiles them all, the largest first, while the next is lowered
@@ -193,7 +194,7 @@ class ServingBatch:
         """
         start = time.perf_counter()
         buckets, updates = self.config.prep.reachable_buckets, payload_buckets(self.config)
-        doors = sum(map(len, door_programs(self.config, buckets, whole_admissions=True).values()))
+        doors = sum(map(len, door_programs(self.config, buckets).values()))
         why = (f"the update and the step at {describe_buckets(buckets)}, {counted(doors, 'door program')} (one or "
                f"two update sizes each), each for any update and at a decode's buckets for steady ones, the updates "
                f"alone at the top of "
@@ -207,7 +208,7 @@ class ServingBatch:
         config, buckets = self.config, self.config.prep.reachable_buckets[::-1]
         for steady in (False, True):  # any update, then the steady ones' smaller programs at a decode's buckets
             at = tuple(b for b in buckets if not steady or b in steady_buckets(config))
-            for words, door_buckets in door_programs(config, at, whole_admissions=not steady).items():
+            for words, door_buckets in door_programs(config, at, steady).items():
                 for bucket in door_buckets:
                     yield Executable(("door", bucket, words, steady), update_and_prepare_buffer,
                                      (self.state, _empty(words)), dict(config=config, num_tokens_padded=bucket,
@@ -254,7 +255,7 @@ class ServingBatch:
             self._apply(buffer)
         # a decode step: the smaller program (`steady_programs`, `update_packing.is_steady`, `steady_buckets`)
         steady = self.steady_programs and packed.steady and num_tokens_padded in steady_buckets(self.config)
-        buffer = door_buffer(self.config, num_tokens_padded, packed.step, whole_admissions=not steady)
+        buffer = door_buffer(self.config, num_tokens_padded, packed.step, steady)
         self.state, step = run(self.executables, ("door", num_tokens_padded, len(buffer), steady),
                                update_and_prepare_buffer, self.state, buffer, config=self.config,
                                num_tokens_padded=num_tokens_padded, steady=steady)
@@ -351,7 +352,8 @@ class ServingBatch:
         rows, checked = self._checked(updates)
         decode_steps = int(np.asarray(checked.decode_steps)[0])
         checks.check_step(rows, decode_steps, num_tokens_padded, self.config)
-        packed = self.pack(checked) if packed is None or checked is not updates else packed  # what was checked
+        if packed is None or checked is not updates:  # what was checked, packed for the step's bucket
+            packed = self.pack(checked, num_tokens_padded)
         for buffer in packed.before:
             self._apply(buffer)
         if self.separate_updates:
@@ -384,7 +386,7 @@ def steady_buckets(config: ServingConfig) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def door_rungs(config: ServingConfig, bucket: int, whole_admissions: bool = False) -> tuple[int, ...]:
+def door_rungs(config: ServingConfig, bucket: int, steady: bool = False) -> tuple[int, ...]:
     """The step payload rungs (`step_payload_buckets`) the door's step is compiled at for ``bucket``: the smallest
     that holds a step of as many scheduled rows as the bucket has tokens (max_num_reqs at most), each a sparse
     schedule entry with its drafts and an appended block in every table, with the LoRA slots; and the top one.
@@ -393,14 +395,15 @@ def door_rungs(config: ServingConfig, bucket: int, whole_admissions: bool = Fals
     `ServingBatch.warmup`), and the `Engine`'s fused serving step likewise (`serve`); the device reads a buffer
     only as far as its header counts, so the padding changes nothing but the sections' static sizes.
 
-    ``whole_admissions`` (the door's general program, `ServingBatch.update_and_prepare`): at a bucket that takes
-    a step's admissions whole (`takes_admissions_whole`) the top rung is the bulk rung (`bulk_rungs`), so such a
-    step's update and the step go in one call, not a bulk `transitions.apply_packed` and the door; as many
-    programs as before.
+    A general program (any update: the door's, the `Engine`'s serving step) at a bucket that takes a step's
+    admissions whole (`takes_admissions_whole`) has the bulk rung (`bulk_rungs`) for its top, so such a step's
+    update and the step go in one call, not a bulk `transitions.apply_packed` and then the step; as many programs
+    as before. A ``steady`` program (the door's, for updates that add no row) keeps the top step rung.
 
     ```
     # 256 rows, rungs (64, 96, 144, 224, 336, 512, 768), 2 schedule fields, 1 table:
     #   bucket 8: 10 + 8 * 2 + 8 * 5 = 66 words -> (96, 768); bucket 256 -> (768,)
+    # and with a bulk rung of 3888 words: bucket 1024 (more tokens than 768 words) -> (3888,), steady (768,)
     ```
     """
     lay, rungs = payload_layout(config), step_payload_buckets(config)
@@ -408,13 +411,13 @@ def door_rungs(config: ServingConfig, bucket: int, whole_admissions: bool = Fals
     words = (HEADER_WORDS + n * len(lay.schedule_fields) + n * lay.num_tables * (len(SEGMENT_FIELDS) + 1)
              + lay.max_loras)
     smallest, top = next((r for r in rungs if r >= words), rungs[-1]), rungs[-1]
-    if whole_admissions and takes_admissions_whole(config, bucket):
+    if not steady and takes_admissions_whole(config, bucket):
         return (*((smallest,) if smallest < top else ()), bulk_rungs(config)[0])
     return tuple(sorted({smallest, top}))
 
 
 def takes_admissions_whole(config: ServingConfig, bucket: int) -> bool:
-    """Whether the door's general program at ``bucket`` runs at the bulk rung (`door_rungs`): where the bucket
+    """Whether the general programs at ``bucket`` run at the bulk rung (`door_rungs`): where the bucket
     holds more tokens than the top step rung has words, so a step that fills it with new requests' prompts
     (a word per token) never fits that rung, and there is a bulk rung (`bulk_rungs`) to hold it.
 
@@ -425,29 +428,28 @@ def takes_admissions_whole(config: ServingConfig, bucket: int) -> bool:
     return bucket > step_payload_buckets(config)[-1] and bool(bulk_rungs(config))
 
 
-def door_programs(config: ServingConfig, buckets: tuple[int, ...],
-                  whole_admissions: bool = False) -> dict[int, tuple[int, ...]]:
-    """The door programs a warm-up compiles at ``buckets``: per payload rung (`door_rungs`, rung by rung), the
-    buckets, in their order, whose `door_rungs` include it."""
-    rungs = {b: door_rungs(config, b, whole_admissions) for b in buckets}
+def door_programs(config: ServingConfig, buckets: tuple[int, ...], steady: bool = False) -> dict[int, tuple[int, ...]]:
+    """The door programs (general, or ``steady``) a warm-up compiles at ``buckets``: per payload rung (`door_rungs`,
+    rung by rung), the buckets, in their order, whose `door_rungs` include it."""
+    rungs = {b: door_rungs(config, b, steady) for b in buckets}
     return {words: tuple(b for b in buckets if words in rungs[b]) for words in sorted(set().union(*rungs.values()))}
 
 
-def door_words(config: ServingConfig, bucket: int, words: int, whole_admissions: bool = False) -> int:
+def door_words(config: ServingConfig, bucket: int, words: int, steady: bool = False) -> int:
     """The first of ``bucket``'s `door_rungs` that holds a step's buffer of ``words`` words (``words`` itself for a
     buffer longer than the top rung, which `pack_step` never makes: it goes as it is)."""
-    return next((r for r in door_rungs(config, bucket, whole_admissions) if r >= words), words)
+    return next((r for r in door_rungs(config, bucket, steady) if r >= words), words)
 
 
 def door_step_words(config: ServingConfig, bucket: int) -> int:
-    """The largest buffer the door's general program takes at ``bucket`` (its top `door_rungs`): what a step's update
-    is packed to fit whole (`update_packing.pack_columns`)."""
-    return door_rungs(config, bucket, True)[-1]
+    """The largest buffer a general program takes at ``bucket`` (its top `door_rungs`): what a step's update is
+    packed to fit whole (`update_packing.pack_columns`)."""
+    return door_rungs(config, bucket)[-1]
 
 
-def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray, whole_admissions: bool = False) -> np.ndarray:
+def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray, steady: bool = False) -> np.ndarray:
     """A step's buffer padded with zeros to the first of ``bucket``'s `door_rungs` that holds it."""
-    return pad_to(buffer, door_words(config, bucket, len(buffer), whole_admissions))
+    return pad_to(buffer, door_words(config, bucket, len(buffer), steady))
 
 
 def apply_buffer(executables: dict, state: ServingState, buffer, config: ServingConfig, apply=None,

@@ -157,8 +157,9 @@ class Engine:
 
     def warmup_plan(self) -> str:
         """What `warmup` compiles, in words: the serving step at each token bucket a step can reach and its door
-        rungs (`batch.door_rungs`: one or two step payload sizes; each bucket once with ``separate_updates``), and
-        the state updates alone at the top payload size (a widening for each other)."""
+        rungs (`batch.door_rungs`: one or two payload sizes, the bulk rung on top where a bucket takes admissions
+        whole; each bucket once with ``separate_updates``), and the state updates alone at the top payload size (a
+        widening for each other)."""
         separate = self.batch.separate_updates
         steps = "without its updates" if separate else \
             f"({counted(self._num_steps, 'program')}: one or two update sizes each)"
@@ -342,9 +343,10 @@ class Engine:
     # --- device hooks: one rank on one device ---------------------------------------------------
 
     def _pack(self, updates: list[StepUpdates], bucket: int) -> PackedStep:
-        """The step's packed updates; ``bucket``: its token bucket (`ServingBatch.serve` pads the step's buffer to
-        one of its door rungs, `batch.door_rungs`; the sharded batch pads while it stacks the ranks)."""
-        return self.batch.pack(updates[0])
+        """The step's packed updates for its token bucket ``bucket`` (a step's admissions whole where the bucket takes
+        them so, `batch.door_rungs`; `ServingBatch.serve` pads the step's buffer to one of its door rungs, the
+        sharded batch while it stacks the ranks)."""
+        return self.batch.pack(updates[0], bucket)
 
     def _empty_buffers(self, words: int):
         """An empty update of ``words`` words (what warm-up lowers each rung with)."""

@@ -28,7 +28,7 @@ from jaxprep.models.tiny import KVCache, ServingModel
 from jaxprep.prepare import prepare_padded
 from jaxprep.serving.config import ServingConfig
 from jaxprep.serving.host import checks
-from jaxprep.serving.host.batch import advance_rows, apply_buffer, door_words, update_executables
+from jaxprep.serving.host.batch import advance_rows, apply_buffer, door_step_words, door_words, update_executables
 from jaxprep.serving.state import ServingState, StepUpdates
 from jaxprep.serving.step import serve_body, update_and_prepare_body
 from jaxprep.serving.transitions import apply_updates_body
@@ -129,7 +129,9 @@ class ShardedServingBatch:
         that needs most; an empty buffer for the others) and the step's, each one array sharded by rank.
         ``num_tokens_padded``: the step's bucket, whose door rungs (`batch.door_rungs`) the step's buffers are
         padded to, as `serve` runs them (None: to the longest rank's rung, for `apply_updates`)."""
-        packs = [pack_step(self.config, u, rows.table_blocks) for u, rows in zip(updates, self.rows, strict=True)]
+        words = None if num_tokens_padded is None else door_step_words(self.config, num_tokens_padded)
+        packs = [pack_step(self.config, u, rows.table_blocks, words)
+                 for u, rows in zip(updates, self.rows, strict=True)]
         depth = max(len(p.before) for p in packs)
         before = [self._stacked([p.before[i] if i < len(p.before) else p.step[:0] for p in packs])
                   for i in range(depth)]
