@@ -226,13 +226,20 @@ def test_the_engines_serving_step_runs_at_the_door_rungs(monkeypatch):
     assert compiles == 0 and len(finished) == len(workload.requests)
     assert 64 in sizes and {key[3] for key in keys if key[0] == "serve_step"} == {96}
     assert check_against_dense(engine.params, MODEL, finished, ENGINE_CONFIG.max_model_len).passed
-    sharded = DataParallelEngine(ENGINE_CONFIG, MODEL, data_mesh(1), seed=0)
+    _check_the_data_parallel_engine(ENGINE_CONFIG, workload, finished, warmed, monkeypatch)
+
+
+def _check_the_data_parallel_engine(config, workload, finished, warmed, monkeypatch) -> list[tuple]:
+    """`DataParallelEngine` on a one-device mesh runs ``workload`` to the tokens of ``finished`` (the `Engine`'s),
+    its serving steps each a program of the `Engine`'s warm-up (``warmed``); returns the keys it ran."""
+    sharded = DataParallelEngine(config, MODEL, data_mesh(1), seed=0)
     shard_keys = []
     monkeypatch.setattr(sharded_module, "run", recording_run(shard_keys))
     sharded.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
     tokens = {r.request_id: r.output_token_ids for r in sharded.run()}
     assert tokens == {r.request_id: r.output_token_ids for r in finished}
     assert {key for key in shard_keys if key[0] == "serve_step"} <= set(warmed)
+    return shard_keys
 
 
 BULK_ENGINE_CONFIG = make_config(budget=128, block_size=4, num_blocks=72, max_num_reqs=4, max_model_len=64,
@@ -264,11 +271,5 @@ def test_the_engines_serving_step_takes_a_steps_admissions_whole(monkeypatch):
     applied_before = [next(key for j, key in steps if j > i) for i, key in enumerate(keys) if key[0] == "apply"]
     assert all(key[2] <= 64 for key in applied_before), applied_before
     assert check_against_dense(engine.params, MODEL, finished, config.max_model_len).passed
-    sharded = DataParallelEngine(config, MODEL, data_mesh(1), seed=0)
-    shard_keys = []
-    monkeypatch.setattr(sharded_module, "run", recording_run(shard_keys))
-    sharded.submit(copy.deepcopy(workload.requests), workload.arrival_steps)
-    tokens = {r.request_id: r.output_token_ids for r in sharded.run()}
-    assert tokens == {r.request_id: r.output_token_ids for r in finished}
-    assert {key for key in shard_keys if key[0] == "serve_step"} <= set(warmed)
+    shard_keys = _check_the_data_parallel_engine(config, workload, finished, warmed, monkeypatch)
     assert any(key[0] == "serve_step" and key[3] == 224 for key in shard_keys)
