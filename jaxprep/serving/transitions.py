@@ -472,3 +472,13 @@ def record_prev_tokens(state: ServingState, idx_mapping, sampled_token_ids, num_
                        vocab_bound: int | None = None) -> ServingState:
     """`record_prev_tokens_body`, jitted, the state donated."""
     return record_prev_tokens_body(state, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids, vocab_bound)
+
+
+@functools.partial(jax.jit, static_argnames=("vocab_bound",), donate_argnames=("state",))
+def record_with_prev_tokens(state: ServingState, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids=None,
+                            vocab_bound: int | None = None) -> ServingState:
+    """`record_prev_tokens_body`, then `record_sampled_body`, in one jitted call, the state donated: a step's record
+    under async scheduling (`FeatureConfig.async_tokens`), one dispatch where `record_prev_tokens` and
+    `record_sampled` take two; ``sampled_token_ids`` [B, n]."""
+    state = record_prev_tokens_body(state, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids, vocab_bound)
+    return record_sampled_body(state, idx_mapping, sampled_token_ids, num_sampled, vocab_bound)

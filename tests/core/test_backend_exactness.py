@@ -88,13 +88,15 @@ def _serving_args(config: ServingConfig):
 
 
 def _record_prev_tokens_case():
-    """What async scheduling keeps for the next step (FeatureConfig.async_tokens, 2 drafts)."""
+    """What async scheduling keeps for the next step (FeatureConfig.async_tokens, 2 drafts), alone and with the
+    step's record in the same call."""
     features = FeatureConfig(num_speculative_tokens=2, async_tokens=True)
     config = _serving_config(dataclasses.replace(SMALL, features=features))
     rows = SMALL.max_num_reqs
-    return ("serving.record_prev_tokens", transitions.record_prev_tokens,
-            (ServingState.empty(config), np.zeros(rows, np.int32), np.zeros((rows, 3), np.int32),
-             np.zeros(rows, np.int32), np.zeros((rows, 2), np.int32)), {})
+    return [(f"serving.{function.__name__}", function,
+             (ServingState.empty(config), np.zeros(rows, np.int32), np.zeros((rows, 3), np.int32),
+              np.zeros(rows, np.int32), np.zeros((rows, 2), np.int32)), {})
+            for function in (transitions.record_prev_tokens, transitions.record_with_prev_tokens)]
 
 
 def _cases():
@@ -133,7 +135,7 @@ def _cases():
         ("serving.widen_packed", widen_packed, (packed[:64],), dict(config=serving)),
         ("serving.record_sampled", transitions.record_sampled,
          (state, np.zeros(5, np.int32), np.zeros((5, 1), np.int32), np.zeros(5, np.int32)), {}),
-        _record_prev_tokens_case(),
+        *_record_prev_tokens_case(),
         ("serving.dense_logits", workload.dense_logits, (params, np.zeros(16, np.int32)), dict(model=MODEL)),
         # the streamed loader writes each chunk of a stacked parameter in place (a dynamic_update_slice)
         ("models.load._write_rows", load._write_rows,
@@ -234,6 +236,7 @@ COVERED = {
     "jaxprep.serving.step.update_and_prepare", "jaxprep.serving.step.update_and_prepare_donated",
     "jaxprep.serving.transitions.apply_packed", "jaxprep.serving.update_packing.widen_packed",
     "jaxprep.serving.transitions.record_sampled", "jaxprep.serving.transitions.record_prev_tokens",
+    "jaxprep.serving.transitions.record_with_prev_tokens",
     "jaxprep.serving.host.workload.dense_logits",
     "jaxprep.sharding.prepare_sharded", "jaxprep.serving.host.sharded.serve_step_sharded",
     "jaxprep.serving.host.sharded.apply_updates_sharded", "jaxprep.serving.host.sharded.update_and_prepare_sharded",

@@ -15,7 +15,7 @@ import pytest
 
 from jaxprep import FeatureConfig, KVCacheGroupSpec, LoRAConfig, PrepConfig, SamplingConfig, prepare_inputs
 from jaxprep.features.config import HybridConfig
-from jaxprep.serving import InvalidUpdateError, ServingBatch, ServingConfig, StepUpdates, pack_step
+from jaxprep.serving import InvalidUpdateError, ServingBatch, ServingConfig, StepUpdates, pack_step, transitions
 from jaxprep.serving import reference as ref
 from jaxprep.serving.state import AddRequests, ResumeRequests
 
@@ -343,6 +343,57 @@ def test_host_draft_proposals_get_named_errors_and_leave_the_state(drafts, messa
         batch.record_prev_tokens(np.array([0, 1]), np.array([[5], [6]]), np.array([1, 1]), np.array(drafts))
     for name, value in batch.state.to_numpy().items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_the_record_with_prev_tokens_is_both_records_in_one_call(where, monkeypatch):
+    """`record_with_prev_tokens` (async scheduling's record of a step) leaves the state and the mirror as
+    `record_prev_tokens` then `record_sampled` do, field by field, in one dispatch; with drafts, a rejected one
+    and a padded batch row, from device arrays (read-free) and from host arrays (checked). Negative control:
+    `record_sampled` alone leaves the previous-step fields as they were, so the comparison sees them."""
+    array = jnp.array if where == "device" else np.array
+    inputs = (array([0, 1, -1, -1]), array([[21, 30, 0], [13, 0, 0], [0] * 3, [0] * 3]), array([2, 1, 0, 0]),
+              array([[7, 8], [9, -1], [-1, -1], [-1, -1]]))
+    two, one, alone = (decoding_batch(ASYNC_SPEC) for _ in range(3))
+    for batch in (two, one, alone):  # a step with drafts on row 0
+        batch.record_sampled(np.array([0, 1, -1, -1]), np.array([[11], [12], [0], [0]]), np.array([1, 1, 0, 0]))
+        batch.apply_updates(StepUpdates.build(ASYNC_SPEC, num_scheduled_tokens=[3, 1, 0, 0],
+                                              num_draft_tokens=[2, 0, 0, 0],
+                                              draft_token_ids=[[21, 22], [0, 0], [0, 0], [0, 0]]))
+    two.record_prev_tokens(*inputs)
+    two.record_sampled(*inputs[:3])
+    calls = []
+    real = transitions.record_with_prev_tokens
+    monkeypatch.setattr(transitions, "record_with_prev_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    one.record_with_prev_tokens(*inputs)
+    alone.record_sampled(*inputs[:3])
+    assert calls == [1]
+    expected, got, control = two.state.to_numpy(), one.state.to_numpy(), alone.state.to_numpy()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert np.asarray(expected["prev_sampled_token_ids"])[:2].tolist() == [30, 13]
+    assert not np.array_equal(control["prev_draft_token_ids"], expected["prev_draft_token_ids"])
+    for name in ("num_tokens", "num_computed_tokens", "pending_drafts", "slack"):
+        np.testing.assert_array_equal(getattr(one.rows, name), getattr(two.rows, name), err_msg=name)
+    assert not any(one.errors().values())
+
+
+def test_a_refused_record_with_prev_tokens_records_nothing():
+    """A host record the checks refuse (a sampled id outside the vocabulary, or a draft proposal) raises, naming
+    it, before the one call: neither the previous-step fields nor the tokens nor the mirror change. (Two calls
+    would have kept the previous-step fields before `record_sampled` refused.)"""
+    for sampled, drafts, message in [([[99], [12], [0], [0]], [[7, 8], [9, 9], [-1, -1], [-1, -1]],
+                                      "sampled_token_ids[0][0] = 99 is outside"),
+                                     ([[11], [12], [0], [0]], [[7, 64], [9, 9], [-1, -1], [-1, -1]],
+                                      "draft_token_ids[1] = 64 is outside")]:
+        batch = decoding_batch(ASYNC_SPEC)
+        before, mirror = batch.state.to_numpy(), batch.rows.copy()
+        with pytest.raises(InvalidUpdateError, match=re.escape(message)):
+            batch.record_with_prev_tokens(np.array([0, 1, -1, -1]), np.array(sampled), np.array([1, 1, 0, 0]),
+                                          np.array(drafts))
+        for name, value in batch.state.to_numpy().items():
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+        np.testing.assert_array_equal(batch.rows.num_tokens, mirror.num_tokens)
 
 
 def test_device_draft_proposals_outside_the_vocabulary_set_a_bit_and_become_placeholders():

@@ -272,32 +272,50 @@ class ServingBatch:
         mirror advances by what the host knows (`checks.advance_unread`): rows with drafts become
         pending until a `ResumeRequests` entry states their ``num_computed_tokens``.
         """
-        arrays = (idx_mapping, sampled_token_ids, num_sampled)
-        bound = None if self.config.vocab_size is None else self.config.vocab_size
-        if any(isinstance(a, (jax.Array, StepBuffer)) for a in arrays):
-            idx_mapping, sampled_token_ids, num_sampled = _device_shapes(*arrays)
-            rows = checks.advance_unread(self.rows, self.config)
-        else:
-            rows = checks.check_record(self.rows, *arrays, self.config)
-            idx_mapping, num_sampled = (np.asarray(a, np.int32) for a in (idx_mapping, num_sampled))
-            sampled_token_ids = np.asarray(sampled_token_ids, np.int64).astype(np.int32)
-            if sampled_token_ids.ndim == 1:
-                sampled_token_ids = sampled_token_ids[:, None]
-        self.state = transitions.record_sampled(self.state, idx_mapping, sampled_token_ids, num_sampled,
-                                                vocab_bound=bound)
+        rows, arrays = self._record(idx_mapping, sampled_token_ids, num_sampled)
+        self.state = transitions.record_sampled(self.state, *arrays, vocab_bound=self.config.vocab_size)
         self.rows = rows
+
+    def _record(self, idx_mapping, sampled_token_ids, num_sampled):
+        """`record_sampled`'s checks: the mirror after the record, and the arrays to send (sampled [B, n])."""
+        arrays = (idx_mapping, sampled_token_ids, num_sampled)
+        if any(isinstance(a, (jax.Array, StepBuffer)) for a in arrays):
+            return checks.advance_unread(self.rows, self.config), _device_shapes(*arrays)
+        rows = checks.check_record(self.rows, *arrays, self.config)
+        idx_mapping, num_sampled = (np.asarray(a, np.int32) for a in (idx_mapping, num_sampled))
+        sampled_token_ids = np.asarray(sampled_token_ids, np.int64).astype(np.int32)
+        if sampled_token_ids.ndim == 1:
+            sampled_token_ids = sampled_token_ids[:, None]
+        return rows, (idx_mapping, sampled_token_ids, num_sampled)
 
     def record_prev_tokens(self, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids=None) -> None:
         """Under async scheduling with `FeatureConfig.async_tokens`: keeps this step's batch rows, last
         sampled tokens and the drafter's ``draft_token_ids`` [B, K] (device arrays, never read) for the
-        next step's ``input_ids`` (`transitions.record_prev_tokens`). Call it before `record_sampled`."""
-        if "prev_sampled_token_ids" not in self.state.layout:
-            raise ValueError("record_prev_tokens needs FeatureConfig.async_tokens")
+        next step's ``input_ids`` (`transitions.record_prev_tokens`). Call it before `record_sampled`, or
+        call both as one (`record_with_prev_tokens`)."""
+        self._need_prev_tokens("record_prev_tokens")
         idx_mapping, sampled_token_ids, num_sampled = _device_shapes(idx_mapping, sampled_token_ids, num_sampled)
         if draft_token_ids is not None:
             draft_token_ids = self._checked_drafts(draft_token_ids, sampled_token_ids.shape[0])
         self.state = transitions.record_prev_tokens(self.state, idx_mapping, sampled_token_ids, num_sampled,
                                                     draft_token_ids, vocab_bound=self.config.vocab_size)
+
+    def record_with_prev_tokens(self, idx_mapping, sampled_token_ids, num_sampled, draft_token_ids=None) -> None:
+        """`record_prev_tokens` and then `record_sampled` in one jitted call (`transitions.record_with_prev_tokens`):
+        a step's record under async scheduling, one dispatch instead of two. Every check of both comes first, so
+        an input either refuses (`InvalidUpdateError`, naming it) with nothing recorded, or is recorded whole."""
+        self._need_prev_tokens("record_with_prev_tokens")
+        rows, (idx_mapping, sampled_token_ids, num_sampled) = self._record(idx_mapping, sampled_token_ids,
+                                                                           num_sampled)
+        if draft_token_ids is not None:
+            draft_token_ids = self._checked_drafts(draft_token_ids, sampled_token_ids.shape[0])
+        self.state = transitions.record_with_prev_tokens(self.state, idx_mapping, sampled_token_ids, num_sampled,
+                                                         draft_token_ids, vocab_bound=self.config.vocab_size)
+        self.rows = rows
+
+    def _need_prev_tokens(self, call: str) -> None:
+        if "prev_sampled_token_ids" not in self.state.layout:
+            raise ValueError(f"{call} needs FeatureConfig.async_tokens")
 
     def _checked_drafts(self, draft_token_ids, num_batch_rows: int):
         """The drafter's proposals [B, <= K]: shape and dtype always; the ids too when they are on the host

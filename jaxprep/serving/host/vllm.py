@@ -281,9 +281,10 @@ class VllmAdapter:
         if self._last is None:
             raise ValueError("record_sampled needs a prepared step first (VllmAdapter.step)")
         idx_mapping = self._last.buffer  # its idx_mapping is read inside the record's jit
-        if self.async_scheduling and self.config.prep.features.async_tokens:
-            self.batch.record_prev_tokens(idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
-        self.batch.record_sampled(idx_mapping, sampled_token_ids, num_sampled)
+        if self.async_scheduling and self.config.prep.features.async_tokens:  # both records, one call
+            self.batch.record_with_prev_tokens(idx_mapping, sampled_token_ids, num_sampled, draft_token_ids)
+        else:
+            self.batch.record_sampled(idx_mapping, sampled_token_ids, num_sampled)
         self._recorded = True
 
     def take_sampled(self, step: AdapterStep, sampled_token_ids, num_sampled=None, draft_token_ids=None):
