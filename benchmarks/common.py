@@ -52,7 +52,9 @@ def configure_benchmark_runtime() -> str:
     from jaxprep.cli import configure_runtime
 
     configure_runtime()
-    return "runtime: PJRT_NPROC=1, synchronous dispatch (jaxprep.cli.configure_runtime)"
+    return ("runtime: PJRT_NPROC=1, sequential schedule, synchronous dispatch (jaxprep.cli.configure_runtime)"
+            if "concurrency_optimized_scheduler=false" in os.environ.get("XLA_FLAGS", "") else
+            "runtime: PJRT_NPROC=1, synchronous dispatch (jaxprep.cli.configure_runtime)")
 
 
 def add_runtime_argument(parser) -> None:

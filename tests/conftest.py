@@ -56,6 +56,11 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 if _suite_jaxlib_minor() == (0, 10) and "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"] + " --xla_cpu_use_fusion_emitters=false"
 
+# One XLA:CPU thread (PJRT_NPROC above) runs programs fastest in their depth-first schedule, as the CLI and the
+# benchmarks run them (`jaxprep.cli.configure_runtime`, `SEQUENTIAL_CPU_SCHEDULE`); the same programs are checked.
+if "xla_cpu_enable_concurrency_optimized_scheduler" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+
 import jax  # noqa: E402  (after the environment above: JAX reads it at import)
 import pytest  # noqa: E402
 

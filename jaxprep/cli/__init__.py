@@ -29,16 +29,24 @@ With no command, jaxprep runs simulate: "jaxprep --check" is
 """``jaxprep --help``: plain text for users, wrapped by hand (tests/cli/test_help.py)."""
 
 
+SEQUENTIAL_CPU_SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+"""The XLA flag `configure_runtime` adds for one XLA:CPU thread: programs scheduled depth first, run in order."""
+
+
 def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None = None,
                       threads: int | None = None) -> None:
     """Process-wide settings for a CLI or benchmark process; call before JAX starts.
 
     On small CPU hosts XLA's CPU client is fastest with one thread (``PJRT_NPROC=1``) and
     synchronous dispatch for the tiny model's small steps: thread hand-offs otherwise cost several
-    times a call (BENCHMARKS.md). A real checkpoint's steps are large enough to use every core: the
-    CLI passes ``single_thread_cpu=False`` for them (`jaxprep.cli._checkpoint.single_thread_cpu`).
-    ``threads``: this many XLA CPU threads (``PJRT_NPROC``) instead. An explicit ``PJRT_NPROC`` wins.
-    ``host_devices``: split the CPU into this many JAX devices (data parallelism on CPU) unless
+    times a call (BENCHMARKS.md). With one thread XLA:CPU also compiles each program in its
+    depth-first schedule (`SEQUENTIAL_CPU_SCHEDULE`): the default, ordered for concurrency, makes a
+    program's runtime hand its independent kernels to the pool's one thread and wait for them
+    (docs/benchmarks-history.md, "XLA:CPU's schedule with one thread"). A real checkpoint's steps are
+    large enough to use every core: the CLI passes ``single_thread_cpu=False`` for them
+    (`jaxprep.cli._checkpoint.single_thread_cpu`). ``threads``: this many XLA CPU threads
+    (``PJRT_NPROC``) instead. An explicit ``PJRT_NPROC`` wins, and so does a schedule ``XLA_FLAGS``
+    names. ``host_devices``: split the CPU into this many JAX devices (data parallelism on CPU) unless
     ``XLA_FLAGS`` already says how many; it only affects the CPU platform.
     """
     if threads is not None:
@@ -46,8 +54,12 @@ def configure_runtime(single_thread_cpu: bool = True, host_devices: int | None =
     elif single_thread_cpu:
         os.environ.setdefault("PJRT_NPROC", "1")
     flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("PJRT_NPROC") == "1" and SEQUENTIAL_CPU_SCHEDULE.split("=")[0] not in flags:
+        flags = f"{flags} {SEQUENTIAL_CPU_SCHEDULE}".strip()
     if host_devices and host_devices > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+        flags = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+    if flags:
+        os.environ["XLA_FLAGS"] = flags
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", not single_thread_cpu and threads != 1)

@@ -193,3 +193,28 @@ def test_a_fresh_process_exits_2_at_once_without_a_traceback():
     assert result.returncode == 2
     assert result.stderr == "jaxprep simulate: error: --requests 0: must be >= 1\n"
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(("environ", "kwargs", "scheduled_in_order"), [
+    ({}, {}, True),  # one XLA:CPU thread: programs run in their depth-first order
+    ({"PJRT_NPROC": "1"}, dict(single_thread_cpu=False), True),  # an explicit one thread, too
+    ({}, dict(single_thread_cpu=False), False),  # a checkpoint's steps use every core
+    ({}, dict(threads=2), False),
+    ({"PJRT_NPROC": "4"}, {}, False),  # an explicit thread count wins
+    ({"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"}, {}, False),  # a schedule named wins
+])
+def test_one_cpu_thread_gets_the_sequential_schedule(environ, kwargs, scheduled_in_order, monkeypatch):
+    """`configure_runtime` adds `SEQUENTIAL_CPU_SCHEDULE` to XLA_FLAGS exactly when XLA:CPU gets one thread and
+    XLA_FLAGS names no schedule; the flags already there are kept, the host-device count added after it."""
+    import jax
+
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # the process's own dispatch setting stays
+    for name in ("PJRT_NPROC", "XLA_FLAGS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    cli.configure_runtime(**kwargs, host_devices=2)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert (cli.SEQUENTIAL_CPU_SCHEDULE in flags) == scheduled_in_order
+    assert flags[-1] == "--xla_force_host_platform_device_count=2"
+    assert environ.get("XLA_FLAGS", "") in os.environ["XLA_FLAGS"]
