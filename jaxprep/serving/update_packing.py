@@ -327,9 +327,8 @@ def pack_columns(config: ServingConfig, columns: UpdateColumns, step_words: int 
     content = (len(columns.finish) + columns.add.size + columns.resume.size + columns.segments.size + schedule_words
                + (0 if columns.lora is None else lay.max_loras)
                + len(columns.add_data) + len(columns.resume_data) + len(columns.segment_data))
-    if HEADER_WORDS + content <= whole:  # the ladder's rungs up to the top step rung are its payload rungs
-        step = _encode(ladder.buckets if whole <= ladder.step_words else ladder.leading, columns, section,
-                       columns.decode_steps)
+    if HEADER_WORDS + content <= whole:  # up to the top payload rung `leading` is `buckets`; past it, the bulk rung
+        step = _encode(ladder.leading, columns, section, columns.decode_steps)
         return PackedStep(before=(), step=step, content_words=content, changed_words=changed)
     parts = _split(ladder.leading[-1], columns, _item_words(lay, columns))
     before = tuple(_encode(ladder.leading, part, None, 1) for part in parts)

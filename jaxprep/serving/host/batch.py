@@ -133,7 +133,7 @@ class ServingBatch:
         top rung the step's buffer may fill (`door_step_words`); None for updates applied alone."""
         if isinstance(updates, CheckedUpdate):
             return self._counted(updates.packed)
-        words = None if num_tokens_padded is None else door_step_words(self.config, num_tokens_padded)
+        words = door_step_words(self.config, num_tokens_padded)
         if isinstance(updates, ColumnsUpdate):
             return self._counted(pack_columns(self.config, updates.columns, words))
         return self._counted(pack_step(self.config, updates, self.rows.table_blocks, words))
@@ -169,8 +169,7 @@ class ServingBatch:
         rows = column_checks.check_columns(self.rows, columns, self.config)
         if rows is None:
             return None
-        words = None if num_tokens_padded is None else door_step_words(self.config, num_tokens_padded)
-        return CheckedUpdate(pack_columns(self.config, columns, words), rows)
+        return CheckedUpdate(pack_columns(self.config, columns, door_step_words(self.config, num_tokens_padded)), rows)
 
     # --- a step driven from outside (a torch runner, vLLM's scheduler) -------------------------
 
@@ -459,10 +458,11 @@ def door_words(config: ServingConfig, bucket: int, words: int, steady: bool = Fa
     return next((r for r in door_rungs(config, bucket, steady) if r >= words), words)
 
 
-def door_step_words(config: ServingConfig, bucket: int) -> int:
+def door_step_words(config: ServingConfig, bucket: int | None) -> int | None:
     """The largest buffer a general program takes at ``bucket`` (its top `door_rungs`): what a step's update is
-    packed to fit whole (`update_packing.pack_columns`)."""
-    return door_rungs(config, bucket)[-1]
+    packed to fit whole (`update_packing.pack_columns`' ``step_words``); None for no bucket (updates applied
+    alone: the packing's default)."""
+    return None if bucket is None else door_rungs(config, bucket)[-1]
 
 
 def door_buffer(config: ServingConfig, bucket: int, buffer: np.ndarray, steady: bool = False) -> np.ndarray:

@@ -129,7 +129,7 @@ class ShardedServingBatch:
         that needs most; an empty buffer for the others) and the step's, each one array sharded by rank.
         ``num_tokens_padded``: the step's bucket, whose door rungs (`batch.door_rungs`) the step's buffers are
         padded to, as `serve` runs them (None: to the longest rank's rung, for `apply_updates`)."""
-        words = None if num_tokens_padded is None else door_step_words(self.config, num_tokens_padded)
+        words = door_step_words(self.config, num_tokens_padded)
         packs = [pack_step(self.config, u, rows.table_blocks, words)
                  for u, rows in zip(updates, self.rows, strict=True)]
         depth = max(len(p.before) for p in packs)

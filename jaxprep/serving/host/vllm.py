@@ -359,10 +359,11 @@ class VllmAdapter:
         checked = self.batch.check_columns(step.columns, padded)
         if checked is None:
             return None
+        if padded is None:  # no tokens (0), or a total the checks let past the budget (bucket_for names it)
+            padded = prep.bucket_for(step.total) if step.total else 0
         return _Plan(updates=None, checked=checked, requests=step.requests, lora_slots=None, verifying={},
-                     scheduled=scheduler_output.num_scheduled_tokens, total=step.total,
-                     num_tokens_padded=prep.bucket_for(step.total) if step.total else 0, grammar=None,
-                     scheduled_rows=step.scheduled_rows)
+                     scheduled=scheduler_output.num_scheduled_tokens, total=step.total, num_tokens_padded=padded,
+                     grammar=None, scheduled_rows=step.scheduled_rows)
 
     def _general_plan(self, scheduler_output, grammar_output) -> _Plan:
         """Any step read the general way: the checks of `vllm_checks` and one `StepUpdates`."""
